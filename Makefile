@@ -1,0 +1,14 @@
+# The two Quick start commands. Both set everything up on a fresh machine (Python deps in a venv,
+# Kubernetes binaries built from the official Go modules), cached under ~/.cache/kube-vgpu.
+.PHONY: demo test lint bench
+SHELL := /bin/bash
+VENV = $(shell scripts/bootstrap.sh)
+
+demo:
+	@venv=$$(scripts/bootstrap.sh) && "$$venv/bin/kube-vgpu" demo
+
+test:
+	@venv=$$(scripts/bootstrap.sh) && scripts/test.sh "$$venv"
+
+lint:
+	@venv=$$(scripts/bootstrap.sh) && "$$venv/bin/ruff" check . && "$$venv/bin/mypy" kube_vgpu extender webhook deviceplugin

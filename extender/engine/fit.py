@@ -1,0 +1,224 @@
+"""Does a pod fit a node, and where exactly: the per-GPU fit rules and per-container GPU choice.
+
+Phases: the app containers run together, so they are placed cumulatively; each init container runs
+alone before them, so it is placed on its own. What the pod holds on a GPU is the peak over phases.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kube_vgpu.protocol import ContainerGpuRequest, GpuSelectors
+
+from .model import ContainerPlacement, FitFailure, GpuState, GpuUsage, NodeState, Placement, PlacementRequest
+from .policies.base import Policy, Scratch
+
+
+def gpu_eligible(gpu: GpuState, selectors: GpuSelectors, gpu_spec: tuple[str, ...]) -> bool:
+    """Type / UUID selectors only (things that never change while the pod waits)."""
+    if gpu_spec and gpu.model not in gpu_spec:
+        return False
+    if selectors.empty:
+        return True
+    return selectors.model_allowed(gpu.model_lower) and selectors.uuid_allowed(gpu.uuid)
+
+
+def fitting_gpus(
+    node: NodeState, container: ContainerGpuRequest, request: PlacementRequest, scratch: Scratch
+) -> list[GpuState]:
+    """The node's GPUs that can take one vGPU of `container` on top of `scratch`."""
+    selectors = request.gpu.selectors
+    plain = selectors.empty and not request.gpu_spec
+    need_cores = container.cores
+    fixed_memory = container.memory_mib
+    found = []
+    s_memory = scratch.memory_mib
+    s_cores = scratch.cores
+    s_shares = scratch.shares
+    s_exclusive = scratch.exclusive
+    for gpu in node.gpus:
+        if not gpu.healthy or gpu.mig_mode or gpu.exclusive_holders:
+            continue
+        position = gpu.position
+        if s_exclusive[position]:
+            continue
+        if not plain and not gpu_eligible(gpu, selectors, request.gpu_spec):
+            continue
+        shares = gpu.used_shares + s_shares[position]
+        if shares >= gpu.max_shares:
+            continue
+        need_memory = fixed_memory if fixed_memory is not None else container.memory_on(gpu.memory_mib)
+        if gpu.used_memory_mib + s_memory[position] + need_memory > gpu.memory_mib:
+            continue
+        if need_cores >= gpu.cores:
+            if shares:  # exclusive use needs an idle GPU
+                continue
+        elif gpu.used_cores + s_cores[position] + need_cores > gpu.cores:
+            continue
+        found.append(gpu)
+    return found
+
+
+def _numa_group(candidates: Sequence[GpuState], count: int) -> list[GpuState] | None:
+    """nvidia.com/numa-bind: all vGPUs of a container on one NUMA node; the largest group that fits."""
+    groups: dict[int | None, list[GpuState]] = {}
+    for gpu in candidates:
+        groups.setdefault(gpu.numa_node, []).append(gpu)
+    viable = [group for group in groups.values() if len(group) >= count]
+    return max(viable, key=len) if viable else None
+
+
+def _place_container(
+    node: NodeState,
+    request: PlacementRequest,
+    container: ContainerGpuRequest,
+    scratch: Scratch,
+    gpu_policy: Policy,
+) -> list[tuple[int, int, int]] | FitFailure:
+    candidates: Sequence[GpuState] | None = fitting_gpus(node, container, request, scratch)
+    assert candidates is not None
+    if len(candidates) < container.count:
+        return explain_failure(node, request, container, scratch, len(candidates))
+    if request.gpu.selectors.numa_bind and container.count > 1:
+        candidates = _numa_group(candidates, container.count)
+        if candidates is None:
+            return FitFailure(
+                f"node {node.name}: container {container.name}: no NUMA node has {container.count} fitting GPUs "
+                f"(nvidia.com/numa-bind is set)"
+            )
+    chosen = gpu_policy.choose_gpus(node, request, container, candidates, scratch)
+    devices = []
+    for gpu in chosen:
+        position = gpu.position
+        memory = container.memory_on(gpu.memory_mib)
+        cores = gpu.cores if container.cores >= gpu.cores else container.cores
+        scratch.memory_mib[position] += memory
+        scratch.cores[position] += cores
+        scratch.shares[position] += 1
+        if container.cores >= gpu.cores:
+            scratch.exclusive[position] = True
+        devices.append((position, memory, cores))
+    return devices
+
+
+def place(
+    node: NodeState,
+    request: PlacementRequest,
+    gpu_policy: Policy,
+    node_policy: Policy,
+    *,
+    check_host: bool = False,
+) -> Placement | FitFailure:
+    """Place the pod on this node (no side effects). check_host adds CPU / memory fit (the simulator's;
+    the extender leaves it to kube-scheduler)."""
+    if check_host:
+        if node.cpu_milli_used + request.cpu_milli > node.cpu_milli_total:
+            return FitFailure(f"node {node.name}: not enough CPU", request.cpu_milli > node.cpu_milli_total)
+        if node.memory_mib_used + request.memory_mib > node.memory_mib_total:
+            return FitFailure(f"node {node.name}: not enough memory", request.memory_mib > node.memory_mib_total)
+    gpu_request = request.gpu
+    if gpu_request.is_empty:
+        placement = Placement(node.name, (), ())
+        return Placement(node.name, (), (), node_policy.score(node, request, placement))
+    if not node.gpus:
+        return FitFailure(f"node {node.name}: no GPUs (no kube-vgpu GPU inventory on this node)", True)
+    size = len(node.gpus)
+    phases: list[tuple[ContainerGpuRequest, ...]] = []
+    app = gpu_request.app_containers
+    if app:
+        phases.append(app)
+    phases.extend((init,) for init in gpu_request.init_containers)
+    placed: list[ContainerPlacement] = []
+    peak: dict[int, list[int]] = {}  # position -> [memory, cores, shares, exclusive]
+    for phase in phases:
+        scratch = Scratch(size)
+        for container in phase:
+            devices = _place_container(node, request, container, scratch, gpu_policy)
+            if isinstance(devices, FitFailure):
+                return devices
+            placed.append(ContainerPlacement(container, tuple(devices)))
+        for position in range(size):
+            if scratch.shares[position]:
+                current = peak.setdefault(position, [0, 0, 0, 0])
+                current[0] = max(current[0], scratch.memory_mib[position])
+                current[1] = max(current[1], scratch.cores[position])
+                current[2] = max(current[2], scratch.shares[position])
+                current[3] = max(current[3], int(scratch.exclusive[position]))
+    usage = tuple(
+        GpuUsage(position, values[0], values[1], values[2], bool(values[3])) for position, values in sorted(peak.items())
+    )
+    unscored = Placement(node.name, tuple(placed), usage)
+    return Placement(node.name, unscored.containers, usage, node_policy.score(node, request, unscored))
+
+
+def _selector_phrase(request: PlacementRequest) -> str:
+    selectors = request.gpu.selectors
+    parts = []
+    if request.gpu_spec:
+        parts.append("model " + "|".join(request.gpu_spec))
+    if selectors.use_types:
+        parts.append("type " + "/".join(selectors.use_types))
+    if selectors.nouse_types:
+        parts.append("not type " + "/".join(selectors.nouse_types))
+    if selectors.use_uuids or selectors.nouse_uuids:
+        parts.append("the UUID selectors")
+    return (" matching " + ", ".join(parts)) if parts else ""
+
+
+def explain_failure(
+    node: NodeState, request: PlacementRequest, container: ContainerGpuRequest, scratch: Scratch, fitting: int
+) -> FitFailure:
+    """A reason a person can act on, computed only when the pod does not fit (off the hot path)."""
+    count = container.count
+    plural = "GPU" if count == 1 else "GPUs"
+    prefix = f"node {node.name}: "
+    eligible = [g for g in node.gpus if gpu_eligible(g, request.gpu.selectors, request.gpu_spec)]
+    if len(eligible) < count:
+        return FitFailure(
+            f"{prefix}needs {count} {plural}{_selector_phrase(request)}, node has {len(eligible)}", unresolvable=True
+        )
+    if container.memory_mib is not None and container.memory_mib > max(g.memory_mib for g in eligible):
+        return FitFailure(
+            f"{prefix}needs {container.memory_mib} MiB per GPU, largest GPU{_selector_phrase(request)} here has "
+            f"{max(g.memory_mib for g in eligible)} MiB",
+            unresolvable=True,
+        )
+    usable = [g for g in eligible if g.schedulable]
+    if len(usable) < count:
+        unhealthy = sum(1 for g in eligible if not g.healthy)
+        mig = sum(1 for g in eligible if g.mig_mode)
+        details = ", ".join(p for p in (f"{unhealthy} unhealthy" if unhealthy else "", f"{mig} in MIG mode" if mig else "") if p)
+        return FitFailure(
+            f"{prefix}needs {count} {plural}, only {len(usable)} usable ({details})", unresolvable=unhealthy == 0
+        )
+    exclusive = container.cores >= max(g.cores for g in usable)
+    open_gpus = [g for g in usable if not g.exclusive_holders and not scratch.exclusive[g.position]]
+    with_shares = [g for g in open_gpus if g.used_shares + scratch.shares[g.position] < g.max_shares]
+    free_memory = [g.free_memory_mib - scratch.memory_mib[g.position] for g in with_shares]
+    largest_free = max(free_memory, default=0)
+    if len(open_gpus) < count:
+        return FitFailure(f"{prefix}needs {count} {plural}, {len(usable) - len(open_gpus)} of {len(usable)} held exclusively")
+    if len(with_shares) < count:
+        return FitFailure(f"{prefix}needs {count} {plural} with a vGPU slot left, {len(with_shares)} have one")
+    if exclusive:
+        idle = sum(1 for g in with_shares if g.used_shares + scratch.shares[g.position] == 0)
+        return FitFailure(f"{prefix}needs {count} idle {plural} for exclusive use (gpucores 100), {idle} idle")
+    memory_ok = [
+        g for g in with_shares if g.free_memory_mib - scratch.memory_mib[g.position] >= container.memory_on(g.memory_mib)
+    ]
+    if len(memory_ok) < count:
+        need = container.memory_mib if container.memory_mib is not None else None
+        need_text = f"{need} MiB" if need is not None else (
+            f"{container.memory_percent}% of memory" if container.memory_percent else "all its memory"
+        )
+        if count == 1:
+            return FitFailure(f"{prefix}no GPU with {need_text} free (largest free {largest_free} MiB)")
+        return FitFailure(
+            f"{prefix}needs {count} GPUs with {need_text} free, {len(memory_ok)} have it (largest free {largest_free} MiB)"
+        )
+    most_cores = max((g.free_cores - scratch.cores[g.position] for g in memory_ok), default=0)
+    if count == 1:
+        return FitFailure(f"{prefix}no GPU with {container.cores}% cores free (most free {most_cores}%)")
+    return FitFailure(
+        f"{prefix}needs {count} GPUs with {container.cores}% cores and enough memory free, {fitting} have both"
+    )

@@ -1,0 +1,241 @@
+"""Mutable in-memory model of GPU nodes used by the placement engine.
+
+Pure data, no I/O. Hot paths (filter over thousands of nodes) read these objects directly, so they
+use __slots__ and plain attributes; derived numbers are kept up to date on every change instead of
+being recomputed per request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kube_vgpu.protocol import ContainerGpuRequest, GpuInfo, GpuLink, NodeInventory, PodGpuRequest
+
+
+def link_score(link: GpuLink | None) -> int:
+    """How well two GPUs talk, higher is better: any NVLink beats any PCIe path."""
+    if link is None:
+        return 0
+    if link.nvlinks > 0:
+        return 100 + link.nvlinks
+    return 6 - link.pcie.rank  # 6 (same board) .. 1 (cross NUMA)
+
+
+class GpuState:
+    """One physical GPU and what is reserved on it."""
+
+    __slots__ = (
+        "cores",
+        "exclusive_holders",
+        "healthy",
+        "index",
+        "memory_mib",
+        "mig_mode",
+        "max_shares",
+        "model",
+        "model_lower",
+        "numa_node",
+        "position",
+        "used_cores",
+        "used_memory_mib",
+        "used_shares",
+        "uuid",
+    )
+
+    def __init__(self, info: GpuInfo, position: int) -> None:
+        self.uuid = info.uuid
+        self.index = info.index
+        self.position = position  # place in NodeState.gpus; the link matrix is indexed by it
+        self.model = info.model
+        self.model_lower = info.model.lower()
+        self.memory_mib = info.memory_mib
+        self.cores = info.cores
+        self.max_shares = info.max_shares
+        self.numa_node = info.numa_node
+        self.healthy = info.healthy
+        self.mig_mode = info.mig_mode
+        self.used_memory_mib = 0
+        self.used_cores = 0
+        self.used_shares = 0
+        self.exclusive_holders = 0
+
+    @property
+    def free_memory_mib(self) -> int:
+        return self.memory_mib - self.used_memory_mib
+
+    @property
+    def free_cores(self) -> int:
+        return self.cores - self.used_cores
+
+    @property
+    def free_shares(self) -> int:
+        return self.max_shares - self.used_shares
+
+    @property
+    def schedulable(self) -> bool:
+        # MIG-enabled GPUs are partitioned by the hardware; HAMi-core's limiter cannot share them.
+        return self.healthy and not self.mig_mode
+
+    @property
+    def idle(self) -> bool:
+        return self.used_shares == 0
+
+
+@dataclass(frozen=True, slots=True)
+class GpuUsage:
+    """What one pod holds on one GPU (the peak over the pod's init and app phases)."""
+
+    position: int
+    memory_mib: int
+    cores: int
+    shares: int
+    exclusive: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerPlacement:
+    request: ContainerGpuRequest
+    # (gpu position, memory MiB, cores) per vGPU
+    devices: tuple[tuple[int, int, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a pod's vGPUs go on one node, with the node's score under the policy that chose it."""
+
+    node_name: str
+    containers: tuple[ContainerPlacement, ...]
+    usage: tuple[GpuUsage, ...]
+    score: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class FitFailure:
+    """Why a pod cannot go on a node. `unresolvable`: no amount of waiting makes it fit."""
+
+    reason: str
+    unresolvable: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementRequest:
+    """Everything the engine needs to place a pod: its GPU request plus host resources (used by the
+    simulator and by policies that weigh CPU; the live extender leaves host checks to kube-scheduler)."""
+
+    gpu: PodGpuRequest
+    cpu_milli: int = 0
+    memory_mib: int = 0
+    gpu_spec: tuple[str, ...] = ()  # exact model names allowed (openb traces); empty = any
+
+    @property
+    def cpu_only(self) -> bool:
+        return self.gpu.is_empty
+
+
+class NodeState:
+    """A node, its GPUs and the totals the engine keeps current."""
+
+    __slots__ = (
+        "cpu_milli_total",
+        "cpu_milli_used",
+        "fit_cache",
+        "gpu_by_uuid",
+        "gpus",
+        "heartbeat_s",
+        "inventory_text",
+        "labels",
+        "link_matrix",
+        "memory_mib_total",
+        "memory_mib_used",
+        "models_lower",
+        "name",
+        "user_data",
+        "version",
+    )
+
+    def __init__(
+        self,
+        name: str,
+        inventory: NodeInventory | None,
+        *,
+        labels: dict[str, str] | None = None,
+        cpu_milli_total: int = 0,
+        memory_mib_total: int = 0,
+    ) -> None:
+        self.name = name
+        self.labels = labels or {}
+        self.heartbeat_s: float | None = None
+        self.inventory_text: str | None = None
+        self.cpu_milli_total = cpu_milli_total
+        self.memory_mib_total = memory_mib_total
+        self.cpu_milli_used = 0
+        self.memory_mib_used = 0
+        self.version = 0
+        # (request key, policy key) -> Placement | FitFailure; valid for this node version only
+        self.fit_cache: dict[Any, Any] = {}
+        self.user_data: Any = None  # a policy may keep per-node derived data here (invalidated with version)
+        self.gpus: list[GpuState] = []
+        self.gpu_by_uuid: dict[str, GpuState] = {}
+        self.link_matrix: list[list[int]] = []
+        self.models_lower: frozenset[str] = frozenset()
+        self.set_inventory(inventory)
+
+    def set_inventory(self, inventory: NodeInventory | None) -> None:
+        """Replace the hardware description; reservations must be re-applied by the caller."""
+        gpus_info = sorted(inventory.gpus, key=lambda g: g.index) if inventory else []
+        self.gpus = [GpuState(info, position) for position, info in enumerate(gpus_info)]
+        self.gpu_by_uuid = {gpu.uuid: gpu for gpu in self.gpus}
+        position_of_index = {gpu.index: gpu.position for gpu in self.gpus}
+        size = len(self.gpus)
+        matrix = [[0] * size for _ in range(size)]
+        for info in gpus_info:
+            here = position_of_index[info.index]
+            for link in info.links:
+                there = position_of_index.get(link.peer_index)
+                if there is not None and there != here:
+                    matrix[here][there] = link_score(link)
+        # links should be symmetric; if a producer only described one direction, mirror the better one
+        for a in range(size):
+            for b in range(a + 1, size):
+                best = max(matrix[a][b], matrix[b][a])
+                matrix[a][b] = matrix[b][a] = best
+        self.link_matrix = matrix
+        self.models_lower = frozenset(gpu.model_lower for gpu in self.gpus)
+        self.touch()
+
+    def touch(self) -> None:
+        """Record a change: cached fit results and policy data are no longer valid."""
+        self.version += 1
+        if self.fit_cache:
+            self.fit_cache = {}
+        self.user_data = None
+
+    def apply_usage(self, usage: tuple[GpuUsage, ...], sign: int = 1) -> None:
+        """Add (sign=1) or remove (sign=-1) a pod's usage."""
+        gpus = self.gpus
+        for item in usage:
+            gpu = gpus[item.position]
+            gpu.used_memory_mib += sign * item.memory_mib
+            gpu.used_cores += sign * item.cores
+            gpu.used_shares += sign * item.shares
+            if item.exclusive:
+                gpu.exclusive_holders += sign
+        self.touch()
+
+    # --- totals for scoring and reporting -------------------------------------------------------
+    @property
+    def total_memory_mib(self) -> int:
+        return sum(gpu.memory_mib for gpu in self.gpus)
+
+    @property
+    def used_memory_mib(self) -> int:
+        return sum(gpu.used_memory_mib for gpu in self.gpus)
+
+    @property
+    def total_cores(self) -> int:
+        return sum(gpu.cores for gpu in self.gpus)
+
+    @property
+    def used_cores(self) -> int:
+        return sum(gpu.used_cores for gpu in self.gpus)

@@ -1,0 +1,109 @@
+"""The placement-policy interface and registry.
+
+A policy does two things, like a kube-scheduler score plugin plus HAMi's device policy:
+  * `choose_gpus`: given the GPUs of one node that fit one container, pick `count` of them;
+  * `score`: rate a node for a pod once the pod's placement on it is known (higher is better; any scale).
+The extender uses the node policy's `score` and the GPU policy's `choose_gpus` (HAMi's
+`hami.io/node-scheduler-policy` / `hami.io/gpu-scheduler-policy`); the simulator uses one policy for both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from kube_vgpu.protocol import ContainerGpuRequest
+
+    from ..model import GpuState, NodeState, Placement, PlacementRequest
+
+
+class Scratch:
+    """Usage added by the containers already placed in the current phase (indexed by GPU position)."""
+
+    __slots__ = ("cores", "exclusive", "memory_mib", "shares")
+
+    def __init__(self, size: int) -> None:
+        self.memory_mib = [0] * size
+        self.cores = [0] * size
+        self.shares = [0] * size
+        self.exclusive = [False] * size
+
+
+class Policy:
+    name: ClassVar[str] = ""
+    #: True when score/choice depend only on (node state, request): results may be cached per node version.
+    cacheable: ClassVar[bool] = True
+
+    def epoch(self) -> int:
+        """Changes whenever the policy's learned model changes (cached results keyed by it)."""
+        return 0
+
+    def observe(self, request: PlacementRequest) -> None:
+        """Called once per pod seen (placed or not), in arrival order: a policy may learn from it."""
+
+    def choose_gpus(
+        self,
+        node: NodeState,
+        request: PlacementRequest,
+        container: ContainerGpuRequest,
+        candidates: Sequence[GpuState],
+        scratch: Scratch,
+    ) -> Sequence[GpuState]:
+        """Pick container.count GPUs out of `candidates` (every one fits; len >= count)."""
+        return candidates[: container.count]
+
+    def score(self, node: NodeState, request: PlacementRequest, placement: Placement) -> float:
+        return 0.0
+
+
+_REGISTRY: dict[str, type[Policy]] = {}
+
+
+def register(cls: type[Policy]) -> type[Policy]:
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} has no name")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def policy_names() -> list[str]:
+    from . import _load_all
+
+    _load_all()
+    return sorted(_REGISTRY)
+
+
+def make_policy(name: str, **options: object) -> Policy:
+    """A fresh policy instance by name; ValueError lists the known names."""
+    from . import _load_all
+
+    _load_all()
+    try:
+        cls = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; known policies: {', '.join(sorted(_REGISTRY))}") from None
+    return cls(**options)  # type: ignore[arg-type]
+
+
+# --- helpers shared by policies ---------------------------------------------------------------------
+
+
+def free_memory_after(gpu: GpuState, container: ContainerGpuRequest, scratch: Scratch) -> int:
+    return gpu.memory_mib - gpu.used_memory_mib - scratch.memory_mib[gpu.position] - container.memory_on(gpu.memory_mib)
+
+
+def node_fill_after(node: NodeState, placement: Placement) -> float:
+    """Fraction (0..1) of the node's GPU memory and cores in use once the placement is applied."""
+    total_memory = total_cores = used_memory = used_cores = 0
+    for gpu in node.gpus:
+        total_memory += gpu.memory_mib
+        total_cores += gpu.cores
+        used_memory += gpu.used_memory_mib
+        used_cores += gpu.used_cores
+    for usage in placement.usage:
+        used_memory += usage.memory_mib
+        used_cores += usage.cores
+    if not total_memory:
+        return 0.0
+    return 0.5 * used_memory / total_memory + 0.5 * used_cores / max(total_cores, 1)

@@ -1,0 +1,99 @@
+"""topology: multi-GPU requests get the best-connected free set of GPUs; single-GPU requests fill GPUs
+already in use first and otherwise take the idle GPU whose loss least breaks up well-connected idle sets.
+
+The set search is greedy from every seed GPU (O(n^2 k) for n candidates) instead of enumerating all
+C(n, k) combinations; with the link scores of model.link_score it finds the optimum on NVSwitch,
+NVLink-pair and PCIe-tree nodes (tests/engine/test_topology.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from ..model import GpuState
+from .base import Policy, Scratch, free_memory_after, node_fill_after, register
+
+if TYPE_CHECKING:
+    from kube_vgpu.protocol import ContainerGpuRequest
+
+    from ..model import NodeState, Placement, PlacementRequest
+
+_BEST_LINK_SCORE = 118  # NVLink (100) + 18 lanes (H100)
+
+
+def set_quality(matrix: list[list[int]], positions: Sequence[int]) -> tuple[int, int]:
+    """(weakest pairwise link, sum of pairwise links) of a GPU set; higher is better."""
+    weakest = 1 << 30
+    total = 0
+    for i, a in enumerate(positions):
+        row = matrix[a]
+        for b in positions[i + 1 :]:
+            score = row[b]
+            total += score
+            if score < weakest:
+                weakest = score
+    return (weakest if len(positions) > 1 else 0, total)
+
+
+def best_connected_set(matrix: list[list[int]], candidates: Sequence[int], count: int) -> list[int]:
+    """Greedy best-connected set of `count` positions among `candidates`."""
+    if count >= len(candidates):
+        return list(candidates)
+    best: list[int] | None = None
+    best_quality: tuple[int, int] = (-1, -1)
+    for seed in candidates:
+        chosen = [seed]
+        remaining = [c for c in candidates if c != seed]
+        while len(chosen) < count:
+            # add the GPU whose weakest link into the set is strongest (then the most total bandwidth)
+            pick = max(
+                remaining,
+                key=lambda c: (min(matrix[c][s] for s in chosen), sum(matrix[c][s] for s in chosen), -c),
+            )
+            chosen.append(pick)
+            remaining.remove(pick)
+        quality = set_quality(matrix, chosen)
+        if quality > best_quality:
+            best, best_quality = chosen, quality
+    assert best is not None
+    return best
+
+
+@register
+class Topology(Policy):
+    name = "topology"
+
+    def choose_gpus(
+        self,
+        node: NodeState,
+        request: PlacementRequest,
+        container: ContainerGpuRequest,
+        candidates: Sequence[GpuState],
+        scratch: Scratch,
+    ) -> Sequence[GpuState]:
+        matrix = node.link_matrix
+        if container.count == 1:
+            shared = [g for g in candidates if g.used_shares + scratch.shares[g.position] > 0]
+            if shared:  # binpack onto GPUs that are already split
+                return [min(shared, key=lambda g: (free_memory_after(g, container, scratch), g.index))]
+            idle_positions = [g.position for g in node.gpus if g.schedulable and g.idle and not scratch.shares[g.position]]
+
+            def damage(gpu: GpuState) -> tuple[int, int, int]:
+                links = [matrix[gpu.position][p] for p in idle_positions if p != gpu.position]
+                return (max(links, default=0), sum(links), gpu.index)
+
+            return [min(candidates, key=damage)]
+        by_position = {gpu.position: gpu for gpu in candidates}
+        chosen = best_connected_set(matrix, sorted(by_position), container.count)
+        return [by_position[p] for p in chosen]
+
+    def score(self, node: NodeState, request: PlacementRequest, placement: Placement) -> float:
+        fill = node_fill_after(node, placement)
+        quality = 0.0
+        for container in placement.containers:
+            if len(container.devices) > 1:
+                weakest, _ = set_quality(node.link_matrix, [d[0] for d in container.devices])
+                quality = max(quality, weakest / _BEST_LINK_SCORE)
+        multi = any(len(c.devices) > 1 for c in placement.containers)
+        return 0.7 * quality + 0.3 * fill if multi else fill

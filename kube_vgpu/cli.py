@@ -1,0 +1,49 @@
+"""The `kube-vgpu` command. Each subcommand lives in the module that owns it and exposes
+`add_arguments(parser)` and `run(args) -> int`; modules are imported only when their subcommand runs,
+so `kube-vgpu webhook` never pays for the Kubernetes client and `--help` stays fast."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module, one-line help). A module may itself add nested subcommands.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "extender": ("extender.cli", "run the scheduler extender (filter / prioritize / bind)"),
+    "webhook": ("webhook.cli", "run the mutating admission webhook"),
+    "device-plugin": ("deviceplugin.cli", "run the device plugin on a GPU node"),
+    "cluster": ("kube_vgpu.synth", "synthetic clusters (cluster synth)"),
+    "dev-cluster": ("kube_vgpu.devcluster.cli", "a local control plane with simulated GPU nodes"),
+    "demo": ("kube_vgpu.devcluster.demo", "dev cluster + sample workload + placement table"),
+    "simulate": ("kube_vgpu.simulator.cli", "trace-driven placement simulator (openb traces)"),
+    "quota": ("extender.quota.cli", "quota status"),
+    "certs": ("webhook.certs", "create a CA and serving certificate"),
+}
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kube-vgpu", description="Share NVIDIA GPUs safely on Kubernetes.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    wanted = argv[0] if argv else None
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        if name == wanted:
+            module = importlib.import_module(module_name)
+            module.add_arguments(sub_parser)
+            sub_parser.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,579 @@
+"""Build (once) and locate the Kubernetes control-plane binaries the dev cluster and the end-to-end tests run.
+
+The binaries (etcd, kube-apiserver, kube-scheduler, kubectl) are compiled with the machine's Go from the official
+Go modules, so nothing but a Go toolchain and the Go module proxy is needed:
+
+* Kubernetes: a throw-away module requires ``k8s.io/kubernetes`` and ``replace``s every staging module
+  (``k8s.io/api``, ``k8s.io/client-go``, ...; upstream's go.mod points them at ``./staging/src/...``, which a
+  dependency cannot use) with the matching published ``v0.x.y`` release.
+* etcd: a throw-away module requires ``go.etcd.io/etcd/server/v3``, whose root package is etcd's ``main``.
+
+Results are cached under ``${XDG_CACHE_HOME:-~/.cache}/kube-vgpu/k8s-<version>/bin`` with a stamp file recording
+what each binary was built from, so later calls return at once. ``KUBE_VGPU_BIN_DIR`` points at prebuilt binaries
+instead (nothing is built then).
+
+Run ``python -m kube_vgpu.devcluster.binaries`` to build and print the paths.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+KUBERNETES_VERSION = "v1.34.4"
+# The staging modules (k8s.io/api, k8s.io/client-go, ...) are published as v0.<minor>.<patch> of the same release.
+KUBERNETES_STAGING_VERSION = "v0.34.4"
+# Kubernetes 1.34's build/dependencies.yaml, hack/lib/etcd.sh and kubeadm's DefaultEtcdVersion all pin etcd 3.6.5.
+ETCD_VERSION = "v3.6.5"
+# k8s.io/kubernetes v1.34 and etcd v3.6 both declare `go 1.24`.
+MIN_GO_VERSION = (1, 24)
+# Bump whenever the build recipe (flags, ldflags, module template) changes, so existing caches are rebuilt.
+RECIPE_VERSION = 1
+
+BIN_DIR_ENV = "KUBE_VGPU_BIN_DIR"
+# Optional override of `go build -p`; the default keeps a 2-core / 24 GiB machine from swapping while linking.
+BUILD_PARALLELISM_ENV = "KUBE_VGPU_GO_BUILD_PARALLELISM"
+BINARY_NAMES: tuple[str, ...] = ("etcd", "kube-apiserver", "kube-scheduler", "kubectl")
+
+HEARTBEAT_INTERVAL_S = 30.0
+OUTPUT_TAIL_LINES = 40
+VERSION_CHECK_TIMEOUT_S = 60.0
+
+_GO_INSTALL_HELP = (
+    "The Kubernetes binaries are built from source with Go >= {min_go}. Install Go from https://go.dev/doc/install "
+    "(e.g. `curl -fsSL https://go.dev/dl/go1.24.13.linux-amd64.tar.gz | sudo tar -C /usr/local -xz` and add "
+    "/usr/local/go/bin to PATH), or set {env} to a directory that already holds etcd, kube-apiserver, "
+    "kube-scheduler and kubectl."
+)
+
+# Template of the throw-away module for the Kubernetes binaries; {replaces} is filled from upstream's go.mod.
+_KUBERNETES_GO_MOD = """\
+module kube-vgpu.local/build/kubernetes
+
+go 1.24.0
+
+require k8s.io/kubernetes {kubernetes_version}
+
+// Upstream replaces these with ./staging/src/... paths, which only work inside its own repository.
+replace (
+{replaces}
+)
+"""
+
+_ETCD_GO_MOD = """\
+module kube-vgpu.local/build/etcd
+
+go 1.24.0
+
+require go.etcd.io/etcd/server/v3 {etcd_version}
+"""
+
+_STAGING_REPLACE_RE = re.compile(r"^\s*(k8s\.io/[A-Za-z0-9._-]+)\s+=>\s+\./staging/", re.MULTILINE)
+
+
+class BinariesError(RuntimeError):
+    """Base class of the errors raised while locating or building the binaries."""
+
+
+class GoNotFoundError(BinariesError):
+    """No usable Go toolchain to build the binaries with."""
+
+
+class BinaryBuildError(BinariesError):
+    """`go` failed; the message carries the tail of its output."""
+
+
+class PrebuiltBinariesError(BinariesError):
+    """KUBE_VGPU_BIN_DIR is set but does not hold all the binaries."""
+
+
+@dataclass(frozen=True)
+class _Target:
+    name: str
+    source: str  # "kubernetes" or "etcd": which throw-away module builds it
+    package: str
+    version_args: tuple[str, ...]
+    version_text: str  # must appear in the output of `<binary> <version_args>`
+
+
+_TARGETS: tuple[_Target, ...] = (
+    _Target("etcd", "etcd", "go.etcd.io/etcd/server/v3", ("--version",), f"etcd Version: {ETCD_VERSION[1:]}"),
+    _Target(
+        "kube-apiserver",
+        "kubernetes",
+        "k8s.io/kubernetes/cmd/kube-apiserver",
+        ("--version",),
+        f"Kubernetes {KUBERNETES_VERSION}",
+    ),
+    _Target(
+        "kube-scheduler",
+        "kubernetes",
+        "k8s.io/kubernetes/cmd/kube-scheduler",
+        ("--version",),
+        f"Kubernetes {KUBERNETES_VERSION}",
+    ),
+    _Target(
+        "kubectl",
+        "kubernetes",
+        "k8s.io/kubernetes/cmd/kubectl",
+        ("version", "--client"),
+        f"Client Version: {KUBERNETES_VERSION}",
+    ),
+)
+assert tuple(t.name for t in _TARGETS) == BINARY_NAMES
+
+ProgressFn = Callable[[str], object]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Cache layout and stamp
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def cache_dir() -> Path:
+    """Root of this Kubernetes version's cache (read from the environment on every call, for tests)."""
+    xdg_cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg_cache) / "kube-vgpu" / f"k8s-{KUBERNETES_VERSION}"
+
+
+def bin_dir() -> Path:
+    return cache_dir() / "bin"
+
+
+def stamp_path() -> Path:
+    return cache_dir() / "stamp.json"
+
+
+def build_keys() -> dict[str, str]:
+    """What each binary must have been built from; a cached binary whose stamp differs is rebuilt."""
+    keys: dict[str, str] = {}
+    for target in _TARGETS:
+        if target.source == "etcd":
+            source = f"go.etcd.io/etcd/server/v3@{ETCD_VERSION}"
+        else:
+            source = f"k8s.io/kubernetes@{KUBERNETES_VERSION}"
+        keys[target.name] = f"{source} recipe={RECIPE_VERSION}"
+    return keys
+
+
+def read_stamp(path: Path) -> dict[str, str]:
+    """Build keys recorded in the stamp file: binary name -> key. Missing or unreadable stamp -> {} (rebuild)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    binaries = data.get("binaries") if isinstance(data, dict) else None
+    if not isinstance(binaries, dict):
+        return {}
+    keys: dict[str, str] = {}
+    for name, entry in binaries.items():
+        if isinstance(entry, dict) and isinstance(entry.get("key"), str):
+            keys[str(name)] = entry["key"]
+    return keys
+
+
+def _record_built(path: Path, name: str, key: str, go_version: str, build_s: float) -> None:
+    """Add one binary to the stamp file, atomically (a reader never sees a half-written stamp)."""
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or not isinstance(data.get("binaries"), dict):
+            data = {}
+    except (OSError, ValueError):
+        data = {}
+    data.setdefault("binaries", {})[name] = {"key": key, "go_version": go_version, "build_s": round(build_s, 1)}
+    data["kubernetes_version"] = KUBERNETES_VERSION
+    data["etcd_version"] = ETCD_VERSION
+    _atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _is_executable_file(path: Path) -> bool:
+    return path.is_file() and os.access(path, os.X_OK)
+
+
+def stale_binaries(directory: Path, stamp: Mapping[str, str]) -> list[str]:
+    """Names that must be (re)built: missing, not executable, or stamped with another version/recipe."""
+    expected = build_keys()
+    return [
+        name for name in BINARY_NAMES if not _is_executable_file(directory / name) or stamp.get(name) != expected[name]
+    ]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Public entry point
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def ensure_binaries(progress: ProgressFn = print) -> dict[str, Path]:
+    """Return the paths of etcd, kube-apiserver, kube-scheduler and kubectl, building what is not cached yet.
+
+    The first build takes many minutes (progress is reported through ``progress``); later calls only stat files.
+    """
+    override = os.environ.get(BIN_DIR_ENV)
+    if override:
+        return _prebuilt_binaries(Path(override))
+
+    directory = bin_dir()
+    paths = {name: directory / name for name in BINARY_NAMES}
+    if not stale_binaries(directory, read_stamp(stamp_path())):
+        return paths
+
+    go = _find_go()
+    go_version = _go_version(go)
+    root = cache_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    with _exclusive_lock(root / "build.lock", progress):
+        # Another process may have built some or all of them while we waited for the lock.
+        todo = stale_binaries(directory, read_stamp(stamp_path()))
+        if todo:
+            _build(go, go_version, todo, progress)
+    return paths
+
+
+def _prebuilt_binaries(directory: Path) -> dict[str, Path]:
+    paths = {name: directory / name for name in BINARY_NAMES}
+    missing = [name for name, path in paths.items() if not _is_executable_file(path)]
+    if missing:
+        raise PrebuiltBinariesError(
+            f"{BIN_DIR_ENV}={directory} lacks executable {', '.join(missing)}; it must hold "
+            f"{', '.join(BINARY_NAMES)} (Kubernetes {KUBERNETES_VERSION}, etcd {ETCD_VERSION} recommended). "
+            f"Unset {BIN_DIR_ENV} to have them built from source with Go."
+        )
+    return paths
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Go toolchain
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _install_help() -> str:
+    return _GO_INSTALL_HELP.format(min_go=".".join(map(str, MIN_GO_VERSION)), env=BIN_DIR_ENV)
+
+
+def _find_go() -> str:
+    go = shutil.which("go")
+    if go is None:
+        raise GoNotFoundError(f"`go` was not found on PATH. {_install_help()}")
+    return go
+
+
+def _go_version(go: str) -> str:
+    """The toolchain's version (e.g. "go1.26.8"), checked against MIN_GO_VERSION."""
+    try:
+        result = subprocess.run(
+            [go, "env", "GOVERSION"], env=_go_env(), capture_output=True, text=True, timeout=60, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise GoNotFoundError(f"running `{go} env GOVERSION` failed: {exc}. {_install_help()}") from exc
+    version = result.stdout.strip()
+    match = re.match(r"go(\d+)\.(\d+)", version)
+    if result.returncode != 0 or match is None:
+        raise GoNotFoundError(
+            f"`{go} env GOVERSION` did not report a Go version (exit {result.returncode}): "
+            f"{(result.stdout + result.stderr).strip()[-500:]}. {_install_help()}"
+        )
+    if (int(match.group(1)), int(match.group(2))) < MIN_GO_VERSION:
+        raise GoNotFoundError(f"{go} is {version}, too old. {_install_help()}")
+    return version
+
+
+def _go_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        {
+            # The throw-away modules have no go.sum: let go resolve and record checksums itself.
+            "GOFLAGS": "-mod=mod",
+            "GO111MODULE": "on",
+            # A go.work of whatever directory we run in must not leak into the build.
+            "GOWORK": "off",
+            # Static binaries, and no C compiler needed (upstream builds these binaries with CGO off as well).
+            "CGO_ENABLED": "0",
+            # Never download another toolchain behind the user's back; the version check above suffices.
+            "GOTOOLCHAIN": "local",
+        }
+    )
+    return env
+
+
+def _build_parallelism() -> int:
+    configured = os.environ.get(BUILD_PARALLELISM_ENV)
+    if configured:
+        return max(1, int(configured))
+    # Compiling the big Kubernetes packages takes ~1-2 GiB per job; more than 4 jobs buys little.
+    return max(1, min(os.cpu_count() or 1, 4))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Building
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _exclusive_lock(path: Path, progress: ProgressFn) -> Iterator[None]:
+    """Hold an fcntl lock so two concurrent callers do not both spend many minutes building."""
+    with path.open("a") as lock_file:
+        try:
+            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            progress(f"another process is building the Kubernetes binaries; waiting for the lock on {path}")
+            fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+def _build(go: str, go_version: str, names: list[str], progress: ProgressFn) -> None:
+    root = cache_dir()
+    directory = bin_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    # We hold the lock, so partial outputs and module directories left here are from killed builds.
+    for leftover in directory.glob(".*.partial-*"):
+        leftover.unlink(missing_ok=True)
+    shutil.rmtree(root / "work", ignore_errors=True)
+    (root / "work").mkdir()
+
+    targets = [t for t in _TARGETS if t.name in names]
+    keys = build_keys()
+    total_start_s = time.monotonic()
+    progress(
+        f"building {', '.join(names)} (Kubernetes {KUBERNETES_VERSION}, etcd {ETCD_VERSION}) with {go_version} "
+        f"into {directory}; the first build takes a while"
+    )
+    for source in ("etcd", "kubernetes"):
+        source_targets = [t for t in targets if t.source == source]
+        if not source_targets:
+            continue
+        module_dir = Path(tempfile.mkdtemp(prefix=f"{source}-", dir=root / "work"))
+        try:
+            if source == "etcd":
+                go_mod = _ETCD_GO_MOD.format(etcd_version=ETCD_VERSION)
+                ldflags = "-s -w"
+            else:
+                progress(f"fetching k8s.io/kubernetes@{KUBERNETES_VERSION} (the module source)")
+                info = _go_mod_download(go, module_dir, f"k8s.io/kubernetes@{KUBERNETES_VERSION}")
+                go_mod = kubernetes_go_mod(Path(info["GoMod"]).read_text())
+                ldflags = "-s -w " + kubernetes_version_ldflags(_read_info_time(Path(info.get("Info", ""))))
+            (module_dir / "go.mod").write_text(go_mod)
+            for target in source_targets:
+                build_s = _build_one(go, module_dir, target, ldflags, directory, progress)
+                _record_built(stamp_path(), target.name, keys[target.name], go_version, build_s)
+        finally:
+            shutil.rmtree(module_dir, ignore_errors=True)
+    progress(f"all binaries ready in {directory} after {time.monotonic() - total_start_s:.0f} s")
+
+
+def _go_mod_download(go: str, cwd: Path, module_at_version: str) -> dict[str, str]:
+    """`go mod download -json`, returning its JSON (paths of the module's go.mod, zip, info)."""
+    result = subprocess.run(
+        [go, "mod", "download", "-json", module_at_version],
+        cwd=cwd,
+        env=_go_env(),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    try:
+        info = json.loads(result.stdout) if result.stdout.strip() else {}
+    except ValueError:
+        info = {}
+    if result.returncode != 0 or not isinstance(info, dict) or info.get("Error"):
+        detail = info.get("Error") if isinstance(info, dict) and info.get("Error") else ""
+        raise BinaryBuildError(
+            f"`go mod download {module_at_version}` failed (exit {result.returncode}); is the Go module proxy "
+            f"({os.environ.get('GOPROXY', 'https://proxy.golang.org')}) reachable?\n"
+            + _tail(f"{detail}\n{result.stderr}\n{result.stdout}".strip().splitlines())
+        )
+    return {str(k): str(v) for k, v in info.items()}
+
+
+def kubernetes_go_mod(upstream_go_mod: str) -> str:
+    """go.mod of the throw-away module: one replace per staging module that upstream's go.mod points at
+    ./staging/src/..., to the published release of the same version."""
+    staging_modules = sorted(set(_STAGING_REPLACE_RE.findall(upstream_go_mod)))
+    if not staging_modules:
+        raise BinaryBuildError("found no `=> ./staging/...` replace directives in k8s.io/kubernetes's go.mod")
+    replaces = "\n".join(f"\t{module} => {module} {KUBERNETES_STAGING_VERSION}" for module in staging_modules)
+    return _KUBERNETES_GO_MOD.format(kubernetes_version=KUBERNETES_VERSION, replaces=replaces)
+
+
+def kubernetes_version_ldflags(build_date: str) -> str:
+    """The -X flags upstream's hack/lib/version.sh sets. Without them the binaries report v0.0.0-master+$Format...
+    and the version-skew checks between kube-scheduler/kubectl and kube-apiserver misbehave."""
+    major, minor = KUBERNETES_VERSION[1:].split(".")[:2]
+    values = {"gitVersion": KUBERNETES_VERSION, "gitMajor": major, "gitMinor": minor, "gitTreeState": "clean"}
+    if build_date:
+        values["buildDate"] = build_date
+    flags: list[str] = []
+    for package in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version"):
+        flags += [f"-X {package}.{key}={value}" for key, value in values.items()]
+    return " ".join(flags)
+
+
+def _read_info_time(path: Path) -> str:
+    """The release's commit time from the module's .info file: a reproducible buildDate (upstream uses
+    SOURCE_DATE_EPOCH the same way)."""
+    try:
+        value = json.loads(path.read_text()).get("Time", "")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return value if isinstance(value, str) else ""
+
+
+def _build_one(
+    go: str, module_dir: Path, target: _Target, ldflags: str, directory: Path, progress: ProgressFn
+) -> float:
+    """Build one binary into a temporary name, check it runs, then rename it into place. Returns seconds taken."""
+    final = directory / target.name
+    partial = directory / f".{target.name}.partial-{os.getpid()}"
+    command = [
+        go,
+        "build",
+        "-v",  # one line per compiled package: the heartbeat counts them
+        f"-p={_build_parallelism()}",
+        "-trimpath",
+        f"-ldflags={ldflags}",
+        "-o",
+        str(partial),
+        target.package,
+    ]
+    start_s = time.monotonic()
+    progress(f"[{target.name}] go build {target.package}")
+    try:
+        _run_go_streaming(command, module_dir, target.name, progress)
+        _check_version(partial, target)
+        os.replace(partial, final)
+    finally:
+        partial.unlink(missing_ok=True)
+    elapsed_s = time.monotonic() - start_s
+    size_mib = final.stat().st_size / (1024 * 1024)
+    progress(f"[{target.name}] done in {elapsed_s:.0f} s ({size_mib:.0f} MiB)")
+    return elapsed_s
+
+
+@dataclass
+class _OutputState:
+    """What the reader thread has seen of go's output so far (read by the heartbeat)."""
+
+    packages_compiled: int = 0
+    modules_downloaded: int = 0
+    last_package: str = ""
+
+
+def _run_go_streaming(command: list[str], cwd: Path, label: str, progress: ProgressFn) -> None:
+    """Run go, condensing its output into a heartbeat line every HEARTBEAT_INTERVAL_S; raise with the tail on error."""
+    tail: deque[str] = deque(maxlen=OUTPUT_TAIL_LINES)
+    state = _OutputState()
+    lock = threading.Lock()
+    start_s = time.monotonic()
+    with subprocess.Popen(
+        command,
+        cwd=cwd,
+        env=_go_env(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+    ) as process:
+        assert process.stdout is not None
+
+        def read_output() -> None:
+            assert process.stdout is not None
+            for raw_line in process.stdout:
+                line = raw_line.rstrip("\n")
+                with lock:
+                    tail.append(line)
+                    if line.startswith("go: downloading "):
+                        state.modules_downloaded += 1
+                    elif line and " " not in line and not line.startswith("#"):
+                        # `go build -v` prints bare import paths as packages are compiled.
+                        state.packages_compiled += 1
+                        state.last_package = line
+
+        reader = threading.Thread(target=read_output, name=f"go-output-{label}", daemon=True)
+        reader.start()
+        try:
+            while True:
+                try:
+                    process.wait(timeout=HEARTBEAT_INTERVAL_S)
+                    break
+                except subprocess.TimeoutExpired:
+                    with lock:
+                        progress(
+                            f"[{label}] {time.monotonic() - start_s:.0f} s: {state.modules_downloaded} modules "
+                            f"downloaded, {state.packages_compiled} packages compiled"
+                            + (f" (last: {state.last_package})" if state.last_package else "")
+                        )
+        except BaseException:
+            # Ctrl-C or similar: do not leave go running behind us.
+            process.kill()
+            raise
+        reader.join()
+    if process.returncode != 0:
+        raise BinaryBuildError(
+            f"building {label} failed (exit {process.returncode}) after {time.monotonic() - start_s:.0f} s: "
+            f"{' '.join(command)}\n(in {cwd})\n" + _tail(list(tail))
+        )
+
+
+def _check_version(binary: Path, target: _Target) -> None:
+    """Run the fresh binary's version command so a broken or mis-stamped build is never cached."""
+    try:
+        result = subprocess.run(
+            [str(binary), *target.version_args],
+            capture_output=True,
+            text=True,
+            timeout=VERSION_CHECK_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise BinaryBuildError(f"the freshly built {target.name} does not run: {exc}") from exc
+    output = result.stdout + result.stderr
+    if result.returncode != 0 or target.version_text not in output:
+        raise BinaryBuildError(
+            f"the freshly built {target.name} reports an unexpected version (exit {result.returncode}; expected "
+            f"{target.version_text!r}):\n" + _tail(output.splitlines())
+        )
+
+
+def _tail(lines: list[str]) -> str:
+    shown = lines[-OUTPUT_TAIL_LINES:]
+    return "--- last lines of output ---\n" + "\n".join(shown)
+
+
+def main() -> int:
+    start_s = time.monotonic()
+    try:
+        paths = ensure_binaries(progress=lambda message: print(message, file=sys.stderr, flush=True))
+    except BinariesError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    for name, path in paths.items():
+        print(f"{name}: {path}")
+    print(f"ready in {time.monotonic() - start_s:.1f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

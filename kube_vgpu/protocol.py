@@ -1,0 +1,557 @@
+"""The kube-vgpu wire protocol: the only module that knows annotation keys, label keys,
+resource names, environment variable names and the JSON schemas exchanged through the API server.
+
+Every component (extender, webhook, device plugin, dev cluster, simulator) imports this module;
+it imports nothing heavier than orjson so the webhook and device plugin stay light.
+
+Schemas are versioned (`"v": 1`). Encoders are deterministic (fixed key order, compact) so that
+two producers describing the same hardware emit byte-identical annotations.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import re
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Mapping
+
+import orjson
+
+# ---------------------------------------------------------------------------------------------
+# Names
+# ---------------------------------------------------------------------------------------------
+
+ANNOTATION_PREFIX = "kube-vgpu.io/"
+
+#: Node annotation written by the device plugin: the GPU inventory (JSON, schema below).
+NODE_INVENTORY_ANNOTATION = ANNOTATION_PREFIX + "gpu-inventory"
+#: Node annotation written by the device plugin at every heartbeat (RFC 3339 UTC, seconds).
+NODE_HEARTBEAT_ANNOTATION = ANNOTATION_PREFIX + "gpu-heartbeat"
+#: Pod annotation written by the extender at bind: the exact device assignment (JSON).
+POD_ASSIGNMENT_ANNOTATION = ANNOTATION_PREFIX + "gpu-assignment"
+
+#: The scheduler name GPU pods are routed to by the webhook.
+DEFAULT_SCHEDULER_NAME = "kube-vgpu-scheduler"
+
+# Resources of the HAMi-compatible pod API.
+RESOURCE_GPU = "nvidia.com/gpu"  # number of vGPUs; each on a different physical GPU
+RESOURCE_GPU_MEMORY = "nvidia.com/gpumem"  # MiB per vGPU
+RESOURCE_GPU_MEMORY_PERCENTAGE = "nvidia.com/gpumem-percentage"  # % of the GPU's memory per vGPU
+RESOURCE_GPU_CORES = "nvidia.com/gpucores"  # % of one GPU's compute per vGPU; 100 = exclusive
+GPU_RESOURCES = (RESOURCE_GPU, RESOURCE_GPU_MEMORY, RESOURCE_GPU_MEMORY_PERCENTAGE, RESOURCE_GPU_CORES)
+
+# Selector / policy annotations of the HAMi-compatible pod API.
+ANNOTATION_USE_GPU_TYPE = "nvidia.com/use-gputype"
+ANNOTATION_NOUSE_GPU_TYPE = "nvidia.com/nouse-gputype"
+ANNOTATION_USE_GPU_UUID = "nvidia.com/use-gpuuuid"
+ANNOTATION_NOUSE_GPU_UUID = "nvidia.com/nouse-gpuuuid"
+ANNOTATION_NUMA_BIND = "nvidia.com/numa-bind"
+ANNOTATION_GPU_POLICY = "hami.io/gpu-scheduler-policy"
+ANNOTATION_NODE_POLICY = "hami.io/node-scheduler-policy"
+
+# GPU node labels in the style of NVIDIA's GPU feature discovery, which people already query.
+LABEL_GPU_PRODUCT = "nvidia.com/gpu.product"
+LABEL_GPU_COUNT = "nvidia.com/gpu.count"
+LABEL_GPU_MEMORY_MIB = "nvidia.com/gpu.memory"
+
+# Environment variables read by the in-container limiter (HAMi-core's libvgpu.so).
+ENV_MEMORY_LIMIT_PREFIX = "CUDA_DEVICE_MEMORY_LIMIT_"  # + vGPU index; value "<MiB>m"
+ENV_SM_LIMIT = "CUDA_DEVICE_SM_LIMIT"  # percent; 0 = no limit
+ENV_SHARED_CACHE = "CUDA_DEVICE_MEMORY_SHARED_CACHE"
+ENV_NVIDIA_VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
+ENV_CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+
+#: Compute units of one physical GPU (gpucores are percent of one GPU).
+CORES_PER_GPU = 100
+#: Default number of vGPUs one physical GPU may be split into.
+DEFAULT_MAX_SHARES = 10
+
+INVENTORY_SCHEMA_VERSION = 1
+ASSIGNMENT_SCHEMA_VERSION = 1
+
+
+def is_internal_annotation(key: str) -> bool:
+    """True for annotations only kube-vgpu components may write (users may not)."""
+    return key.startswith(ANNOTATION_PREFIX)
+
+
+# ---------------------------------------------------------------------------------------------
+# Node inventory
+# ---------------------------------------------------------------------------------------------
+
+
+class PcieLevel(str, Enum):
+    """Closest common PCIe ancestor of two GPUs, best first (NVML's topology levels)."""
+
+    SAME_BOARD = "same-board"  # NVML_TOPOLOGY_INTERNAL
+    SINGLE_SWITCH = "single-switch"  # NVML_TOPOLOGY_SINGLE
+    MULTI_SWITCH = "multi-switch"  # NVML_TOPOLOGY_MULTIPLE
+    HOST_BRIDGE = "host-bridge"  # NVML_TOPOLOGY_HOSTBRIDGE
+    SAME_NUMA = "same-numa"  # NVML_TOPOLOGY_NODE
+    CROSS_NUMA = "cross-numa"  # NVML_TOPOLOGY_SYSTEM
+
+    @property
+    def rank(self) -> int:
+        """0 for the closest level, 5 for the farthest."""
+        return _PCIE_RANK[self]
+
+
+_PCIE_RANK = {level: rank for rank, level in enumerate(PcieLevel)}
+
+
+@dataclass(frozen=True, slots=True)
+class GpuLink:
+    """How this GPU reaches one peer GPU on the same node."""
+
+    peer_index: int
+    nvlinks: int = 0  # active NVLink lanes to the peer (through an NVSwitch: the GPU's lanes to the fabric)
+    via_nvswitch: bool = False
+    pcie: PcieLevel = PcieLevel.CROSS_NUMA
+
+
+@dataclass(frozen=True, slots=True)
+class GpuInfo:
+    uuid: str
+    index: int
+    model: str
+    memory_mib: int
+    cores: int = CORES_PER_GPU
+    max_shares: int = DEFAULT_MAX_SHARES
+    numa_node: int | None = None
+    pci_bus_id: str = ""
+    healthy: bool = True
+    mig_mode: bool = False
+    links: tuple[GpuLink, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInventory:
+    gpus: tuple[GpuInfo, ...]
+    version: int = INVENTORY_SCHEMA_VERSION
+
+    def link(self, a_index: int, b_index: int) -> GpuLink | None:
+        for gpu in self.gpus:
+            if gpu.index == a_index:
+                for link in gpu.links:
+                    if link.peer_index == b_index:
+                        return link
+        return None
+
+
+class ProtocolError(ValueError):
+    """An annotation that does not follow the schema; the message says which field."""
+
+
+def encode_inventory(inventory: NodeInventory) -> str:
+    """Deterministic compact JSON for the node inventory annotation."""
+    doc = {
+        "v": inventory.version,
+        "gpus": [
+            {
+                "uuid": gpu.uuid,
+                "index": gpu.index,
+                "model": gpu.model,
+                "memoryMiB": gpu.memory_mib,
+                "cores": gpu.cores,
+                "maxShares": gpu.max_shares,
+                "numa": gpu.numa_node,
+                "pciBusId": gpu.pci_bus_id,
+                "healthy": gpu.healthy,
+                "mig": gpu.mig_mode,
+                "links": [
+                    [link.peer_index, link.nvlinks, link.via_nvswitch, link.pcie.value] for link in gpu.links
+                ],
+            }
+            for gpu in inventory.gpus
+        ],
+    }
+    return orjson.dumps(doc).decode()
+
+
+def _require(doc: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    if key not in doc:
+        raise ProtocolError(f"{where}: missing field {key!r}")
+    value = doc[key]
+    # bool is an int subclass; refuse it where an int is meant
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ProtocolError(f"{where}: field {key!r} has the wrong type ({type(value).__name__})")
+    return value
+
+
+def decode_inventory(text: str) -> NodeInventory:
+    """Parse the node inventory annotation; raises ProtocolError naming the bad field."""
+    try:
+        doc = orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise ProtocolError(f"inventory is not valid JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ProtocolError("inventory must be a JSON object")
+    version = _require(doc, "v", int, "inventory")
+    if version != INVENTORY_SCHEMA_VERSION:
+        raise ProtocolError(f"inventory schema version {version} is not supported (expected {INVENTORY_SCHEMA_VERSION})")
+    gpus = []
+    seen_indexes: set[int] = set()
+    for position, raw in enumerate(_require(doc, "gpus", list, "inventory")):
+        where = f"inventory gpus[{position}]"
+        if not isinstance(raw, dict):
+            raise ProtocolError(f"{where}: must be an object")
+        numa = raw.get("numa")
+        if numa is not None and (not isinstance(numa, int) or isinstance(numa, bool)):
+            raise ProtocolError(f"{where}: field 'numa' must be an integer or null")
+        links = []
+        for link_position, raw_link in enumerate(_require(raw, "links", list, where)):
+            if not (isinstance(raw_link, list) and len(raw_link) == 4):
+                raise ProtocolError(f"{where} links[{link_position}]: must be [peer, nvlinks, nvswitch, pcie]")
+            peer, nvlinks, via_nvswitch, pcie = raw_link
+            try:
+                level = PcieLevel(pcie)
+            except ValueError:
+                raise ProtocolError(f"{where} links[{link_position}]: unknown PCIe level {pcie!r}") from None
+            links.append(GpuLink(int(peer), int(nvlinks), bool(via_nvswitch), level))
+        index = _require(raw, "index", int, where)
+        if index in seen_indexes:
+            raise ProtocolError(f"{where}: duplicate GPU index {index}")
+        seen_indexes.add(index)
+        memory_mib = _require(raw, "memoryMiB", int, where)
+        cores = _require(raw, "cores", int, where)
+        max_shares = _require(raw, "maxShares", int, where)
+        if memory_mib <= 0 or cores <= 0 or max_shares <= 0:
+            raise ProtocolError(f"{where}: memoryMiB, cores and maxShares must be positive")
+        gpus.append(
+            GpuInfo(
+                uuid=_require(raw, "uuid", str, where),
+                index=index,
+                model=_require(raw, "model", str, where),
+                memory_mib=memory_mib,
+                cores=cores,
+                max_shares=max_shares,
+                numa_node=numa,
+                pci_bus_id=_require(raw, "pciBusId", str, where),
+                healthy=_require(raw, "healthy", bool, where),
+                mig_mode=_require(raw, "mig", bool, where),
+                links=tuple(links),
+            )
+        )
+    return NodeInventory(gpus=tuple(gpus), version=version)
+
+
+def format_heartbeat(moment: _dt.datetime) -> str:
+    return moment.astimezone(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_heartbeat(text: str) -> float:
+    """Heartbeat annotation -> POSIX seconds. Raises ProtocolError."""
+    try:
+        moment = _dt.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=_dt.timezone.utc)
+    except (TypeError, ValueError):
+        raise ProtocolError(f"heartbeat {text!r} is not an RFC 3339 UTC time like 2026-01-31T12:00:00Z") from None
+    return moment.timestamp()
+
+
+def gpu_node_labels(inventory: NodeInventory) -> dict[str, str]:
+    """Node labels describing the GPUs, as GPU feature discovery names them."""
+    if not inventory.gpus:
+        return {}
+    first = inventory.gpus[0]
+    return {
+        LABEL_GPU_PRODUCT: label_safe(first.model),
+        LABEL_GPU_COUNT: str(len(inventory.gpus)),
+        LABEL_GPU_MEMORY_MIB: str(first.memory_mib),
+    }
+
+
+def label_safe(text: str) -> str:
+    """A label value from free text (GPU names contain spaces): as GFD does, spaces become '-'."""
+    cleaned = re.sub(r"[^A-Za-z0-9._-]+", "-", text.strip()).strip("-._")
+    return cleaned[:63]
+
+
+# ---------------------------------------------------------------------------------------------
+# Pod assignment
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceShare:
+    """One vGPU: a slice of one physical GPU."""
+
+    uuid: str
+    memory_mib: int
+    cores: int
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerAssignment:
+    name: str
+    devices: tuple[DeviceShare, ...]
+    init: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class PodAssignment:
+    node: str
+    containers: tuple[ContainerAssignment, ...]
+    version: int = ASSIGNMENT_SCHEMA_VERSION
+
+    def all_devices(self) -> list[DeviceShare]:
+        return [device for container in self.containers for device in container.devices]
+
+
+def encode_assignment(assignment: PodAssignment) -> str:
+    doc = {
+        "v": assignment.version,
+        "node": assignment.node,
+        "containers": [
+            {
+                "name": container.name,
+                "init": container.init,
+                "devices": [[d.uuid, d.memory_mib, d.cores] for d in container.devices],
+            }
+            for container in assignment.containers
+        ],
+    }
+    return orjson.dumps(doc).decode()
+
+
+def decode_assignment(text: str) -> PodAssignment:
+    try:
+        doc = orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise ProtocolError(f"assignment is not valid JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ProtocolError("assignment must be a JSON object")
+    version = _require(doc, "v", int, "assignment")
+    if version != ASSIGNMENT_SCHEMA_VERSION:
+        raise ProtocolError(f"assignment schema version {version} is not supported")
+    containers = []
+    for position, raw in enumerate(_require(doc, "containers", list, "assignment")):
+        where = f"assignment containers[{position}]"
+        if not isinstance(raw, dict):
+            raise ProtocolError(f"{where}: must be an object")
+        devices = []
+        for raw_device in _require(raw, "devices", list, where):
+            if not (isinstance(raw_device, list) and len(raw_device) == 3):
+                raise ProtocolError(f"{where}: each device must be [uuid, memoryMiB, cores]")
+            uuid, memory_mib, cores = raw_device
+            if not isinstance(uuid, str) or not isinstance(memory_mib, int) or not isinstance(cores, int):
+                raise ProtocolError(f"{where}: device fields have the wrong types")
+            devices.append(DeviceShare(uuid, memory_mib, cores))
+        containers.append(
+            ContainerAssignment(
+                name=_require(raw, "name", str, where), devices=tuple(devices), init=bool(raw.get("init", False))
+            )
+        )
+    return PodAssignment(node=_require(doc, "node", str, "assignment"), containers=tuple(containers), version=version)
+
+
+# ---------------------------------------------------------------------------------------------
+# The HAMi-compatible pod API: parsing a pod's GPU request
+# ---------------------------------------------------------------------------------------------
+
+
+class InvalidGpuRequest(ValueError):
+    """A pod's GPU request that can never be honoured; the message is meant for the pod's author."""
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerGpuRequest:
+    """What one container asks for. memory_mib None and memory_percent None mean the whole GPU's memory."""
+
+    name: str
+    count: int  # vGPUs, each on a different physical GPU
+    memory_mib: int | None = None
+    memory_percent: int | None = None
+    cores: int = 0  # percent of one GPU; 0 = no compute reservation (best effort), 100 = exclusive
+    init: bool = False
+
+    @property
+    def exclusive(self) -> bool:
+        return self.cores >= CORES_PER_GPU
+
+    def memory_on(self, gpu_memory_mib: int) -> int:
+        """MiB this request takes on a GPU of the given size."""
+        if self.memory_mib is not None:
+            return self.memory_mib
+        if self.memory_percent is not None:
+            return gpu_memory_mib * self.memory_percent // 100
+        return gpu_memory_mib
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSelectors:
+    use_types: tuple[str, ...] = ()
+    nouse_types: tuple[str, ...] = ()
+    use_uuids: tuple[str, ...] = ()
+    nouse_uuids: tuple[str, ...] = ()
+    numa_bind: bool = False
+
+    def model_allowed(self, model: str) -> bool:
+        # HAMi matches types by substring, case-insensitively ("A100" selects "NVIDIA-A100-SXM4-80GB").
+        lowered = model.lower()
+        if self.use_types and not any(t in lowered for t in self.use_types):
+            return False
+        return not any(t in lowered for t in self.nouse_types)
+
+    def uuid_allowed(self, uuid: str) -> bool:
+        if self.use_uuids and uuid not in self.use_uuids:
+            return False
+        return uuid not in self.nouse_uuids
+
+    @property
+    def empty(self) -> bool:
+        return not (self.use_types or self.nouse_types or self.use_uuids or self.nouse_uuids or self.numa_bind)
+
+
+@dataclass(frozen=True, slots=True)
+class PodGpuRequest:
+    """A pod's whole GPU request. `phases` lists what must fit at once: the app containers together,
+    and each init container alone (init containers run one at a time before the app containers)."""
+
+    containers: tuple[ContainerGpuRequest, ...]
+    selectors: GpuSelectors = field(default_factory=GpuSelectors)
+    gpu_policy: str | None = None
+    node_policy: str | None = None
+
+    @property
+    def app_containers(self) -> tuple[ContainerGpuRequest, ...]:
+        return tuple(c for c in self.containers if not c.init)
+
+    @property
+    def init_containers(self) -> tuple[ContainerGpuRequest, ...]:
+        return tuple(c for c in self.containers if c.init)
+
+    @property
+    def total_vgpus(self) -> int:
+        """vGPUs counted as the pod's peak: app containers add up, init containers count at their peak."""
+        app = sum(c.count for c in self.containers if not c.init)
+        peak_init = max((c.count for c in self.containers if c.init), default=0)
+        return max(app, peak_init)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.containers
+
+
+_INTEGER = re.compile(r"^[0-9]+$")
+_DECIMAL_SUFFIXES = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+_BINARY_SUFFIXES = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+_QUANTITY = re.compile(r"^([0-9]+)(Ki|Mi|Gi|Ti|k|M|G|T)?$")
+
+
+def parse_count_quantity(value: Any, *, what: str) -> int:
+    """A Kubernetes quantity that must be a non-negative whole number ("2", 2, "1k").
+
+    Refuses fractions ("0.5", "500m") and negatives with a message naming `what`."""
+    if isinstance(value, bool):
+        raise InvalidGpuRequest(f"{what} must be a whole number, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise InvalidGpuRequest(f"{what} must not be negative, got {value}")
+        return value
+    if isinstance(value, float):
+        if value < 0 or not value.is_integer():
+            raise InvalidGpuRequest(f"{what} must be a non-negative whole number, got {value}")
+        return int(value)
+    text = str(value).strip()
+    match = _QUANTITY.match(text)
+    if not match:
+        if text.startswith("-"):
+            raise InvalidGpuRequest(f"{what} must not be negative, got {text!r}")
+        raise InvalidGpuRequest(f"{what} must be a non-negative whole number, got {text!r}")
+    number, suffix = match.group(1), match.group(2) or ""
+    multiplier = _BINARY_SUFFIXES.get(suffix) or _DECIMAL_SUFFIXES[suffix]
+    return int(number) * multiplier
+
+
+def _annotation_list(annotations: Mapping[str, str], key: str, *, lower: bool) -> tuple[str, ...]:
+    raw = annotations.get(key, "")
+    if not isinstance(raw, str):
+        raise InvalidGpuRequest(f"annotation {key} must be a string")
+    items = [item.strip() for item in raw.split(",") if item.strip()]
+    return tuple(item.lower() for item in items) if lower else tuple(items)
+
+
+def _container_resources(container: Mapping[str, Any]) -> dict[str, Any]:
+    """Limits win over requests (extended resources must have limits; requests default to them)."""
+    resources = container.get("resources") or {}
+    merged: dict[str, Any] = {}
+    merged.update(resources.get("requests") or {})
+    merged.update(resources.get("limits") or {})
+    return merged
+
+
+def parse_container_request(container: Mapping[str, Any], *, init: bool) -> ContainerGpuRequest | None:
+    """The container's GPU request, or None when it asks for no GPU resource."""
+    name = str(container.get("name", "?"))
+    resources = _container_resources(container)
+    if not any(key in resources for key in GPU_RESOURCES):
+        return None
+    prefix = f"container {name}: "
+    count = parse_count_quantity(resources.get(RESOURCE_GPU, 1), what=prefix + RESOURCE_GPU)
+    memory_mib = memory_percent = None
+    if RESOURCE_GPU_MEMORY in resources:
+        memory_mib = parse_count_quantity(resources[RESOURCE_GPU_MEMORY], what=prefix + RESOURCE_GPU_MEMORY)
+        if memory_mib <= 0:
+            raise InvalidGpuRequest(f"{prefix}{RESOURCE_GPU_MEMORY} must be greater than 0 MiB, got {memory_mib}")
+    if RESOURCE_GPU_MEMORY_PERCENTAGE in resources:
+        memory_percent = parse_count_quantity(
+            resources[RESOURCE_GPU_MEMORY_PERCENTAGE], what=prefix + RESOURCE_GPU_MEMORY_PERCENTAGE
+        )
+        if not 1 <= memory_percent <= 100:
+            raise InvalidGpuRequest(
+                f"{prefix}{RESOURCE_GPU_MEMORY_PERCENTAGE} must be between 1 and 100, got {memory_percent}"
+            )
+    if memory_mib is not None and memory_percent is not None:
+        raise InvalidGpuRequest(
+            f"{prefix}set either {RESOURCE_GPU_MEMORY} or {RESOURCE_GPU_MEMORY_PERCENTAGE}, not both"
+        )
+    cores = parse_count_quantity(resources.get(RESOURCE_GPU_CORES, 0), what=prefix + RESOURCE_GPU_CORES)
+    if cores > CORES_PER_GPU:
+        raise InvalidGpuRequest(f"{prefix}{RESOURCE_GPU_CORES} must be between 0 and 100, got {cores}")
+    if count == 0:
+        if memory_mib is not None or memory_percent is not None or RESOURCE_GPU_CORES in resources:
+            raise InvalidGpuRequest(f"{prefix}{RESOURCE_GPU} is 0 but GPU memory or cores are requested")
+        return None
+    return ContainerGpuRequest(
+        name=name, count=count, memory_mib=memory_mib, memory_percent=memory_percent, cores=cores, init=init
+    )
+
+
+def parse_pod_gpu_request(pod: Mapping[str, Any]) -> PodGpuRequest:
+    """Parse a Pod object (as JSON-decoded dict) into its GPU request. Raises InvalidGpuRequest."""
+    spec = pod.get("spec") or {}
+    metadata = pod.get("metadata") or {}
+    annotations = metadata.get("annotations") or {}
+    containers: list[ContainerGpuRequest] = []
+    for init, key in ((True, "initContainers"), (False, "containers")):
+        for container in spec.get(key) or ():
+            parsed = parse_container_request(container, init=init)
+            if parsed is not None:
+                containers.append(parsed)
+    selectors = GpuSelectors(
+        use_types=_annotation_list(annotations, ANNOTATION_USE_GPU_TYPE, lower=True),
+        nouse_types=_annotation_list(annotations, ANNOTATION_NOUSE_GPU_TYPE, lower=True),
+        use_uuids=_annotation_list(annotations, ANNOTATION_USE_GPU_UUID, lower=False),
+        nouse_uuids=_annotation_list(annotations, ANNOTATION_NOUSE_GPU_UUID, lower=False),
+        numa_bind=str(annotations.get(ANNOTATION_NUMA_BIND, "")).lower() == "true",
+    )
+    return PodGpuRequest(
+        containers=tuple(containers),
+        selectors=selectors,
+        gpu_policy=annotations.get(ANNOTATION_GPU_POLICY) or None,
+        node_policy=annotations.get(ANNOTATION_NODE_POLICY) or None,
+    )
+
+
+def pod_asks_for_gpu(pod: Mapping[str, Any]) -> bool:
+    """Cheap check (no parsing) whether any container names a GPU resource."""
+    spec = pod.get("spec") or {}
+    for key in ("initContainers", "containers"):
+        for container in spec.get(key) or ():
+            resources = container.get("resources") or {}
+            for section in ("limits", "requests"):
+                names = resources.get(section)
+                if names and any(r in names for r in GPU_RESOURCES):
+                    return True
+    return False
