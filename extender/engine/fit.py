@@ -84,7 +84,8 @@ def _place_container(
         if candidates is None:
             return FitFailure(
                 f"node {node.name}: container {container.name}: no NUMA node has {container.count} fitting GPUs "
-                f"(nvidia.com/numa-bind is set)"
+                f"(nvidia.com/numa-bind is set)",
+                code="numa",
             )
     chosen = gpu_policy.choose_gpus(node, request, container, candidates, scratch)
     devices = []
@@ -113,15 +114,15 @@ def place(
     the extender leaves it to kube-scheduler)."""
     if check_host:
         if node.cpu_milli_used + request.cpu_milli > node.cpu_milli_total:
-            return FitFailure(f"node {node.name}: not enough CPU", request.cpu_milli > node.cpu_milli_total)
+            return FitFailure(f"node {node.name}: not enough CPU", request.cpu_milli > node.cpu_milli_total, "host")
         if node.memory_mib_used + request.memory_mib > node.memory_mib_total:
-            return FitFailure(f"node {node.name}: not enough memory", request.memory_mib > node.memory_mib_total)
+            return FitFailure(f"node {node.name}: not enough memory", request.memory_mib > node.memory_mib_total, "host")
     gpu_request = request.gpu
     if gpu_request.is_empty:
         placement = Placement(node.name, (), ())
         return Placement(node.name, (), (), node_policy.score(node, request, placement))
     if not node.gpus:
-        return FitFailure(f"node {node.name}: no GPUs (no kube-vgpu GPU inventory on this node)", True)
+        return FitFailure(f"node {node.name}: no GPUs (no kube-vgpu GPU inventory on this node)", True, "no-gpus")
     size = len(node.gpus)
     phases: list[tuple[ContainerGpuRequest, ...]] = []
     app = gpu_request.app_containers
@@ -175,13 +176,16 @@ def explain_failure(
     eligible = [g for g in node.gpus if gpu_eligible(g, request.gpu.selectors, request.gpu_spec)]
     if len(eligible) < count:
         return FitFailure(
-            f"{prefix}needs {count} {plural}{_selector_phrase(request)}, node has {len(eligible)}", unresolvable=True
+            f"{prefix}needs {count} {plural}{_selector_phrase(request)}, node has {len(eligible)}",
+            unresolvable=True,
+            code="count",
         )
     if container.memory_mib is not None and container.memory_mib > max(g.memory_mib for g in eligible):
         return FitFailure(
             f"{prefix}needs {container.memory_mib} MiB per GPU, largest GPU{_selector_phrase(request)} here has "
             f"{max(g.memory_mib for g in eligible)} MiB",
             unresolvable=True,
+            code="memory",
         )
     usable = [g for g in eligible if g.schedulable]
     if len(usable) < count:
@@ -189,7 +193,9 @@ def explain_failure(
         mig = sum(1 for g in eligible if g.mig_mode)
         details = ", ".join(p for p in (f"{unhealthy} unhealthy" if unhealthy else "", f"{mig} in MIG mode" if mig else "") if p)
         return FitFailure(
-            f"{prefix}needs {count} {plural}, only {len(usable)} usable ({details})", unresolvable=unhealthy == 0
+            f"{prefix}needs {count} {plural}, only {len(usable)} usable ({details})",
+            unresolvable=unhealthy == 0,
+            code="health",
         )
     exclusive = container.cores >= max(g.cores for g in usable)
     open_gpus = [g for g in usable if not g.exclusive_holders and not scratch.exclusive[g.position]]
@@ -197,12 +203,12 @@ def explain_failure(
     free_memory = [g.free_memory_mib - scratch.memory_mib[g.position] for g in with_shares]
     largest_free = max(free_memory, default=0)
     if len(open_gpus) < count:
-        return FitFailure(f"{prefix}needs {count} {plural}, {len(usable) - len(open_gpus)} of {len(usable)} held exclusively")
+        return FitFailure(f"{prefix}needs {count} {plural}, {len(usable) - len(open_gpus)} of {len(usable)} held exclusively", code="exclusive")
     if len(with_shares) < count:
-        return FitFailure(f"{prefix}needs {count} {plural} with a vGPU slot left, {len(with_shares)} have one")
+        return FitFailure(f"{prefix}needs {count} {plural} with a vGPU slot left, {len(with_shares)} have one", code="shares")
     if exclusive:
         idle = sum(1 for g in with_shares if g.used_shares + scratch.shares[g.position] == 0)
-        return FitFailure(f"{prefix}needs {count} idle {plural} for exclusive use (gpucores 100), {idle} idle")
+        return FitFailure(f"{prefix}needs {count} idle {plural} for exclusive use (gpucores 100), {idle} idle", code="exclusive")
     memory_ok = [
         g for g in with_shares if g.free_memory_mib - scratch.memory_mib[g.position] >= container.memory_on(g.memory_mib)
     ]
@@ -212,13 +218,15 @@ def explain_failure(
             f"{container.memory_percent}% of memory" if container.memory_percent else "all its memory"
         )
         if count == 1:
-            return FitFailure(f"{prefix}no GPU with {need_text} free (largest free {largest_free} MiB)")
+            return FitFailure(f"{prefix}no GPU with {need_text} free (largest free {largest_free} MiB)", code="memory")
         return FitFailure(
-            f"{prefix}needs {count} GPUs with {need_text} free, {len(memory_ok)} have it (largest free {largest_free} MiB)"
+            f"{prefix}needs {count} GPUs with {need_text} free, {len(memory_ok)} have it (largest free {largest_free} MiB)",
+            code="memory",
         )
     most_cores = max((g.free_cores - scratch.cores[g.position] for g in memory_ok), default=0)
     if count == 1:
-        return FitFailure(f"{prefix}no GPU with {container.cores}% cores free (most free {most_cores}%)")
+        return FitFailure(f"{prefix}no GPU with {container.cores}% cores free (most free {most_cores}%)", code="cores")
     return FitFailure(
-        f"{prefix}needs {count} GPUs with {container.cores}% cores and enough memory free, {fitting} have both"
+        f"{prefix}needs {count} GPUs with {container.cores}% cores and enough memory free, {fitting} have both",
+        code="cores",
     )

@@ -116,6 +116,8 @@ class FitFailure:
 
     reason: str
     unresolvable: bool = False
+    #: short class of the reason for metrics: no-gpus, count, memory, cores, shares, exclusive, health, numa, host, ...
+    code: str = "unfit"
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +133,15 @@ class PlacementRequest:
     @property
     def cpu_only(self) -> bool:
         return self.gpu.is_empty
+
+
+def usage_kind(usage: tuple[GpuUsage, ...]) -> str | None:
+    """A pod's GPU kind from what it holds: None (no GPU), "share" (part of one GPU) or "<n>-gpu"."""
+    if not usage:
+        return None
+    if len(usage) == 1 and not usage[0].exclusive:
+        return "share"
+    return f"{len(usage)}-gpu"
 
 
 class NodeState:
@@ -150,6 +161,7 @@ class NodeState:
         "memory_mib_used",
         "models_lower",
         "name",
+        "pod_kinds",
         "user_data",
         "version",
     )
@@ -175,6 +187,9 @@ class NodeState:
         # (request key, policy key) -> Placement | FitFailure; valid for this node version only
         self.fit_cache: dict[Any, Any] = {}
         self.user_data: Any = None  # a policy may keep per-node derived data here (invalidated with version)
+        # how many pods of each GPU kind ("share", "1-gpu", "2-gpu", ...) hold GPUs here (kept by apply_usage;
+        # the gpu-clustering policy groups pods of one kind on the same nodes)
+        self.pod_kinds: dict[str, int] = {}
         self.gpus: list[GpuState] = []
         self.gpu_by_uuid: dict[str, GpuState] = {}
         self.link_matrix: list[list[int]] = []
@@ -184,6 +199,7 @@ class NodeState:
     def set_inventory(self, inventory: NodeInventory | None) -> None:
         """Replace the hardware description; reservations must be re-applied by the caller."""
         gpus_info = sorted(inventory.gpus, key=lambda g: g.index) if inventory else []
+        self.pod_kinds = {}  # reservations are re-applied by the caller, kinds with them
         self.gpus = [GpuState(info, position) for position, info in enumerate(gpus_info)]
         self.gpu_by_uuid = {gpu.uuid: gpu for gpu in self.gpus}
         position_of_index = {gpu.index: gpu.position for gpu in self.gpus}
@@ -221,6 +237,13 @@ class NodeState:
             gpu.used_shares += sign * item.shares
             if item.exclusive:
                 gpu.exclusive_holders += sign
+        kind = usage_kind(usage)
+        if kind is not None:
+            count = self.pod_kinds.get(kind, 0) + sign
+            if count > 0:
+                self.pod_kinds[kind] = count
+            else:
+                self.pod_kinds.pop(kind, None)
         self.touch()
 
     # --- totals for scoring and reporting -------------------------------------------------------

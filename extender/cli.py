@@ -1,0 +1,95 @@
+"""`kube-vgpu extender`: the scheduler extender service."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from .engine.policies import DEFAULT_GPU_POLICY, DEFAULT_NODE_POLICY, policy_names
+from .scheduler import Scheduler
+from .state import ClusterState
+
+log = logging.getLogger("kube_vgpu.extender")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--snapshot", metavar="FILE", help="serve a `kind: List` of Nodes and Pods; binds stay in memory")
+    source.add_argument("--kubeconfig", metavar="FILE", help="live mode against this cluster (default: in-cluster)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: the sidecar case)")
+    parser.add_argument("--port", type=int, default=8888)
+    parser.add_argument("--policy", default=DEFAULT_NODE_POLICY, help="default node policy (hami.io/node-scheduler-policy)")
+    parser.add_argument("--gpu-policy", default=DEFAULT_GPU_POLICY, help="default GPU policy (hami.io/gpu-scheduler-policy)")
+    parser.add_argument("--heartbeat-ttl-seconds", type=float, default=120.0,
+                        help="inventory older than this makes a node unschedulable for GPU pods")
+    parser.add_argument("--quota-config", metavar="FILE", help="Kueue ClusterQueue / LocalQueue / ResourceFlavor YAML")
+    parser.add_argument("--log-level", default="INFO")
+
+
+@dataclass
+class Extender:
+    state: ClusterState
+    scheduler: Scheduler
+    app: Any
+    source: Any  # LiveSource | SnapshotCluster
+
+
+def build(args: argparse.Namespace) -> Extender:
+    """Everything but the HTTP listener; tests and the dev cluster build in-process through this."""
+    from .server import create_app
+
+    known = policy_names()
+    for name in (args.policy, args.gpu_policy):
+        if name not in known:
+            raise SystemExit(f"kube-vgpu extender: unknown policy {name!r}; known: {', '.join(known)}")
+    # a snapshot is a still picture: its heartbeats are as old as the file, never "stale"
+    ttl_s = float("inf") if args.snapshot else args.heartbeat_ttl_seconds
+    state = ClusterState(heartbeat_ttl_s=ttl_s)
+    gates: list[Any] = []
+    quota_config = getattr(args, "quota_config", None)
+    if args.snapshot:
+        from .sources.snapshot import SnapshotCluster, load_snapshot
+
+        source: Any = SnapshotCluster(state, load_snapshot(args.snapshot))
+        binder: Any = source
+        api_client = None
+    else:
+        from .sources.live import LiveBinder, LiveSource, make_api_client
+
+        api_client = make_api_client(args.kubeconfig)
+        source = LiveSource(state, api_client)
+        binder = LiveBinder(api_client)
+    if quota_config or api_client is not None:
+        try:
+            from .quota.gate import build_gate
+        except ImportError:  # the quota gate is optional while it is being built
+            build_gate = None
+        if build_gate is not None:
+            gate = build_gate(state, quota_config=quota_config, api_client=api_client)
+            if gate is not None:
+                gates.append(gate)
+        elif quota_config:
+            raise SystemExit("kube-vgpu extender: --quota-config given but the quota gate is not available")
+    scheduler = Scheduler(state, binder, node_policy=args.policy, gpu_policy=args.gpu_policy, gates=gates)
+    app = create_app(scheduler, on_startup=getattr(source, "start", None))
+    app.state.gates = gates
+    return Extender(state, scheduler, app, source)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        extender = build(args)
+    except (OSError, ValueError) as exc:
+        print(f"kube-vgpu extender: {exc}", file=sys.stderr)
+        return 2
+    mode = f"snapshot {args.snapshot}" if args.snapshot else "live"
+    log.info("serving on %s:%d (%s, node policy %s, GPU policy %s)", args.host, args.port, mode, args.policy,
+             args.gpu_policy)
+    uvicorn.run(extender.app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    return 0

@@ -1,0 +1,288 @@
+"""Decisions on the cluster state: filter, prioritize (pure, in memory) and bind (decide and commit).
+
+filter and prioritize never call the API server; per-node results are cached on the node keyed by
+(request shape, policies) and dropped whenever that node changes, so a burst of pods of few shapes
+costs one dict lookup per node per verb. bind re-checks on fresh state, reserves in memory, writes
+the assignment annotation, creates the Binding, and rolls everything back if either call fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from cachetools import TTLCache
+
+from kube_vgpu import protocol
+from kube_vgpu.protocol import InvalidGpuRequest, PodGpuRequest
+from kube_vgpu.synth import assignment_from_placement
+
+from .engine.fit import place
+from .engine.model import FitFailure, NodeState, Placement, PlacementRequest
+from .engine.policies import DEFAULT_GPU_POLICY, DEFAULT_NODE_POLICY, Policy, make_policy, policy_names
+from .state import ClusterState
+
+log = logging.getLogger(__name__)
+
+MAX_EXTENDER_SCORE = 10  # kube-scheduler's extenderv1.MaxExtenderPriority
+
+
+class BindError(Exception):
+    """A bind that failed; the message goes back to kube-scheduler in the Error field."""
+
+
+class Binder(Protocol):
+    """Writes decisions to the API server (live) or to the in-memory snapshot."""
+
+    def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None: ...
+
+    def remember_pod(self, pod: Mapping[str, Any]) -> None:
+        """Called with the pod object kube-scheduler sent before it is bound (snapshot mode stores it)."""
+        ...
+
+    def write_assignment(self, namespace: str, name: str, uid: str, annotations: dict[str, str]) -> None: ...
+
+    def clear_assignment(self, namespace: str, name: str, uid: str) -> None: ...
+
+    def bind(self, namespace: str, name: str, uid: str, node: str) -> None: ...
+
+
+class Gate(Protocol):
+    """An admission gate consulted by filter and bind (the quota gate implements it)."""
+
+    def check(self, pod: Mapping[str, Any], request: PodGpuRequest, node: NodeState) -> str | None:
+        """None if the pod may use this node, else a reason."""
+        ...
+
+    def reserve(self, pod: Mapping[str, Any], request: PodGpuRequest, node: NodeState, uid: str) -> str | None:
+        """Atomically re-check and take the pod's share (called under the state lock); None or a reason."""
+        ...
+
+
+@dataclass(slots=True)
+class FilterOutcome:
+    passed: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    unresolvable: dict[str, str] = field(default_factory=dict)
+    error: str = ""
+
+
+class Scheduler:
+    def __init__(
+        self,
+        state: ClusterState,
+        binder: Binder,
+        *,
+        node_policy: str = DEFAULT_NODE_POLICY,
+        gpu_policy: str = DEFAULT_GPU_POLICY,
+        gates: Iterable[Gate] = (),
+    ) -> None:
+        self.state = state
+        self.binder = binder
+        self._policies: dict[str, Policy] = {}
+        self.default_node_policy = self.policy(node_policy)
+        self.default_gpu_policy = self.policy(gpu_policy)
+        self.gates = list(gates)
+        # the request keys are interned so per-node caches are keyed by small ints
+        self._request_keys: dict[Any, int] = {}
+        # pods seen by filter, for bind (which only gets name / uid): uid -> pod object
+        self._recent_pods: TTLCache[str, Mapping[str, Any]] = TTLCache(maxsize=50_000, ttl=600)
+        self._binding: set[str] = set()
+        self._binding_lock = threading.Lock()
+        #: hooks for metrics: called with (verb outcome, FitFailure code)
+        self.on_rejection: Callable[[str], None] = lambda code: None
+
+    # --- policies -------------------------------------------------------------------------------
+    def policy(self, name: str) -> Policy:
+        found = self._policies.get(name)
+        if found is None:
+            found = make_policy(name)
+            self._policies[name] = found
+        return found
+
+    def _policies_for(self, request: PodGpuRequest) -> tuple[Policy, Policy]:
+        try:
+            node_policy = self.policy(request.node_policy) if request.node_policy else self.default_node_policy
+            gpu_policy = self.policy(request.gpu_policy) if request.gpu_policy else self.default_gpu_policy
+        except ValueError as exc:
+            raise InvalidGpuRequest(f"{exc} (known: {', '.join(policy_names())})") from None
+        return node_policy, gpu_policy
+
+    def _cache_key(self, request: PodGpuRequest, node_policy: Policy, gpu_policy: Policy) -> Any:
+        shape = (request.containers, request.selectors, node_policy.name, gpu_policy.name)
+        key = self._request_keys.get(shape)
+        if key is None:
+            if len(self._request_keys) > 100_000:  # bounded: a flood of unique shapes must not leak memory
+                self._request_keys.clear()
+            key = len(self._request_keys)
+            self._request_keys[shape] = key
+        return (key, node_policy.epoch(), gpu_policy.epoch())
+
+    # --- filter / prioritize ----------------------------------------------------------------------
+    def _evaluate(
+        self, pod: Mapping[str, Any], node_names: Iterable[str]
+    ) -> tuple[FilterOutcome, dict[str, Placement]]:
+        outcome = FilterOutcome()
+        placements: dict[str, Placement] = {}
+        try:
+            request = protocol.parse_pod_gpu_request(pod)
+            node_policy, gpu_policy = self._policies_for(request)
+        except InvalidGpuRequest as exc:
+            outcome.error = f"invalid GPU request: {exc}"
+            return outcome, placements
+        uid = (pod.get("metadata") or {}).get("uid")
+        if uid:
+            self._recent_pods[uid] = pod
+        placement_request = PlacementRequest(request)
+        cacheable = node_policy.cacheable and gpu_policy.cacheable
+        key = self._cache_key(request, node_policy, gpu_policy)
+        state = self.state
+        ttl = state.heartbeat_ttl_s
+        with state.lock:
+            now = state.clock()
+            nodes = state.nodes
+            for name in node_names:
+                node = nodes.get(name)
+                if node is None:
+                    outcome.failed[name] = f"node {name}: not known to kube-vgpu yet (no GPU inventory seen)"
+                    continue
+                if not node.gpus:
+                    error = state.inventory_errors.get(name)
+                    outcome.unresolvable[name] = (
+                        f"node {name}: invalid GPU inventory ({error})" if error
+                        else f"node {name}: no GPUs (no kube-vgpu GPU inventory on this node)"
+                    )
+                    continue
+                if node.heartbeat_s is None or now - node.heartbeat_s > ttl:
+                    age = "never" if node.heartbeat_s is None else f"{now - node.heartbeat_s:.0f} s ago"
+                    outcome.failed[name] = f"node {name}: GPU inventory stale (last heartbeat {age})"
+                    continue
+                result = node.fit_cache.get(key) if cacheable else None
+                if result is None:
+                    result = place(node, placement_request, gpu_policy, node_policy)
+                    if cacheable:
+                        node.fit_cache[key] = result
+                if isinstance(result, FitFailure):
+                    (outcome.unresolvable if result.unresolvable else outcome.failed)[name] = result.reason
+                    self.on_rejection(result.code)
+                    continue
+                gate_reason = None
+                for gate in self.gates:
+                    gate_reason = gate.check(pod, request, node)
+                    if gate_reason:
+                        break
+                if gate_reason:
+                    outcome.failed[name] = gate_reason
+                    self.on_rejection("quota")
+                    continue
+                outcome.passed.append(name)
+                placements[name] = result
+        return outcome, placements
+
+    def filter(self, pod: Mapping[str, Any], node_names: Iterable[str]) -> FilterOutcome:
+        return self._evaluate(pod, node_names)[0]
+
+    def prioritize(self, pod: Mapping[str, Any], node_names: Iterable[str]) -> list[tuple[str, int]]:
+        outcome, placements = self._evaluate(pod, node_names)
+        if outcome.error:
+            raise InvalidGpuRequest(outcome.error)
+        scores = {name: placements[name].score for name in outcome.passed}
+        if not scores:
+            return [(name, 0) for name in node_names]
+        low, high = min(scores.values()), max(scores.values())
+        spread = high - low
+        result = []
+        for name in node_names:
+            raw = scores.get(name)
+            if raw is None:
+                result.append((name, 0))
+            elif spread <= 1e-12:
+                result.append((name, MAX_EXTENDER_SCORE))
+            else:
+                result.append((name, round((raw - low) / spread * MAX_EXTENDER_SCORE)))
+        return result
+
+    # --- bind -----------------------------------------------------------------------------------
+    def bind(self, namespace: str, name: str, uid: str, node_name: str) -> None:
+        """Decide the exact GPUs and commit. Raises BindError with a reason; idempotent for a repeat."""
+        with self._binding_lock:
+            if uid in self._binding:
+                raise BindError(f"pod {namespace}/{name} is already being bound")
+            self._binding.add(uid)
+        try:
+            self._bind(namespace, name, uid, node_name)
+        finally:
+            with self._binding_lock:
+                self._binding.discard(uid)
+
+    def _bind(self, namespace: str, name: str, uid: str, node_name: str) -> None:
+        state = self.state
+        with state.lock:
+            existing = state.pods.get(uid)
+            if existing is not None and existing.node_name == node_name and existing.confirmed:
+                # a repeat: the assignment is already written; make sure the Binding exists too
+                reserved_here = False
+            else:
+                reserved_here = True
+        if not reserved_here:
+            self._create_binding(namespace, name, uid, node_name, rollback=False)
+            return
+
+        pod = self._recent_pods.get(uid) or self.binder.get_pod(namespace, name)
+        if pod is None:
+            raise BindError(f"pod {namespace}/{name} not found")
+        if (pod.get("metadata") or {}).get("uid") not in (None, uid):
+            raise BindError(f"pod {namespace}/{name} has a different UID than the one being bound")
+        try:
+            request = protocol.parse_pod_gpu_request(pod)
+            node_policy, gpu_policy = self._policies_for(request)
+        except InvalidGpuRequest as exc:
+            raise BindError(f"invalid GPU request: {exc}") from None
+        self.binder.remember_pod(pod)
+
+        with state.lock:
+            node = state.nodes.get(node_name)
+            if node is None:
+                raise BindError(f"node {node_name}: not known to kube-vgpu")
+            age = state.heartbeat_age_s(node)
+            if age is None or age > state.heartbeat_ttl_s:
+                raise BindError(f"node {node_name}: GPU inventory stale, not binding")
+            previous = state.pods.get(uid)
+            if previous is not None and not previous.bound:
+                # an earlier attempt left a reservation (e.g. on another node); it is superseded
+                state.release(uid)
+            placement = place(node, PlacementRequest(request), gpu_policy, node_policy)
+            if isinstance(placement, FitFailure):
+                raise BindError(placement.reason)
+            for gate in self.gates:
+                reason = gate.reserve(pod, request, node, uid)
+                if reason:
+                    raise BindError(reason)
+            assignment = assignment_from_placement(node, placement)
+            labels = (pod.get("metadata") or {}).get("labels") or {}
+            state.reserve(uid, namespace, name, assignment, labels)
+
+        annotations = {protocol.POD_ASSIGNMENT_ANNOTATION: protocol.encode_assignment(assignment)}
+        try:
+            self.binder.write_assignment(namespace, name, uid, annotations)
+        except Exception as exc:
+            state.release(uid, only_unconfirmed=True)
+            raise BindError(f"writing the GPU assignment of {namespace}/{name} failed: {exc}") from None
+        self._create_binding(namespace, name, uid, node_name, rollback=True)
+
+    def _create_binding(self, namespace: str, name: str, uid: str, node_name: str, *, rollback: bool) -> None:
+        try:
+            self.binder.bind(namespace, name, uid, node_name)
+        except Exception as exc:
+            if rollback:
+                try:
+                    self.binder.clear_assignment(namespace, name, uid)
+                except Exception as clear_exc:  # the pod keeps a stale annotation; the next bind supersedes it
+                    log.warning("pod %s/%s: could not remove assignment after failed bind: %s", namespace, name, clear_exc)
+                    # keep the reservation: the annotation still exists, so the GPUs stay counted (never over-commit)
+                    raise BindError(f"binding {namespace}/{name} to {node_name} failed: {exc}") from None
+                self.state.release(uid)
+            raise BindError(f"binding {namespace}/{name} to {node_name} failed: {exc}") from None

@@ -1,0 +1,277 @@
+"""Cache-key, stamp and prebuilt-directory logic of kube_vgpu.devcluster.binaries, without building anything.
+
+Real files in a tmp dir stand in for the cache; PATH is pointed at a directory without a real `go`, so any
+attempt to build shows up as GoNotFoundError (or as the output of a stub `go` script) instead of a long build.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kube_vgpu.devcluster import binaries
+from kube_vgpu.devcluster.binaries import (
+    BINARY_NAMES,
+    ETCD_VERSION,
+    KUBERNETES_VERSION,
+    BinaryBuildError,
+    GoNotFoundError,
+    PrebuiltBinariesError,
+    ensure_binaries,
+)
+
+STUB_SCRIPT = "#!/bin/sh\nexit 0\n"
+
+
+def _write_executable(path: Path, text: str = STUB_SCRIPT) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return path
+
+
+def _write_stamp(keys: dict[str, str]) -> None:
+    stamp = {"binaries": {name: {"key": key} for name, key in keys.items()}}
+    binaries.stamp_path().write_text(json.dumps(stamp))
+
+
+@pytest.fixture
+def no_go_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Fresh cache root, no KUBE_VGPU_BIN_DIR, and a PATH with no `go` on it. Returns the (empty) PATH dir."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv(binaries.BIN_DIR_ENV, raising=False)
+    path_dir = tmp_path / "path"
+    path_dir.mkdir()
+    monkeypatch.setenv("PATH", str(path_dir))
+    return path_dir
+
+
+@pytest.fixture
+def cached(no_go_env: Path) -> Path:
+    """A cache holding stub executables of every binary and a stamp with the current build keys."""
+    for name in BINARY_NAMES:
+        _write_executable(binaries.bin_dir() / name)
+    _write_stamp(binaries.build_keys())
+    return binaries.bin_dir()
+
+
+def test_cache_dir_is_keyed_by_kubernetes_version(no_go_env: Path, tmp_path: Path) -> None:
+    assert binaries.cache_dir() == tmp_path / "cache" / "kube-vgpu" / f"k8s-{KUBERNETES_VERSION}"
+    assert binaries.bin_dir() == binaries.cache_dir() / "bin"
+
+
+def test_build_keys_name_versions_of_every_binary() -> None:
+    keys = binaries.build_keys()
+    assert set(keys) == set(BINARY_NAMES) == {"etcd", "kube-apiserver", "kube-scheduler", "kubectl"}
+    assert ETCD_VERSION in keys["etcd"]
+    for name in ("kube-apiserver", "kube-scheduler", "kubectl"):
+        assert f"k8s.io/kubernetes@{KUBERNETES_VERSION}" in keys[name]
+
+
+def test_cached_binaries_are_returned_without_go(cached: Path) -> None:
+    messages: list[str] = []
+    paths = ensure_binaries(progress=messages.append)
+    assert paths == {name: cached / name for name in BINARY_NAMES}
+    assert messages == []  # nothing was (re)built, nothing to report
+
+
+def test_stamp_with_other_etcd_version_triggers_rebuild_of_etcd_only(cached: Path) -> None:
+    keys = binaries.build_keys()
+    keys["etcd"] = keys["etcd"].replace(ETCD_VERSION, "v3.5.21")
+    _write_stamp(keys)
+    assert binaries.stale_binaries(cached, binaries.read_stamp(binaries.stamp_path())) == ["etcd"]
+    with pytest.raises(GoNotFoundError, match=r"go\.dev/doc/install"):
+        ensure_binaries(progress=lambda _message: None)
+
+
+def test_missing_or_non_executable_binary_is_stale(cached: Path) -> None:
+    (cached / "kubectl").unlink()
+    (cached / "kube-scheduler").chmod(0o644)
+    stamp = binaries.read_stamp(binaries.stamp_path())
+    assert binaries.stale_binaries(cached, stamp) == ["kube-scheduler", "kubectl"]
+
+
+@pytest.mark.parametrize("stamp_text", ["", "{not json", "[]", '{"binaries": 3}', '{"binaries": {"etcd": "x"}}'])
+def test_missing_or_corrupt_stamp_means_everything_is_rebuilt(cached: Path, stamp_text: str) -> None:
+    binaries.stamp_path().write_text(stamp_text)
+    stamp = binaries.read_stamp(binaries.stamp_path())
+    assert binaries.stale_binaries(cached, stamp) == list(BINARY_NAMES)
+    binaries.stamp_path().unlink()
+    assert binaries.read_stamp(binaries.stamp_path()) == {}
+
+
+def test_bin_dir_env_points_at_prebuilt_binaries(
+    no_go_env: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prebuilt = tmp_path / "prebuilt"
+    for name in BINARY_NAMES:
+        _write_executable(prebuilt / name)
+    monkeypatch.setenv(binaries.BIN_DIR_ENV, str(prebuilt))
+    # No stamp and no go needed: the directory is taken as is.
+    assert ensure_binaries(progress=lambda _message: None) == {name: prebuilt / name for name in BINARY_NAMES}
+    assert not binaries.cache_dir().exists()
+
+
+def test_bin_dir_env_missing_binary_is_a_clear_error(
+    no_go_env: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prebuilt = tmp_path / "prebuilt"
+    for name in ("etcd", "kube-apiserver", "kube-scheduler"):
+        _write_executable(prebuilt / name)
+    (prebuilt / "kubectl").write_text("not executable")
+    monkeypatch.setenv(binaries.BIN_DIR_ENV, str(prebuilt))
+    with pytest.raises(PrebuiltBinariesError, match=r"lacks executable kubectl"):
+        ensure_binaries(progress=lambda _message: None)
+
+
+def test_empty_cache_without_go_says_how_to_install_it(no_go_env: Path) -> None:
+    with pytest.raises(GoNotFoundError, match="`go` was not found on PATH") as excinfo:
+        ensure_binaries(progress=lambda _message: None)
+    assert binaries.BIN_DIR_ENV in str(excinfo.value)
+
+
+def test_too_old_go_is_rejected(no_go_env: Path) -> None:
+    _write_executable(
+        no_go_env / "go", '#!/bin/sh\n[ "$1 $2" = "env GOVERSION" ] && echo go1.21.13 && exit 0\nexit 2\n'
+    )
+    with pytest.raises(GoNotFoundError, match=r"go1\.21\.13, too old"):
+        ensure_binaries(progress=lambda _message: None)
+
+
+def test_failed_build_shows_go_output_and_leaves_no_binary(no_go_env: Path) -> None:
+    # A stand-in `go` that is new enough but whose every build fails, as a broken proxy or compile error would.
+    _write_executable(
+        no_go_env / "go",
+        "#!/bin/sh\n"
+        'if [ "$1 $2" = "env GOVERSION" ]; then echo go1.26.0; exit 0; fi\n'
+        "echo 'go: downloading example.com/dep v1.0.0' >&2\n"
+        "echo 'cmd/x/main.go:3:2: undefined: somethingBroken' >&2\n"
+        'out=""; prev=""\n'
+        'for arg; do [ "$prev" = "-o" ] && out="$arg"; prev="$arg"; done\n'
+        '[ -n "$out" ] && echo half > "$out"\n'
+        "exit 1\n",
+    )
+    messages: list[str] = []
+    with pytest.raises(BinaryBuildError, match="undefined: somethingBroken") as excinfo:
+        ensure_binaries(progress=messages.append)
+    assert "building etcd failed" in str(excinfo.value)
+    assert any("etcd" in message for message in messages)
+    # The half-written output was cleaned up, nothing looks built, and the stamp records nothing.
+    assert sorted(os.listdir(binaries.bin_dir())) == []
+    assert binaries.read_stamp(binaries.stamp_path()) == {}
+    assert not (binaries.cache_dir() / "work").exists() or list((binaries.cache_dir() / "work").iterdir()) == []
+
+
+def test_kubernetes_go_mod_replaces_every_staging_module() -> None:
+    upstream = (
+        "module k8s.io/kubernetes\n\ngo 1.24.0\n\nrequire (\n\tk8s.io/api v0.0.0\n)\n\n"
+        "replace (\n\tk8s.io/api => ./staging/src/k8s.io/api\n"
+        "\tk8s.io/client-go => ./staging/src/k8s.io/client-go\n"
+        "\tk8s.io/kube-scheduler => ./staging/src/k8s.io/kube-scheduler\n)\n"
+    )
+    go_mod = binaries.kubernetes_go_mod(upstream)
+    assert f"require k8s.io/kubernetes {KUBERNETES_VERSION}" in go_mod
+    for module in ("k8s.io/api", "k8s.io/client-go", "k8s.io/kube-scheduler"):
+        assert f"\t{module} => {module} {binaries.KUBERNETES_STAGING_VERSION}\n" in go_mod
+    assert "=> ./staging" not in go_mod
+    with pytest.raises(BinaryBuildError):
+        binaries.kubernetes_go_mod("module k8s.io/kubernetes\n")
+
+
+def test_version_ldflags_set_the_release_version() -> None:
+    flags = binaries.kubernetes_version_ldflags("2026-02-10T12:53:36Z")
+    assert f"-X k8s.io/component-base/version.gitVersion={KUBERNETES_VERSION}" in flags
+    assert "-X k8s.io/client-go/pkg/version.gitMinor=34" in flags
+    assert "-X k8s.io/component-base/version.buildDate=2026-02-10T12:53:36Z" in flags
+
+
+# A stand-in `go` that "builds" tiny scripts printing the right version, so the whole success path (module
+# template, version check, atomic rename, stamp, lock) runs for real in well under a second per binary.
+FAKE_GO = """#!{python}
+import json, os, sys, time
+from pathlib import Path
+
+args = sys.argv[1:]
+state = Path({state_dir!r})
+if args[:2] == ["env", "GOVERSION"]:
+    print("go1.26.0")
+elif args[:3] == ["mod", "download", "-json"]:
+    (state / "k8s.mod").write_text("replace (\\n\\tk8s.io/api => ./staging/src/k8s.io/api\\n)\\n")
+    (state / "k8s.info").write_text(json.dumps({{"Version": "v1.34.4", "Time": "2026-02-10T12:53:36Z"}}))
+    print(json.dumps({{"GoMod": str(state / "k8s.mod"), "Info": str(state / "k8s.info")}}))
+elif args[0] == "build":
+    out = Path(args[args.index("-o") + 1])
+    with (state / "builds.log").open("a") as log:
+        log.write(f"{{os.getpid()}} {{args[-1]}} {{Path('go.mod').read_text().splitlines()[0]}}\\n")
+    time.sleep(0.5)  # long enough for a concurrent caller to find the lock taken
+    out.write_text(
+        "#!/bin/sh\\necho 'etcd Version: 3.6.5'; echo 'Kubernetes v1.34.4'; echo 'Client Version: v1.34.4'\\n"
+    )
+    out.chmod(0o755)
+else:
+    sys.exit(f"fake go: unexpected {{args}}")
+"""
+
+
+@pytest.fixture
+def fake_go(no_go_env: Path, tmp_path: Path) -> Path:
+    """Install the stand-in `go` on PATH; returns the file its builds are logged to."""
+    state_dir = tmp_path / "fake-go-state"
+    state_dir.mkdir()
+    _write_executable(no_go_env / "go", FAKE_GO.format(python=sys.executable, state_dir=str(state_dir)))
+    return state_dir / "builds.log"
+
+
+def test_build_records_stamp_and_second_call_does_not_rebuild(fake_go: Path) -> None:
+    messages: list[str] = []
+    paths = ensure_binaries(progress=messages.append)
+    assert paths == {name: binaries.bin_dir() / name for name in BINARY_NAMES}
+    log_lines = fake_go.read_text().splitlines()
+    # Each binary is built from its own throw-away module.
+    assert [line.split()[2:] for line in log_lines] == [["module", "kube-vgpu.local/build/etcd"]] + [
+        ["module", "kube-vgpu.local/build/kubernetes"]
+    ] * 3
+    built = [line.split()[1] for line in log_lines]
+    assert built == [
+        "go.etcd.io/etcd/server/v3",
+        "k8s.io/kubernetes/cmd/kube-apiserver",
+        "k8s.io/kubernetes/cmd/kube-scheduler",
+        "k8s.io/kubernetes/cmd/kubectl",
+    ]
+    assert binaries.read_stamp(binaries.stamp_path()) == binaries.build_keys()
+    assert any("kube-apiserver" in message and "done in" in message for message in messages)
+    # Only the final names are left: no partial outputs, no throw-away modules.
+    assert sorted(os.listdir(binaries.bin_dir())) == sorted(BINARY_NAMES)
+    assert list((binaries.cache_dir() / "work").iterdir()) == []
+
+    ensure_binaries(progress=messages.append)
+    assert len(fake_go.read_text().splitlines()) == len(BINARY_NAMES)
+
+
+def test_concurrent_callers_build_each_binary_once(fake_go: Path) -> None:
+    repo_root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo_root), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "kube_vgpu.devcluster.binaries"]
+    callers = [
+        subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)
+    ]
+    outputs = [caller.communicate(timeout=60) for caller in callers]
+    assert [caller.returncode for caller in callers] == [0, 0], outputs
+    print("\n".join(stderr for _stdout, stderr in outputs))  # shows who waited for the lock, with `pytest -s`
+    for stdout, _stderr in outputs:
+        assert f"kube-apiserver: {binaries.bin_dir() / 'kube-apiserver'}" in stdout
+    built = sorted(line.split()[1] for line in fake_go.read_text().splitlines())
+    assert built == sorted(
+        [
+            "go.etcd.io/etcd/server/v3",
+            "k8s.io/kubernetes/cmd/kube-apiserver",
+            "k8s.io/kubernetes/cmd/kube-scheduler",
+            "k8s.io/kubernetes/cmd/kubectl",
+        ]
+    )

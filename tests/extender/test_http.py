@@ -1,0 +1,157 @@
+"""The extender over real HTTP, with payloads shaped exactly as kube-scheduler sends them."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from extender.cli import Extender, build
+from kube_vgpu import protocol
+from tests.helpers import gpu_node, pod
+from tests.servers import serve
+
+
+@pytest.fixture()
+def snapshot_file(tmp_path: Path) -> Path:
+    nodes = [
+        gpu_node("a100-0", gpus=4, memory_mib=81920, topology="nvswitch"),
+        gpu_node("a100-1", gpus=4, memory_mib=81920, topology="nvswitch"),
+        gpu_node("t4-0", gpus=2, model="Tesla-T4", memory_mib=15360, topology="pcie"),
+    ]
+    path = tmp_path / "snapshot.json"
+    path.write_bytes(orjson.dumps({"apiVersion": "v1", "kind": "List", "items": nodes}))
+    return path
+
+
+@pytest.fixture()
+def extender(snapshot_file: Path) -> Extender:
+    args = argparse.Namespace(snapshot=str(snapshot_file), kubeconfig=None, policy="binpack", gpu_policy="topology",
+                              heartbeat_ttl_seconds=120.0, quota_config=None)
+    return build(args)
+
+
+@pytest.fixture()
+def client(extender: Extender) -> Iterator[httpx.Client]:
+    with serve(extender.app) as url, httpx.Client(base_url=url, timeout=10) as http:
+        yield http
+
+
+NAMES = ["a100-0", "a100-1", "t4-0"]
+
+
+def test_filter_node_names_mode(client: httpx.Client) -> None:
+    big = pod(memory_mib=40000, cores=50)
+    reply = client.post("/filter", json={"Pod": big, "NodeNames": NAMES, "Nodes": None}).json()
+    assert reply["NodeNames"] == ["a100-0", "a100-1"]
+    assert reply["Error"] == ""
+    assert reply["FailedAndUnresolvableNodes"] == {
+        "t4-0": "node t4-0: needs 40000 MiB per GPU, largest GPU here has 15360 MiB"
+    }
+
+
+def test_filter_full_nodes_mode(client: httpx.Client) -> None:
+    nodes = [gpu_node(name) for name in NAMES]
+    reply = client.post("/filter", json={"Pod": pod(gpus=3, cores=100), "Nodes": {"items": nodes}}).json()
+    assert [n["metadata"]["name"] for n in reply["Nodes"]["items"]] == ["a100-0", "a100-1"]
+    assert reply["NodeNames"] is None
+    assert "needs 3 GPUs, node has 2" in reply["FailedAndUnresolvableNodes"]["t4-0"]
+
+
+def test_prioritize_scores_in_range_and_binpacks(client: httpx.Client, extender: Extender) -> None:
+    first = pod(memory_mib=20000, cores=20)
+    meta = first["metadata"]
+    client.post("/filter", json={"Pod": first, "NodeNames": NAMES})
+    assert client.post("/bind", json={"PodName": meta["name"], "PodNamespace": "default", "PodUID": meta["uid"],
+                                      "Node": "a100-1"}).json() == {"Error": ""}
+    scores = client.post("/prioritize", json={"Pod": pod(memory_mib=1000), "NodeNames": NAMES}).json()
+    by_host = {entry["Host"]: entry["Score"] for entry in scores}
+    assert all(0 <= score <= 10 for score in by_host.values())
+    assert by_host["a100-1"] > by_host["a100-0"]  # binpack: the node already in use
+
+
+def test_bind_writes_assignment_and_is_idempotent(client: httpx.Client, extender: Extender) -> None:
+    p = pod(gpus=2, memory_mib=10000, cores=30)
+    meta = p["metadata"]
+    client.post("/filter", json={"Pod": p, "NodeNames": NAMES})
+    args = {"PodName": meta["name"], "PodNamespace": "default", "PodUID": meta["uid"], "Node": "a100-0"}
+    assert client.post("/bind", json=args).json() == {"Error": ""}
+    stored = extender.source.pods[("default", meta["name"])]
+    assignment = protocol.decode_assignment(stored["metadata"]["annotations"][protocol.POD_ASSIGNMENT_ANNOTATION])
+    assert stored["spec"]["nodeName"] == "a100-0" and assignment.node == "a100-0"
+    assert [(d.memory_mib, d.cores) for d in assignment.all_devices()] == [(10000, 30), (10000, 30)]
+    assert client.post("/bind", json=args).json() == {"Error": ""}  # repeat: same answer, nothing counted twice
+    used = sum(g.used_memory_mib for g in extender.state.nodes["a100-0"].gpus)
+    assert used == 20000
+
+
+def test_bind_refuses_when_it_no_longer_fits(client: httpx.Client) -> None:
+    p = pod(memory_mib=20000)
+    meta = p["metadata"]
+    client.post("/filter", json={"Pod": p, "NodeNames": NAMES})
+    reply = client.post("/bind", json={"PodName": meta["name"], "PodNamespace": "default", "PodUID": meta["uid"],
+                                       "Node": "t4-0"}).json()
+    assert "needs 20000 MiB per GPU" in reply["Error"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "message"),
+    [
+        ("/filter", b"", "empty request body"),
+        ("/filter", b"{not json", "not valid JSON"),
+        ("/filter", b"[]", "must be a JSON object"),
+        ("/filter", b'{"Pod": 3, "NodeNames": []}', "Pod must be a Pod object"),
+        ("/filter", b'{"Pod": {}, "NodeNames": "a"}', "NodeNames must be a list of strings"),
+        ("/filter", b'{"Pod": {}}', "needs NodeNames"),
+        ("/prioritize", b"\xff\xfe", "not valid JSON"),
+        ("/bind", b'{"PodName": "x"}', "missing PodNamespace, PodUID, Node"),
+    ],
+)
+def test_malformed_bodies_get_400_and_service_keeps_serving(
+    client: httpx.Client, path: str, body: bytes, message: str
+) -> None:
+    reply = client.post(path, content=body, headers={"Content-Type": "application/json"})
+    assert reply.status_code == 400
+    assert message in reply.json()["Error"]
+    assert client.get("/healthz").status_code == 200
+
+
+def test_oversized_body_rejected(client: httpx.Client) -> None:
+    # a raw socket: HTTP clients refuse to send a Content-Length they cannot back with data
+    host, port = str(client.base_url.host), int(client.base_url.port or 80)
+    with socket.create_connection((host, port), timeout=10) as sock:
+        sock.sendall(b"POST /filter HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000000000\r\n\r\n{")
+        reply = b""
+        while b"}" not in reply:  # headers and body may arrive in separate segments
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 400") and b"too large" in reply
+    assert client.get("/healthz").status_code == 200
+
+
+def test_invalid_pod_request_reported_in_error_field(client: httpx.Client) -> None:
+    reply = client.post("/filter", json={"Pod": pod(cores=150), "NodeNames": NAMES}).json()
+    assert "nvidia.com/gpucores must be between 0 and 100, got 150" in reply["Error"]
+    reply = client.post("/filter", json={"Pod": pod(annotations={protocol.ANNOTATION_GPU_POLICY: "nope"}),
+                                         "NodeNames": NAMES}).json()
+    assert "unknown policy 'nope'" in reply["Error"]
+
+
+def test_health_ready_metrics_state(client: httpx.Client) -> None:
+    assert client.get("/readyz").status_code == 200
+    client.post("/filter", json={"Pod": pod(memory_mib=99999), "NodeNames": NAMES})
+    metrics = client.get("/metrics").text
+    assert 'kube_vgpu_extender_request_seconds_count{verb="filter"}' in metrics
+    assert 'kube_vgpu_extender_rejections_total{reason="memory"}' in metrics
+    assert 'kube_vgpu_gpu_memory_mib{gpu="0",model="Tesla-T4",node="t4-0"' in metrics
+    state: dict[str, Any] = client.get("/state").json()
+    assert {n["name"] for n in state["nodes"]} == set(NAMES)
