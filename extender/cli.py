@@ -17,14 +17,26 @@ log = logging.getLogger("kube_vgpu.extender")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--snapshot", metavar="FILE", help="serve a `kind: List` of Nodes and Pods; binds stay in memory")
+    source.add_argument(
+        "--snapshot", metavar="FILE", help="serve a `kind: List` of Nodes and Pods; binds stay in memory"
+    )
     source.add_argument("--kubeconfig", metavar="FILE", help="live mode against this cluster (default: in-cluster)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: the sidecar case)")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: the sidecar case)"
+    )
     parser.add_argument("--port", type=int, default=8888)
-    parser.add_argument("--policy", default=DEFAULT_NODE_POLICY, help="default node policy (hami.io/node-scheduler-policy)")
-    parser.add_argument("--gpu-policy", default=DEFAULT_GPU_POLICY, help="default GPU policy (hami.io/gpu-scheduler-policy)")
-    parser.add_argument("--heartbeat-ttl-seconds", type=float, default=120.0,
-                        help="inventory older than this makes a node unschedulable for GPU pods")
+    parser.add_argument(
+        "--policy", default=DEFAULT_NODE_POLICY, help="default node policy (hami.io/node-scheduler-policy)"
+    )
+    parser.add_argument(
+        "--gpu-policy", default=DEFAULT_GPU_POLICY, help="default GPU policy (hami.io/gpu-scheduler-policy)"
+    )
+    parser.add_argument(
+        "--heartbeat-ttl-seconds",
+        type=float,
+        default=120.0,
+        help="inventory older than this makes a node unschedulable for GPU pods",
+    )
     parser.add_argument("--quota-config", metavar="FILE", help="Kueue ClusterQueue / LocalQueue / ResourceFlavor YAML")
     parser.add_argument("--log-level", default="INFO")
 
@@ -47,7 +59,7 @@ def build(args: argparse.Namespace) -> Extender:
             raise SystemExit(f"kube-vgpu extender: unknown policy {name!r}; known: {', '.join(known)}")
     # a snapshot is a still picture: its heartbeats are as old as the file, never "stale"
     ttl_s = float("inf") if args.snapshot else args.heartbeat_ttl_seconds
-    state = ClusterState(heartbeat_ttl_s=ttl_s)
+    state = ClusterState(heartbeat_ttl_s=ttl_s, freeze_gc_when_synced=True)
     gates: list[Any] = []
     quota_config = getattr(args, "quota_config", None)
     if args.snapshot:
@@ -89,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kube-vgpu extender: {exc}", file=sys.stderr)
         return 2
     mode = f"snapshot {args.snapshot}" if args.snapshot else "live"
-    log.info("serving on %s:%d (%s, node policy %s, GPU policy %s)", args.host, args.port, mode, args.policy,
-             args.gpu_policy)
+    log.info(
+        "serving on %s:%d (%s, node policy %s, GPU policy %s)", args.host, args.port, mode, args.policy, args.gpu_policy
+    )
     uvicorn.run(extender.app, host=args.host, port=args.port, log_level="warning", access_log=False)
     return 0

@@ -152,7 +152,8 @@ class Scheduler:
                 if not node.gpus:
                     error = state.inventory_errors.get(name)
                     outcome.unresolvable[name] = (
-                        f"node {name}: invalid GPU inventory ({error})" if error
+                        f"node {name}: invalid GPU inventory ({error})"
+                        if error
                         else f"node {name}: no GPUs (no kube-vgpu GPU inventory on this node)"
                     )
                     continue
@@ -281,7 +282,9 @@ class Scheduler:
                 try:
                     self.binder.clear_assignment(namespace, name, uid)
                 except Exception as clear_exc:  # the pod keeps a stale annotation; the next bind supersedes it
-                    log.warning("pod %s/%s: could not remove assignment after failed bind: %s", namespace, name, clear_exc)
+                    log.warning(
+                        "pod %s/%s: could not remove assignment after failed bind: %s", namespace, name, clear_exc
+                    )
                     # keep the reservation: the annotation still exists, so the GPUs stay counted (never over-commit)
                     raise BindError(f"binding {namespace}/{name} to {node_name} failed: {exc}") from None
                 self.state.release(uid)

@@ -7,7 +7,8 @@ hand, so malformed input gets a 400 with a message and the service keeps serving
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import orjson
@@ -125,11 +126,15 @@ def create_app(scheduler: Scheduler, *, on_startup: Callable[[], None] | None = 
     state = scheduler.state
     registry = CollectorRegistry()
     latency = Histogram(
-        "kube_vgpu_extender_request_seconds", "extender verb latency", ["verb"], buckets=LATENCY_BUCKETS_S,
+        "kube_vgpu_extender_request_seconds",
+        "extender verb latency",
+        ["verb"],
+        buckets=LATENCY_BUCKETS_S,
         registry=registry,
     )
-    rejections = Counter("kube_vgpu_extender_rejections_total", "nodes rejected by filter, by reason", ["reason"],
-                         registry=registry)
+    rejections = Counter(
+        "kube_vgpu_extender_rejections_total", "nodes rejected by filter, by reason", ["reason"], registry=registry
+    )
     binds = Counter("kube_vgpu_extender_binds_total", "bind calls by outcome", ["outcome"], registry=registry)
     bad_requests = Counter("kube_vgpu_extender_bad_requests_total", "malformed requests", ["verb"], registry=registry)
     registry.register(GpuCollector(state))
@@ -142,9 +147,13 @@ def create_app(scheduler: Scheduler, *, on_startup: Callable[[], None] | None = 
         child.inc()
 
     scheduler.on_rejection = count_rejection
-    app = FastAPI(title="kube-vgpu extender", docs_url=None, redoc_url=None, openapi_url=None)
-    if on_startup is not None:
-        app.add_event_handler("startup", on_startup)
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if on_startup is not None:
+            on_startup()  # live mode: start the watches once the server is up
+        yield
+
+    app = FastAPI(title="kube-vgpu extender", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.scheduler = scheduler
 
     def bad(verb: str, message: str) -> Response:
@@ -197,8 +206,14 @@ def create_app(scheduler: Scheduler, *, on_startup: Callable[[], None] | None = 
             doc = await read_json_body(request)
             if not isinstance(doc, dict):
                 raise BadRequest("ExtenderBindingArgs must be a JSON object")
-            fields = {key: doc.get(key) for key in ("PodName", "PodNamespace", "PodUID", "Node")}
-            missing = [key for key, value in fields.items() if not isinstance(value, str) or not value]
+            fields: dict[str, str] = {}
+            missing = []
+            for key in ("PodName", "PodNamespace", "PodUID", "Node"):
+                value = doc.get(key)
+                if isinstance(value, str) and value:
+                    fields[key] = value
+                else:
+                    missing.append(key)
             if missing:
                 raise BadRequest(f"ExtenderBindingArgs is missing {', '.join(missing)}")
         except BadRequest as exc:

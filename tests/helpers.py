@@ -11,8 +11,14 @@ from kube_vgpu.synth import node_object, synth_inventory
 _counter = itertools.count()
 
 
-def gpu_node(name: str, gpus: int = 4, model: str = "NVIDIA-A100-SXM4-80GB", memory_mib: int = 81920,
-             topology: str = "nvswitch", **node_kwargs: Any) -> dict[str, Any]:
+def gpu_node(
+    name: str,
+    gpus: int = 4,
+    model: str = "NVIDIA-A100-SXM4-80GB",
+    memory_mib: int = 81920,
+    topology: str = "nvswitch",
+    **node_kwargs: Any,
+) -> dict[str, Any]:
     return node_object(name, synth_inventory(name, gpus, model, memory_mib, topology), **node_kwargs)
 
 
@@ -60,7 +66,12 @@ def pod(
         "enableServiceLinks": True,
         "preemptionPolicy": "PreemptLowerPriority",
         "tolerations": [
-            {"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 300}
+            {
+                "key": "node.kubernetes.io/not-ready",
+                "operator": "Exists",
+                "effect": "NoExecute",
+                "tolerationSeconds": 300,
+            }
         ],
     }
     if init_gpus is not None:

@@ -116,7 +116,9 @@ def place(
         if node.cpu_milli_used + request.cpu_milli > node.cpu_milli_total:
             return FitFailure(f"node {node.name}: not enough CPU", request.cpu_milli > node.cpu_milli_total, "host")
         if node.memory_mib_used + request.memory_mib > node.memory_mib_total:
-            return FitFailure(f"node {node.name}: not enough memory", request.memory_mib > node.memory_mib_total, "host")
+            return FitFailure(
+                f"node {node.name}: not enough memory", request.memory_mib > node.memory_mib_total, "host"
+            )
     gpu_request = request.gpu
     if gpu_request.is_empty:
         placement = Placement(node.name, (), ())
@@ -146,7 +148,8 @@ def place(
                 current[2] = max(current[2], scratch.shares[position])
                 current[3] = max(current[3], int(scratch.exclusive[position]))
     usage = tuple(
-        GpuUsage(position, values[0], values[1], values[2], bool(values[3])) for position, values in sorted(peak.items())
+        GpuUsage(position, values[0], values[1], values[2], bool(values[3]))
+        for position, values in sorted(peak.items())
     )
     unscored = Placement(node.name, tuple(placed), usage)
     return Placement(node.name, unscored.containers, usage, node_policy.score(node, request, unscored))
@@ -191,7 +194,9 @@ def explain_failure(
     if len(usable) < count:
         unhealthy = sum(1 for g in eligible if not g.healthy)
         mig = sum(1 for g in eligible if g.mig_mode)
-        details = ", ".join(p for p in (f"{unhealthy} unhealthy" if unhealthy else "", f"{mig} in MIG mode" if mig else "") if p)
+        details = ", ".join(
+            p for p in (f"{unhealthy} unhealthy" if unhealthy else "", f"{mig} in MIG mode" if mig else "") if p
+        )
         return FitFailure(
             f"{prefix}needs {count} {plural}, only {len(usable)} usable ({details})",
             unresolvable=unhealthy == 0,
@@ -203,24 +208,36 @@ def explain_failure(
     free_memory = [g.free_memory_mib - scratch.memory_mib[g.position] for g in with_shares]
     largest_free = max(free_memory, default=0)
     if len(open_gpus) < count:
-        return FitFailure(f"{prefix}needs {count} {plural}, {len(usable) - len(open_gpus)} of {len(usable)} held exclusively", code="exclusive")
+        return FitFailure(
+            f"{prefix}needs {count} {plural}, {len(usable) - len(open_gpus)} of {len(usable)} held exclusively",
+            code="exclusive",
+        )
     if len(with_shares) < count:
-        return FitFailure(f"{prefix}needs {count} {plural} with a vGPU slot left, {len(with_shares)} have one", code="shares")
+        return FitFailure(
+            f"{prefix}needs {count} {plural} with a vGPU slot left, {len(with_shares)} have one", code="shares"
+        )
     if exclusive:
         idle = sum(1 for g in with_shares if g.used_shares + scratch.shares[g.position] == 0)
-        return FitFailure(f"{prefix}needs {count} idle {plural} for exclusive use (gpucores 100), {idle} idle", code="exclusive")
+        return FitFailure(
+            f"{prefix}needs {count} idle {plural} for exclusive use (gpucores 100), {idle} idle", code="exclusive"
+        )
     memory_ok = [
-        g for g in with_shares if g.free_memory_mib - scratch.memory_mib[g.position] >= container.memory_on(g.memory_mib)
+        g
+        for g in with_shares
+        if g.free_memory_mib - scratch.memory_mib[g.position] >= container.memory_on(g.memory_mib)
     ]
     if len(memory_ok) < count:
         need = container.memory_mib if container.memory_mib is not None else None
-        need_text = f"{need} MiB" if need is not None else (
-            f"{container.memory_percent}% of memory" if container.memory_percent else "all its memory"
+        need_text = (
+            f"{need} MiB"
+            if need is not None
+            else (f"{container.memory_percent}% of memory" if container.memory_percent else "all its memory")
         )
         if count == 1:
             return FitFailure(f"{prefix}no GPU with {need_text} free (largest free {largest_free} MiB)", code="memory")
         return FitFailure(
-            f"{prefix}needs {count} GPUs with {need_text} free, {len(memory_ok)} have it (largest free {largest_free} MiB)",
+            f"{prefix}needs {count} GPUs with {need_text} free, {len(memory_ok)} have it "
+            f"(largest free {largest_free} MiB)",
             code="memory",
         )
     most_cores = max((g.free_cores - scratch.cores[g.position] for g in memory_ok), default=0)

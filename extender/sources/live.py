@@ -58,7 +58,9 @@ def _list_all(list_call: Callable[..., Any]) -> tuple[list[dict[str, Any]], str]
             return items, metadata.get("resourceVersion", "")
 
 
-def _watch_lines(list_call: Callable[..., Any], resource_version: str, stop: threading.Event) -> Iterator[dict[str, Any]]:
+def _watch_lines(
+    list_call: Callable[..., Any], resource_version: str, stop: threading.Event
+) -> Iterator[dict[str, Any]]:
     response = list_call(
         watch=True,
         resource_version=resource_version,
@@ -103,25 +105,30 @@ class LiveSource:
     def _mark_synced(self) -> None:
         if self._nodes_synced.is_set() and self._pods_synced.is_set() and not self.state.synced.is_set():
             log.info("initial sync done: %d nodes, %d assigned pods", len(self.state.nodes), len(self.state.pods))
-            self.state.synced.set()
+            self.state.mark_synced()
 
-    def _loop(self, name: str, resync: Callable[[], str], apply_event: Callable[[str, dict[str, Any]], None],
-              list_call: Callable[..., Any]) -> None:
+    def _loop(
+        self,
+        name: str,
+        resync: Callable[[], str],
+        apply_event: Callable[[str, dict[str, Any]], None],
+        list_call: Callable[..., Any],
+    ) -> None:
         backoff_s = 0.5
         resource_version = ""
         while not self.stop_event.is_set():
             try:
                 if not resource_version:
-                    resource_version = resync()
+                    resource_version = resync() or ""
                 for event in _watch_lines(list_call, resource_version, self.stop_event):
-                    kind = event.get("type")
+                    kind = str(event.get("type"))
                     obj = event.get("object") or {}
                     if kind == "ERROR":
                         if obj.get("code") == 410:
                             raise Gone()
                         raise RuntimeError(obj.get("message", "watch error"))
                     resource_version = (obj.get("metadata") or {}).get("resourceVersion", resource_version)
-                    if kind != "BOOKMARK":
+                    if kind in ("ADDED", "MODIFIED", "DELETED"):
                         apply_event(kind, obj)
                 backoff_s = 0.5
             except Gone:
@@ -187,7 +194,7 @@ class LiveBinder:
 
     def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            response = self.core.read_namespaced_pod(name, namespace, _preload_content=False)
+            response: Any = self.core.read_namespaced_pod(name, namespace, _preload_content=False)
         except ApiException as exc:
             if exc.status == 404:
                 return None

@@ -51,7 +51,7 @@ class SnapshotCluster:
                 metadata.setdefault("uid", f"uid-{metadata['namespace']}-{metadata.get('name')}")
                 self.pods[(metadata["namespace"], metadata["name"])] = item
         state.replace_all(self.nodes.values(), self.pods.values())
-        state.synced.set()
+        state.mark_synced()
 
     def add_pod(self, pod: dict[str, Any]) -> None:
         metadata = pod["metadata"]
@@ -74,9 +74,12 @@ class SnapshotCluster:
     def remember_pod(self, pod: Any) -> None:
         """A pod kube-scheduler sent that the snapshot does not hold yet behaves as if just created."""
         metadata = pod.get("metadata") or {}
-        key = (metadata.get("namespace") or "default", metadata.get("name"))
+        name = metadata.get("name")
+        if not isinstance(name, str) or not name:
+            return
+        key = (str(metadata.get("namespace") or "default"), name)
         with self._lock:
-            if key not in self.pods and key[1]:
+            if key not in self.pods:
                 stored = copy.deepcopy(dict(pod))
                 stored["metadata"].setdefault("namespace", "default")
                 self.pods[key] = stored

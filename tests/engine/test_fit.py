@@ -18,8 +18,14 @@ SPREAD = make_policy("spread")
 TOPOLOGY = make_policy("topology")
 
 
-def node_with(used: list[tuple[int, int, int]] | None = None, *, gpus: int = 2, memory_mib: int = 16000,
-              model: str = "Tesla-T4", healthy: list[bool] | None = None) -> NodeState:
+def node_with(
+    used: list[tuple[int, int, int]] | None = None,
+    *,
+    gpus: int = 2,
+    memory_mib: int = 16000,
+    model: str = "Tesla-T4",
+    healthy: list[bool] | None = None,
+) -> NodeState:
     """A node whose GPU i already holds used[i] = (memory MiB, cores, shares)."""
     inventory = synth_inventory("n1", gpus, model, memory_mib, "pcie")
     if healthy is not None:
@@ -44,14 +50,30 @@ CASES = [
     # (id, used per GPU, pod kwargs, expected GPU positions or failure substring)
     ("fits-empty", None, {"memory_mib": 4000, "cores": 30}, [0]),
     ("binpack-prefers-fuller", [(0, 0, 0), (8000, 20, 1)], {"memory_mib": 4000}, [1]),
-    ("memory-too-big", [(10000, 0, 1), (10000, 0, 1)], {"memory_mib": 8000},
-     "no GPU with 8000 MiB free (largest free 6000 MiB)"),
-    ("cores-exhausted", [(0, 90, 1), (0, 80, 1)], {"memory_mib": 100, "cores": 30},
-     "no GPU with 30% cores free (most free 20%)"),
-    ("exclusive-needs-idle", [(100, 10, 1), (100, 10, 1)], {"cores": 100, "memory_mib": 100},
-     "idle GPU for exclusive use"),
-    ("exclusive-holder-blocks-sharing", [(100, 100, 1), (100, 100, 1)], {"memory_mib": 100, "cores": 0},
-     "held exclusively"),
+    (
+        "memory-too-big",
+        [(10000, 0, 1), (10000, 0, 1)],
+        {"memory_mib": 8000},
+        "no GPU with 8000 MiB free (largest free 6000 MiB)",
+    ),
+    (
+        "cores-exhausted",
+        [(0, 90, 1), (0, 80, 1)],
+        {"memory_mib": 100, "cores": 30},
+        "no GPU with 30% cores free (most free 20%)",
+    ),
+    (
+        "exclusive-needs-idle",
+        [(100, 10, 1), (100, 10, 1)],
+        {"cores": 100, "memory_mib": 100},
+        "idle GPU for exclusive use",
+    ),
+    (
+        "exclusive-holder-blocks-sharing",
+        [(100, 100, 1), (100, 100, 1)],
+        {"memory_mib": 100, "cores": 0},
+        "held exclusively",
+    ),
     ("shares-exhausted", [(100, 0, 10), (100, 0, 10)], {"memory_mib": 100}, "vGPU slot left"),
     ("whole-memory-default-needs-empty-gpu", [(1, 0, 1), (0, 0, 0)], {}, [1]),
     ("two-gpus-distinct", None, {"gpus": 2, "memory_mib": 1000}, [0, 1]),

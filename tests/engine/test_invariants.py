@@ -59,7 +59,10 @@ def check_invariants(cluster: SnapshotCluster, state: ClusterState) -> None:
 @given(operations)
 def test_binds_and_releases_never_overcommit(ops: list[tuple[str, Any, int]]) -> None:
     state = ClusterState()
-    nodes = [gpu_node(f"n{i}", gpus=4, memory_mib=24000, topology=t) for i, t in enumerate(["nvswitch", "pcie", "nvlink-pairs"])]
+    nodes = [
+        gpu_node(f"n{i}", gpus=4, memory_mib=24000, topology=t)
+        for i, t in enumerate(["nvswitch", "pcie", "nvlink-pairs"])
+    ]
     cluster = SnapshotCluster(state, nodes)
     scheduler = Scheduler(state, cluster)
     bound: list[dict[str, Any]] = []

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from kube_vgpu import protocol
@@ -26,7 +28,7 @@ def test_inventory_round_trip_and_deterministic() -> None:
     ],
 )
 def test_inventory_errors_name_the_field(text: str, message: str) -> None:
-    with pytest.raises(protocol.ProtocolError, match=message):
+    with pytest.raises(protocol.ProtocolError, match=re.escape(message)):
         protocol.decode_inventory(text)
 
 
@@ -35,7 +37,9 @@ def test_assignment_round_trip() -> None:
         node="n1",
         containers=(
             protocol.ContainerAssignment("init", (protocol.DeviceShare("GPU-a", 1000, 10),), init=True),
-            protocol.ContainerAssignment("main", (protocol.DeviceShare("GPU-a", 2000, 20), protocol.DeviceShare("GPU-b", 2000, 20))),
+            protocol.ContainerAssignment(
+                "main", (protocol.DeviceShare("GPU-a", 2000, 20), protocol.DeviceShare("GPU-b", 2000, 20))
+            ),
         ),
     )
     assert protocol.decode_assignment(protocol.encode_assignment(assignment)) == assignment
@@ -61,9 +65,7 @@ def test_only_gpumem_implies_one_gpu() -> None:
 
 def test_init_containers_count_at_peak_app_containers_add_up() -> None:
     spec_pod = pod(gpus=2, init_gpus=3)
-    spec_pod["spec"]["containers"].append(
-        {"name": "sidecar", "resources": {"limits": {protocol.RESOURCE_GPU: "1"}}}
-    )
+    spec_pod["spec"]["containers"].append({"name": "sidecar", "resources": {"limits": {protocol.RESOURCE_GPU: "1"}}})
     request = parse_pod_gpu_request(spec_pod)
     assert request.total_vgpus == 3
     spec_pod["spec"]["initContainers"][0]["resources"]["limits"][protocol.RESOURCE_GPU] = "1"
@@ -90,7 +92,7 @@ def test_invalid_requests_have_actionable_messages(kwargs: dict[str, int], messa
 def test_non_integer_or_negative_quantities_rejected(value: str) -> None:
     bad = pod()
     bad["spec"]["containers"][0]["resources"]["limits"][protocol.RESOURCE_GPU] = value
-    with pytest.raises(InvalidGpuRequest, match="container main: nvidia.com/gpu"):
+    with pytest.raises(InvalidGpuRequest, match=r"container main: nvidia\.com/gpu"):
         parse_pod_gpu_request(bad)
 
 

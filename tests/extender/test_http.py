@@ -32,8 +32,14 @@ def snapshot_file(tmp_path: Path) -> Path:
 
 @pytest.fixture()
 def extender(snapshot_file: Path) -> Extender:
-    args = argparse.Namespace(snapshot=str(snapshot_file), kubeconfig=None, policy="binpack", gpu_policy="topology",
-                              heartbeat_ttl_seconds=120.0, quota_config=None)
+    args = argparse.Namespace(
+        snapshot=str(snapshot_file),
+        kubeconfig=None,
+        policy="binpack",
+        gpu_policy="topology",
+        heartbeat_ttl_seconds=120.0,
+        quota_config=None,
+    )
     return build(args)
 
 
@@ -68,8 +74,9 @@ def test_prioritize_scores_in_range_and_binpacks(client: httpx.Client, extender:
     first = pod(memory_mib=20000, cores=20)
     meta = first["metadata"]
     client.post("/filter", json={"Pod": first, "NodeNames": NAMES})
-    assert client.post("/bind", json={"PodName": meta["name"], "PodNamespace": "default", "PodUID": meta["uid"],
-                                      "Node": "a100-1"}).json() == {"Error": ""}
+    assert client.post(
+        "/bind", json={"PodName": meta["name"], "PodNamespace": "default", "PodUID": meta["uid"], "Node": "a100-1"}
+    ).json() == {"Error": ""}
     scores = client.post("/prioritize", json={"Pod": pod(memory_mib=1000), "NodeNames": NAMES}).json()
     by_host = {entry["Host"]: entry["Score"] for entry in scores}
     assert all(0 <= score <= 10 for score in by_host.values())
@@ -95,8 +102,9 @@ def test_bind_refuses_when_it_no_longer_fits(client: httpx.Client) -> None:
     p = pod(memory_mib=20000)
     meta = p["metadata"]
     client.post("/filter", json={"Pod": p, "NodeNames": NAMES})
-    reply = client.post("/bind", json={"PodName": meta["name"], "PodNamespace": "default", "PodUID": meta["uid"],
-                                       "Node": "t4-0"}).json()
+    reply = client.post(
+        "/bind", json={"PodName": meta["name"], "PodNamespace": "default", "PodUID": meta["uid"], "Node": "t4-0"}
+    ).json()
     assert "needs 20000 MiB per GPU" in reply["Error"]
 
 
@@ -126,8 +134,9 @@ def test_oversized_body_rejected(client: httpx.Client) -> None:
     # a raw socket: HTTP clients refuse to send a Content-Length they cannot back with data
     host, port = str(client.base_url.host), int(client.base_url.port or 80)
     with socket.create_connection((host, port), timeout=10) as sock:
-        sock.sendall(b"POST /filter HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 1000000000\r\n\r\n{")
+        sock.sendall(
+            b"POST /filter HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000000000\r\n\r\n{"
+        )
         reply = b""
         while b"}" not in reply:  # headers and body may arrive in separate segments
             chunk = sock.recv(65536)
@@ -141,8 +150,9 @@ def test_oversized_body_rejected(client: httpx.Client) -> None:
 def test_invalid_pod_request_reported_in_error_field(client: httpx.Client) -> None:
     reply = client.post("/filter", json={"Pod": pod(cores=150), "NodeNames": NAMES}).json()
     assert "nvidia.com/gpucores must be between 0 and 100, got 150" in reply["Error"]
-    reply = client.post("/filter", json={"Pod": pod(annotations={protocol.ANNOTATION_GPU_POLICY: "nope"}),
-                                         "NodeNames": NAMES}).json()
+    reply = client.post(
+        "/filter", json={"Pod": pod(annotations={protocol.ANNOTATION_GPU_POLICY: "nope"}), "NodeNames": NAMES}
+    ).json()
     assert "unknown policy 'nope'" in reply["Error"]
 
 

@@ -35,8 +35,14 @@ def test_restart_rebuilds_identical_usage_from_annotations() -> None:
     restarted = ClusterState()
     SnapshotCluster(restarted, objects)
     for name in ("n1", "n2"):
-        before = [(g.uuid, g.used_memory_mib, g.used_cores, g.used_shares, g.exclusive_holders) for g in state.nodes[name].gpus]
-        after = [(g.uuid, g.used_memory_mib, g.used_cores, g.used_shares, g.exclusive_holders) for g in restarted.nodes[name].gpus]
+        before = [
+            (g.uuid, g.used_memory_mib, g.used_cores, g.used_shares, g.exclusive_holders)
+            for g in state.nodes[name].gpus
+        ]
+        after = [
+            (g.uuid, g.used_memory_mib, g.used_cores, g.used_shares, g.exclusive_holders)
+            for g in restarted.nodes[name].gpus
+        ]
         assert before == after
 
 
@@ -71,8 +77,9 @@ def test_inflight_reservation_survives_events_without_annotation() -> None:
     state = ClusterState()
     state.upsert_node(gpu_node("n1"))
     p = pod(memory_mib=4000)
-    assignment = protocol.PodAssignment("n1", (protocol.ContainerAssignment(
-        "main", (protocol.DeviceShare(state.nodes["n1"].gpus[0].uuid, 4000, 0),)),))
+    assignment = protocol.PodAssignment(
+        "n1", (protocol.ContainerAssignment("main", (protocol.DeviceShare(state.nodes["n1"].gpus[0].uuid, 4000, 0),)),)
+    )
     state.reserve(p["metadata"]["uid"], "default", p["metadata"]["name"], assignment)
     state.upsert_pod(p)  # a watch event from before the annotation was written
     assert used_memory(state, "n1") == 4000
@@ -87,10 +94,12 @@ def test_inventory_change_reapplies_usage_by_uuid_and_health() -> None:
     bound_pod(cluster, scheduler, "n1", memory_mib=3000)
     node = copy.deepcopy(cluster.nodes["n1"])
     inventory = protocol.decode_inventory(node["metadata"]["annotations"][protocol.NODE_INVENTORY_ANNOTATION])
-    sick = protocol.NodeInventory(tuple(
-        protocol.GpuInfo(**{**{f: getattr(g, f) for f in g.__slots__}, "healthy": g.index != 0})  # type: ignore[arg-type]
-        for g in inventory.gpus
-    ))
+    sick = protocol.NodeInventory(
+        tuple(
+            protocol.GpuInfo(**{**{f: getattr(g, f) for f in g.__slots__}, "healthy": g.index != 0})  # type: ignore[arg-type]
+            for g in inventory.gpus
+        )
+    )
     node["metadata"]["annotations"][protocol.NODE_INVENTORY_ANNOTATION] = protocol.encode_inventory(sick)
     state.upsert_node(node)
     assert used_memory(state, "n1") == 3000
@@ -98,12 +107,15 @@ def test_inventory_change_reapplies_usage_by_uuid_and_health() -> None:
 
 
 def test_stale_heartbeat_makes_node_unschedulable_with_reason() -> None:
-    now = dt.datetime(2026, 11, 21, 12, 0, 0, tzinfo=dt.timezone.utc)
+    now = dt.datetime(2026, 11, 21, 12, 0, 0, tzinfo=dt.UTC)
     state = ClusterState(heartbeat_ttl_s=60, clock=lambda: now.timestamp())
-    cluster = SnapshotCluster(state, [
-        gpu_node("fresh", heartbeat=now - dt.timedelta(seconds=10)),
-        gpu_node("stale", heartbeat=now - dt.timedelta(seconds=95)),
-    ])
+    cluster = SnapshotCluster(
+        state,
+        [
+            gpu_node("fresh", heartbeat=now - dt.timedelta(seconds=10)),
+            gpu_node("stale", heartbeat=now - dt.timedelta(seconds=95)),
+        ],
+    )
     outcome = Scheduler(state, cluster).filter(pod(memory_mib=100), ["fresh", "stale"])
     assert outcome.passed == ["fresh"]
     assert outcome.failed == {"stale": "node stale: GPU inventory stale (last heartbeat 95 s ago)"}

@@ -83,7 +83,7 @@ def make_policy(name: str, **options: object) -> Policy:
         cls = _REGISTRY[name]
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; known policies: {', '.join(sorted(_REGISTRY))}") from None
-    return cls(**options)  # type: ignore[arg-type]
+    return cls(**options)
 
 
 # --- helpers shared by policies ---------------------------------------------------------------------

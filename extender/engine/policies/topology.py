@@ -77,7 +77,9 @@ class Topology(Policy):
             shared = [g for g in candidates if g.used_shares + scratch.shares[g.position] > 0]
             if shared:  # binpack onto GPUs that are already split
                 return [min(shared, key=lambda g: (free_memory_after(g, container, scratch), g.index))]
-            idle_positions = [g.position for g in node.gpus if g.schedulable and g.idle and not scratch.shares[g.position]]
+            idle_positions = [
+                g.position for g in node.gpus if g.schedulable and g.idle and not scratch.shares[g.position]
+            ]
 
             def damage(gpu: GpuState) -> tuple[int, int, int]:
                 links = [matrix[gpu.position][p] for p in idle_positions if p != gpu.position]
