@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="inventory older than this makes a node unschedulable for GPU pods",
     )
     parser.add_argument("--quota-config", metavar="FILE", help="Kueue ClusterQueue / LocalQueue / ResourceFlavor YAML")
+    parser.add_argument("--quota-unqueued", choices=("admit", "default", "refuse"), default="admit",
+                        help="pods without a kueue.x-k8s.io/queue-name label: admit them uncounted, use the "
+                             "namespace's LocalQueue named 'default' (as Kueue), or refuse them")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -80,13 +83,17 @@ def build(args: argparse.Namespace) -> Extender:
         except ImportError:  # the quota gate is optional while it is being built
             build_gate = None
         if build_gate is not None:
-            gate = build_gate(state, quota_config=quota_config, api_client=api_client)
+            gate = build_gate(state, quota_config=quota_config, api_client=api_client,
+                              unqueued=getattr(args, "quota_unqueued", "admit"))
             if gate is not None:
                 gates.append(gate)
         elif quota_config:
             raise SystemExit("kube-vgpu extender: --quota-config given but the quota gate is not available")
     scheduler = Scheduler(state, binder, node_policy=args.policy, gpu_policy=args.gpu_policy, gates=gates)
     app = create_app(scheduler, on_startup=getattr(source, "start", None))
+    for gate in gates:  # a gate with a watch of its own (quota: Kueue objects in live mode) starts with the app
+        if getattr(gate, "start", None) is not None:
+            app.add_event_handler("startup", gate.start)
     app.state.gates = gates
     return Extender(state, scheduler, app, source)
 

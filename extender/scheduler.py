@@ -8,6 +8,7 @@ the assignment annotation, creates the Binding, and rolls everything back if eit
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -181,6 +182,10 @@ class Scheduler:
                     continue
                 outcome.passed.append(name)
                 placements[name] = result
+            for gate in self.gates:  # gates that track waiting pods (quota StrictFIFO) learn the whole outcome
+                observe = getattr(gate, "observe_filter", None)
+                if observe is not None:
+                    observe(pod, request, outcome.passed)
         return outcome, placements
 
     def filter(self, pod: Mapping[str, Any], node_names: Iterable[str]) -> FilterOutcome:
@@ -266,7 +271,11 @@ class Scheduler:
             labels = (pod.get("metadata") or {}).get("labels") or {}
             state.reserve(uid, namespace, name, assignment, labels)
 
-        annotations = {protocol.POD_ASSIGNMENT_ANNOTATION: protocol.encode_assignment(assignment)}
+        # one patch: the device plugin orders a node's pending pods by bind time when kubelet calls Allocate
+        annotations = {
+            protocol.POD_ASSIGNMENT_ANNOTATION: protocol.encode_assignment(assignment),
+            protocol.POD_BIND_TIME_ANNOTATION: protocol.format_bind_time(dt.datetime.now(dt.UTC)),
+        }
         try:
             self.binder.write_assignment(namespace, name, uid, annotations)
         except Exception as exc:

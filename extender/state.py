@@ -96,6 +96,9 @@ class ClusterState:
         self.generation = 0  # bumped on every change; cheap change detection for observers
         #: called with (record, +1 / -1) whenever a pod's usage starts or stops counting (quota gate)
         self.usage_listeners: list[Callable[[PodRecord, int], None]] = []
+        #: called with (uid, pod object, or None when deleted) on every pod event, under the lock, before the
+        #: state applies it (quota gate, issue 6: pending pods for StrictFIFO, priority of counted pods)
+        self.pod_listeners: list[Callable[[str, Mapping[str, Any] | None], None]] = []
         self.inventory_errors: dict[str, str] = {}
 
     # --- nodes ----------------------------------------------------------------------------------
@@ -165,6 +168,8 @@ class ClusterState:
         text = annotations.get(protocol.POD_ASSIGNMENT_ANNOTATION)
         node_name = (obj.get("spec") or {}).get("nodeName")
         with self.lock:
+            for pod_listener in self.pod_listeners:
+                pod_listener(uid, obj)
             record = self.pods.get(uid)
             if phase in FINISHED_PHASES:
                 if record is not None:
@@ -209,6 +214,8 @@ class ClusterState:
 
     def delete_pod(self, uid: str) -> None:
         with self.lock:
+            for pod_listener in self.pod_listeners:
+                pod_listener(uid, None)
             if uid in self.pods:
                 self._remove(uid)
 

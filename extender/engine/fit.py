@@ -208,6 +208,13 @@ def explain_failure(
     free_memory = [g.free_memory_mib - scratch.memory_mib[g.position] for g in with_shares]
     largest_free = max(free_memory, default=0)
     if len(open_gpus) < count:
+        external = sum(1 for g in usable if node.inventory_external.get(g.uuid))
+        if external:
+            return FitFailure(
+                f"{prefix}needs {count} {plural}, {external} used by pods outside kube-vgpu "
+                f"({', '.join(sorted({p for g in usable for p in node.inventory_external.get(g.uuid, ())}))})",
+                code="external",
+            )
         return FitFailure(
             f"{prefix}needs {count} {plural}, {len(usable) - len(open_gpus)} of {len(usable)} held exclusively",
             code="exclusive",

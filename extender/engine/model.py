@@ -58,7 +58,8 @@ class GpuState:
         self.used_memory_mib = 0
         self.used_cores = 0
         self.used_shares = 0
-        self.exclusive_holders = 0
+        # pods that reached the GPU without kube-vgpu (reported by the device plugin) hold it entirely
+        self.exclusive_holders = 1 if info.external_pods else 0
 
     @property
     def free_memory_mib(self) -> int:
@@ -154,6 +155,7 @@ class NodeState:
         "gpu_by_uuid",
         "gpus",
         "heartbeat_s",
+        "inventory_external",
         "inventory_text",
         "labels",
         "link_matrix",
@@ -193,6 +195,7 @@ class NodeState:
         self.gpus: list[GpuState] = []
         self.gpu_by_uuid: dict[str, GpuState] = {}
         self.link_matrix: list[list[int]] = []
+        self.inventory_external: dict[str, tuple[str, ...]] = {}
         self.models_lower: frozenset[str] = frozenset()
         self.set_inventory(inventory)
 
@@ -218,6 +221,7 @@ class NodeState:
                 matrix[a][b] = matrix[b][a] = best
         self.link_matrix = matrix
         self.models_lower = frozenset(gpu.model_lower for gpu in self.gpus)
+        self.inventory_external = {info.uuid: info.external_pods for info in gpus_info if info.external_pods}
         self.touch()
 
     def touch(self) -> None:

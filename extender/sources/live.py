@@ -210,7 +210,12 @@ class LiveBinder:
         self.core.patch_namespaced_pod(name, namespace, body, _preload_content=False)
 
     def clear_assignment(self, namespace: str, name: str, uid: str) -> None:
-        body = {"metadata": {"uid": uid, "annotations": {protocol.POD_ASSIGNMENT_ANNOTATION: None}}}
+        body = {
+            "metadata": {
+                "uid": uid,
+                "annotations": {protocol.POD_ASSIGNMENT_ANNOTATION: None, protocol.POD_BIND_TIME_ANNOTATION: None},
+            }
+        }
         self.core.patch_namespaced_pod(name, namespace, body, _preload_content=False)
 
     def bind(self, namespace: str, name: str, uid: str, node: str) -> None:

@@ -152,3 +152,13 @@ def test_exclusive_usage_recorded_with_full_cores() -> None:
     result = try_place(node_with(), pod(cores=100, memory_mib=1000))
     assert isinstance(result, Placement)
     assert result.usage[0].exclusive and result.usage[0].cores == 100
+
+
+def test_gpu_with_pods_outside_kube_vgpu_counts_as_fully_used() -> None:
+    inventory = synth_inventory("n1", 1, "Tesla-T4", 16000, "pcie")
+    (gpu,) = inventory.gpus
+    taken = protocol.NodeInventory(
+        (protocol.GpuInfo(**{**{f: getattr(gpu, f) for f in gpu.__slots__}, "external_pods": ("ml/rogue",)}),)  # type: ignore[arg-type]
+    )
+    failure = try_place(NodeState("n1", taken), pod(memory_mib=100))
+    assert isinstance(failure, FitFailure) and "outside kube-vgpu (ml/rogue)" in failure.reason

@@ -92,6 +92,7 @@ def test_bind_writes_assignment_and_is_idempotent(client: httpx.Client, extender
     stored = extender.source.pods[("default", meta["name"])]
     assignment = protocol.decode_assignment(stored["metadata"]["annotations"][protocol.POD_ASSIGNMENT_ANNOTATION])
     assert stored["spec"]["nodeName"] == "a100-0" and assignment.node == "a100-0"
+    protocol.parse_bind_time(stored["metadata"]["annotations"][protocol.POD_BIND_TIME_ANNOTATION])
     assert [(d.memory_mib, d.cores) for d in assignment.all_devices()] == [(10000, 30), (10000, 30)]
     assert client.post("/bind", json=args).json() == {"Error": ""}  # repeat: same answer, nothing counted twice
     used = sum(g.used_memory_mib for g in extender.state.nodes["a100-0"].gpus)

@@ -1,0 +1,578 @@
+"""Kueue's quota objects in Kueue's own schema (`kueue.x-k8s.io/v1beta1` and `v1beta2`), parsed and validated.
+
+Each invalid object is reported with its kind, name and the offending field, and left out; the rest keep working
+(one typo in one team's ClusterQueue must not open or close every other team's budget). Validation follows
+Kueue's webhooks where it matters for the arithmetic: unique flavors and resources per ClusterQueue, flavor
+resources in coveredResources order, non-negative quantities, borrowing/lending limits only with a cohort (or a
+parent), lendingLimit <= nominalQuota on ClusterQueues.
+
+Quantities are whole numbers in the unit pods request them in: vGPUs, MiB (`nvidia.com/gpumem`), percent of one
+GPU (`nvidia.com/gpucores`), millicores (`cpu`), bytes (`memory`), pods.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from decimal import ROUND_CEILING, Decimal, InvalidOperation
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kube_vgpu import protocol
+
+KUEUE_VERSIONS = ("v1beta1", "v1beta2")
+#: Cohort objects were kueue.x-k8s.io/v1alpha1 before they reached v1beta1.
+COHORT_VERSIONS = ("v1alpha1", *KUEUE_VERSIONS)
+KUEUE_KINDS = ("ResourceFlavor", "ClusterQueue", "LocalQueue", "Cohort", "WorkloadPriorityClass")
+
+RESOURCE_CPU = "cpu"
+RESOURCE_MEMORY = "memory"
+RESOURCE_PODS = "pods"
+#: How each countable resource is measured (for reports and docs).
+RESOURCE_UNITS = {
+    protocol.RESOURCE_GPU: "vGPUs",
+    protocol.RESOURCE_GPU_MEMORY: "MiB",
+    protocol.RESOURCE_GPU_CORES: "% of a GPU",
+    RESOURCE_CPU: "millicores",
+    RESOURCE_MEMORY: "bytes",
+    RESOURCE_PODS: "pods",
+}
+#: Resources counted in the pod API's own whole-number units: a suffix ("80Gi") would silently mean something else.
+PLAIN_COUNT_RESOURCES = frozenset({protocol.RESOURCE_GPU, protocol.RESOURCE_GPU_MEMORY, protocol.RESOURCE_GPU_CORES,
+                                   RESOURCE_PODS})
+
+STRICT_FIFO = "StrictFIFO"
+BEST_EFFORT_FIFO = "BestEffortFIFO"
+QUEUEING_STRATEGIES = (STRICT_FIFO, BEST_EFFORT_FIFO)
+STOP_POLICIES = ("None", "Hold", "HoldAndDrain")
+SELECTOR_OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist")
+TOLERATION_OPERATORS = ("Equal", "Exists")
+TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+
+
+class QuotaConfigError(ValueError):
+    """One invalid object; the message names the object and the field."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Objects
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Requirement:
+    key: str
+    operator: str
+    values: tuple[str, ...] = ()
+
+    def matches(self, labels: Mapping[str, str]) -> bool:
+        if self.operator == "Exists":
+            return self.key in labels
+        if self.operator == "DoesNotExist":
+            return self.key not in labels
+        if self.operator == "In":
+            return self.key in labels and labels[self.key] in self.values
+        return self.key not in labels or labels[self.key] not in self.values  # NotIn
+
+
+@dataclass(frozen=True, slots=True)
+class LabelSelector:
+    """metav1.LabelSelector; `{}` selects everything (a null selector is represented by None, selecting nothing)."""
+
+    match_labels: tuple[tuple[str, str], ...] = ()
+    match_expressions: tuple[Requirement, ...] = ()
+
+    def matches(self, labels: Mapping[str, str]) -> bool:
+        return all(labels.get(k) == v for k, v in self.match_labels) and all(
+            r.matches(labels) for r in self.match_expressions
+        )
+
+    def describe(self) -> str:
+        parts = [f"{k}={v}" for k, v in self.match_labels]
+        for r in self.match_expressions:
+            parts.append(f"{r.key} {r.operator} ({','.join(r.values)})" if r.values else f"{r.key} {r.operator}")
+        return ", ".join(parts) or "{} (all namespaces)"
+
+
+@dataclass(frozen=True, slots=True)
+class Taint:
+    key: str
+    value: str
+    effect: str
+
+
+@dataclass(frozen=True, slots=True)
+class Toleration:
+    key: str = ""
+    operator: str = "Equal"
+    value: str = ""
+    effect: str = ""
+
+    def tolerates(self, taint: Taint) -> bool:
+        """corev1 semantics: an empty effect matches all effects, an empty key with Exists matches all keys."""
+        if self.effect and self.effect != taint.effect:
+            return False
+        if not self.key:
+            return self.operator == "Exists"
+        if self.key != taint.key:
+            return False
+        return self.operator == "Exists" or self.value == taint.value
+
+
+@dataclass(frozen=True, slots=True)
+class ResourceFlavor:
+    name: str
+    node_labels: tuple[tuple[str, str], ...] = ()
+    node_taints: tuple[Taint, ...] = ()
+    tolerations: tuple[Toleration, ...] = ()
+
+    def matches_node(self, labels: Mapping[str, str]) -> bool:
+        return all(labels.get(k) == v for k, v in self.node_labels)
+
+    def tolerated_by(self, tolerations: Iterable[Toleration]) -> bool:
+        """Kueue skips a flavor whose nodeTaints the workload does not tolerate."""
+        tolerations = tuple(tolerations)
+        return all(any(t.tolerates(taint) for t in tolerations) for taint in self.node_taints
+                   if taint.effect in ("NoSchedule", "NoExecute"))
+
+    def describe_labels(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in self.node_labels) or "any node"
+
+
+@dataclass(frozen=True, slots=True)
+class ResourceQuota:
+    """One (flavor, resource) quota. None limits mean "no limit" (Kueue's nil)."""
+
+    nominal: int
+    borrowing_limit: int | None = None
+    lending_limit: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FlavorQuotas:
+    name: str
+    resources: tuple[tuple[str, ResourceQuota], ...]
+
+    def quota(self, resource: str) -> ResourceQuota | None:
+        for name, quota in self.resources:
+            if name == resource:
+                return quota
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class ResourceGroup:
+    covered_resources: tuple[str, ...]
+    flavors: tuple[FlavorQuotas, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterQueue:
+    name: str
+    resource_groups: tuple[ResourceGroup, ...] = ()
+    cohort: str | None = None
+    namespace_selector: LabelSelector | None = None  # None: no namespace (Kueue's null)
+    queueing_strategy: str = BEST_EFFORT_FIFO
+    stop_policy: str = "None"
+
+    @property
+    def covered_resources(self) -> frozenset[str]:
+        return frozenset(r for group in self.resource_groups for r in group.covered_resources)
+
+    def quotas(self) -> dict[tuple[str, str], ResourceQuota]:
+        return {(fq.name, r): q for group in self.resource_groups for fq in group.flavors for r, q in fq.resources}
+
+    def flavor_names(self) -> list[str]:
+        return [fq.name for group in self.resource_groups for fq in group.flavors]
+
+
+@dataclass(frozen=True, slots=True)
+class Cohort:
+    name: str
+    parent: str | None = None
+    resource_groups: tuple[ResourceGroup, ...] = ()
+
+    def quotas(self) -> dict[tuple[str, str], ResourceQuota]:
+        return {(fq.name, r): q for group in self.resource_groups for fq in group.flavors for r, q in fq.resources}
+
+
+@dataclass(frozen=True, slots=True)
+class LocalQueue:
+    namespace: str
+    name: str
+    cluster_queue: str
+    stop_policy: str = "None"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadPriorityClass:
+    name: str
+    value: int
+
+
+@dataclass(slots=True)
+class QuotaConfig:
+    """Every valid object, by name, plus the reasons the invalid ones were left out."""
+
+    flavors: dict[str, ResourceFlavor] = field(default_factory=dict)
+    cluster_queues: dict[str, ClusterQueue] = field(default_factory=dict)
+    local_queues: dict[tuple[str, str], LocalQueue] = field(default_factory=dict)
+    cohorts: dict[str, Cohort] = field(default_factory=dict)
+    priority_classes: dict[str, WorkloadPriorityClass] = field(default_factory=dict)
+    #: namespace -> labels, from Namespace objects in the same sources (live mode: the cluster's namespaces)
+    namespaces: dict[str, dict[str, str]] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.cluster_queues
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantities
+# ---------------------------------------------------------------------------------------------
+
+_QUANTITY = re.compile(r"^([+-]?[0-9]+(?:\.[0-9]*)?|[+-]?\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E|[eE][+-]?[0-9]+)?$")
+_SUFFIX = {
+    "": Decimal(1), "m": Decimal("0.001"), "k": Decimal(10) ** 3, "M": Decimal(10) ** 6, "G": Decimal(10) ** 9,
+    "T": Decimal(10) ** 12, "P": Decimal(10) ** 15, "E": Decimal(10) ** 18,
+    "Ki": Decimal(2) ** 10, "Mi": Decimal(2) ** 20, "Gi": Decimal(2) ** 30, "Ti": Decimal(2) ** 40,
+    "Pi": Decimal(2) ** 50, "Ei": Decimal(2) ** 60,
+}
+
+
+def parse_quantity(value: Any, resource: str, where: str) -> int:
+    """A Kubernetes quantity as a whole number in the resource's counting unit (see RESOURCE_UNITS)."""
+    if isinstance(value, bool) or value is None:
+        raise QuotaConfigError(f"{where}: expected a quantity, got {value!r}")
+    text = str(value).strip()
+    match = _QUANTITY.match(text)
+    if not match:
+        raise QuotaConfigError(f"{where}: {text!r} is not a Kubernetes quantity")
+    number, suffix = match.group(1), match.group(2) or ""
+    if resource in PLAIN_COUNT_RESOURCES and suffix:
+        unit = RESOURCE_UNITS.get(resource, "units")
+        raise QuotaConfigError(f"{where}: {resource} is counted in {unit} as pods request it; write a plain "
+                               f"number, not {text!r}")
+    try:
+        multiplier = Decimal(10) ** int(suffix[1:]) if suffix[:1] in ("e", "E") else _SUFFIX[suffix]
+        amount = Decimal(number) * multiplier
+    except (InvalidOperation, ValueError):
+        raise QuotaConfigError(f"{where}: {text!r} is not a Kubernetes quantity") from None
+    if resource == RESOURCE_CPU:
+        amount *= 1000  # millicores, as pods' "500m"
+    if amount < 0:
+        raise QuotaConfigError(f"{where}: {text!r} must be greater than or equal to 0")
+    if amount != amount.to_integral_value():
+        unit = RESOURCE_UNITS.get(resource, "units")
+        raise QuotaConfigError(f"{where}: {text!r} is not a whole number of {unit}")
+    return int(amount)
+
+
+def pod_quantity(value: Any, resource: str) -> int:
+    """A pod's request in the same unit as parse_quantity (lenient: an unreadable value counts 0)."""
+    try:
+        text = str(value).strip()
+        match = _QUANTITY.match(text)
+        if not match:
+            return 0
+        number, suffix = match.group(1), match.group(2) or ""
+        multiplier = Decimal(10) ** int(suffix[1:]) if suffix[:1] in ("e", "E") else _SUFFIX[suffix]
+        amount = Decimal(number) * multiplier * (1000 if resource == RESOURCE_CPU else 1)
+        return max(0, int(amount.to_integral_value(rounding=ROUND_CEILING)))
+    except (InvalidOperation, ValueError, KeyError):
+        return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Parsing
+# ---------------------------------------------------------------------------------------------
+
+
+def _mapping(value: Any, where: str, *, optional: bool = True) -> Mapping[str, Any]:
+    if value is None and optional:
+        return {}
+    if not isinstance(value, Mapping):
+        raise QuotaConfigError(f"{where}: must be an object")
+    return value
+
+
+def _list(value: Any, where: str) -> list[Any]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise QuotaConfigError(f"{where}: must be a list")
+    return value
+
+
+def _string(value: Any, where: str, *, required: bool = False) -> str:
+    if value is None or value == "":
+        if required:
+            raise QuotaConfigError(f"{where}: is required")
+        return ""
+    if not isinstance(value, str):
+        raise QuotaConfigError(f"{where}: must be a string")
+    return value
+
+
+def _string_map(value: Any, where: str) -> tuple[tuple[str, str], ...]:
+    items = _mapping(value, where)
+    for key, item in items.items():
+        if not isinstance(key, str) or not isinstance(item, str):
+            raise QuotaConfigError(f"{where}: keys and values must be strings ({key!r}: {item!r})")
+    return tuple(sorted(items.items()))
+
+
+def _enum(value: Any, allowed: tuple[str, ...], default: str, where: str) -> str:
+    if value is None or value == "":
+        return default
+    if value not in allowed:
+        raise QuotaConfigError(f"{where}: {value!r} is not one of {', '.join(allowed)}")
+    return str(value)
+
+
+def parse_label_selector(value: Any, where: str) -> LabelSelector | None:
+    if value is None:
+        return None
+    doc = _mapping(value, where, optional=False)
+    expressions = []
+    for i, raw in enumerate(_list(doc.get("matchExpressions"), f"{where}.matchExpressions")):
+        here = f"{where}.matchExpressions[{i}]"
+        raw = _mapping(raw, here, optional=False)
+        operator = _enum(raw.get("operator"), SELECTOR_OPERATORS, "", f"{here}.operator")
+        if not operator:
+            raise QuotaConfigError(f"{here}.operator: is required")
+        values = tuple(str(v) for v in _list(raw.get("values"), f"{here}.values"))
+        if operator in ("In", "NotIn") and not values:
+            raise QuotaConfigError(f"{here}.values: must be non-empty for operator {operator}")
+        if operator in ("Exists", "DoesNotExist") and values:
+            raise QuotaConfigError(f"{here}.values: must be empty for operator {operator}")
+        expressions.append(Requirement(_string(raw.get("key"), f"{here}.key", required=True), operator, values))
+    return LabelSelector(_string_map(doc.get("matchLabels"), f"{where}.matchLabels"), tuple(expressions))
+
+
+def parse_tolerations(value: Any, where: str) -> tuple[Toleration, ...]:
+    result = []
+    for i, raw in enumerate(_list(value, where)):
+        here = f"{where}[{i}]"
+        raw = _mapping(raw, here, optional=False)
+        operator = _enum(raw.get("operator"), TOLERATION_OPERATORS, "Equal", f"{here}.operator")
+        effect = _enum(raw.get("effect"), TAINT_EFFECTS, "", f"{here}.effect")
+        result.append(Toleration(_string(raw.get("key"), f"{here}.key"), operator,
+                                 _string(raw.get("value"), f"{here}.value"), effect))
+    return tuple(result)
+
+
+def _parse_resource_groups(
+    value: Any, where: str, *, has_parent: bool, parent_word: str, limit_lending_to_nominal: bool
+) -> tuple[ResourceGroup, ...]:
+    groups = []
+    seen_resources: set[str] = set()
+    seen_flavors: set[str] = set()
+    raw_groups = _list(value, where)
+    if len(raw_groups) > 16:
+        raise QuotaConfigError(f"{where}: at most 16 resource groups")
+    for i, raw in enumerate(raw_groups):
+        here = f"{where}[{i}]"
+        raw = _mapping(raw, here, optional=False)
+        covered = []
+        for j, name in enumerate(_list(raw.get("coveredResources"), f"{here}.coveredResources")):
+            name = _string(name, f"{here}.coveredResources[{j}]", required=True)
+            if name in seen_resources:
+                raise QuotaConfigError(f"{here}.coveredResources[{j}]: duplicate resource {name!r} (each resource "
+                                       f"belongs to one resource group)")
+            seen_resources.add(name)
+            covered.append(name)
+        if not covered:
+            raise QuotaConfigError(f"{here}.coveredResources: must not be empty")
+        flavors = []
+        raw_flavors = _list(raw.get("flavors"), f"{here}.flavors")
+        if not raw_flavors:
+            raise QuotaConfigError(f"{here}.flavors: must not be empty")
+        for j, raw_flavor in enumerate(raw_flavors):
+            fhere = f"{here}.flavors[{j}]"
+            raw_flavor = _mapping(raw_flavor, fhere, optional=False)
+            flavor_name = _string(raw_flavor.get("name"), f"{fhere}.name", required=True)
+            if flavor_name in seen_flavors:
+                raise QuotaConfigError(f"{fhere}.name: duplicate flavor {flavor_name!r}")
+            seen_flavors.add(flavor_name)
+            raw_resources = _list(raw_flavor.get("resources"), f"{fhere}.resources")
+            if len(raw_resources) != len(covered):
+                raise QuotaConfigError(f"{fhere}.resources: must list the {len(covered)} coveredResources "
+                                       f"({', '.join(covered)}) in the same order, found {len(raw_resources)}")
+            resources = []
+            for k, raw_quota in enumerate(raw_resources):
+                rhere = f"{fhere}.resources[{k}]"
+                raw_quota = _mapping(raw_quota, rhere, optional=False)
+                name = _string(raw_quota.get("name"), f"{rhere}.name", required=True)
+                if name != covered[k]:
+                    raise QuotaConfigError(f"{rhere}.name: {name!r} must match coveredResources[{k}] "
+                                           f"({covered[k]!r})")
+                if "nominalQuota" not in raw_quota:
+                    raise QuotaConfigError(f"{rhere}.nominalQuota: is required")
+                nominal = parse_quantity(raw_quota["nominalQuota"], name, f"{rhere}.nominalQuota")
+                limits: list[int | None] = []
+                for key in ("borrowingLimit", "lendingLimit"):
+                    if raw_quota.get(key) is None:
+                        limits.append(None)
+                        continue
+                    if not has_parent:
+                        raise QuotaConfigError(f"{rhere}.{key}: must be nil when {parent_word} is empty")
+                    limits.append(parse_quantity(raw_quota[key], name, f"{rhere}.{key}"))
+                borrowing, lending = limits
+                if limit_lending_to_nominal and lending is not None and lending > nominal:
+                    raise QuotaConfigError(f"{rhere}.lendingLimit: {lending} must be less than or equal to the "
+                                           f"nominalQuota ({nominal})")
+                resources.append((name, ResourceQuota(nominal, borrowing, lending)))
+            flavors.append(FlavorQuotas(flavor_name, tuple(resources)))
+        groups.append(ResourceGroup(tuple(covered), tuple(flavors)))
+    return tuple(groups)
+
+
+def _check_version(api_version: str, kind: str, allowed: tuple[str, ...], where: str) -> str:
+    group, _, version = api_version.partition("/")
+    if group != protocol.KUEUE_API_GROUP or version not in allowed:
+        supported = ", ".join(f"{protocol.KUEUE_API_GROUP}/{v}" for v in allowed)
+        raise QuotaConfigError(f"{where}: apiVersion {api_version!r} is not supported for {kind} ({supported})")
+    return version
+
+
+def _reject_other_version_field(spec: Mapping[str, Any], version: str, v1beta1_name: str, v1beta2_name: str,
+                                where: str) -> None:
+    """A field spelled as in the other API version is a mistake worth naming (the API server would prune it)."""
+    if version == "v1beta2" and v1beta1_name in spec:
+        raise QuotaConfigError(f"{where}: spec.{v1beta1_name}: is the v1beta1 name; "
+                               f"{protocol.KUEUE_API_GROUP}/v1beta2 calls it spec.{v1beta2_name}")
+    if version != "v1beta2" and v1beta2_name in spec:
+        raise QuotaConfigError(f"{where}: spec.{v1beta2_name}: is the v1beta2 name; "
+                               f"{protocol.KUEUE_API_GROUP}/{version} calls it spec.{v1beta1_name}")
+
+
+def parse_object(doc: Mapping[str, Any]) -> Any:
+    """One Kueue object (or a Namespace) -> its dataclass; raises QuotaConfigError naming object and field.
+    Returns None for kinds the gate does not use."""
+    kind = doc.get("kind")
+    metadata = _mapping(doc.get("metadata"), f"{kind}: metadata")
+    name = metadata.get("name")
+    if not isinstance(name, str) or not name:
+        raise QuotaConfigError(f"{kind}: metadata.name is required")
+    api_version = str(doc.get("apiVersion") or "")
+    where = f"{kind} {name}"
+    if kind == "Namespace":
+        return ("Namespace", name, dict(_string_map(metadata.get("labels"), f"{where}: metadata.labels")))
+    if kind not in KUEUE_KINDS:
+        return None
+    version = _check_version(api_version, kind, COHORT_VERSIONS if kind == "Cohort" else KUEUE_VERSIONS, where)
+    if kind == "WorkloadPriorityClass":
+        value = doc.get("value")
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise QuotaConfigError(f"{where}: value: must be an integer, got {value!r}")
+        return WorkloadPriorityClass(name, value)
+    spec = _mapping(doc.get("spec"), f"{where}: spec")
+    if kind == "ResourceFlavor":
+        taints = []
+        for i, raw in enumerate(_list(spec.get("nodeTaints"), f"{where}: spec.nodeTaints")):
+            here = f"{where}: spec.nodeTaints[{i}]"
+            raw = _mapping(raw, here, optional=False)
+            effect = _enum(raw.get("effect"), TAINT_EFFECTS, "", f"{here}.effect")
+            if not effect:
+                raise QuotaConfigError(f"{here}.effect: is required")
+            taints.append(Taint(_string(raw.get("key"), f"{here}.key", required=True),
+                                _string(raw.get("value"), f"{here}.value"), effect))
+        return ResourceFlavor(
+            name,
+            _string_map(spec.get("nodeLabels"), f"{where}: spec.nodeLabels"),
+            tuple(taints),
+            parse_tolerations(spec.get("tolerations"), f"{where}: spec.tolerations"),
+        )
+    if kind == "LocalQueue":
+        namespace = metadata.get("namespace") or "default"
+        where = f"LocalQueue {namespace}/{name}"
+        return LocalQueue(
+            namespace,
+            name,
+            _string(spec.get("clusterQueue"), f"{where}: spec.clusterQueue", required=True),
+            _enum(spec.get("stopPolicy"), STOP_POLICIES, "None", f"{where}: spec.stopPolicy"),
+        )
+    if kind == "Cohort":
+        _reject_other_version_field(spec, version, "parent", "parentName", where)
+        parent_field = "parentName" if version == "v1beta2" else "parent"
+        parent = _string(spec.get(parent_field), f"{where}: spec.{parent_field}") or None
+        groups = _parse_resource_groups(spec.get("resourceGroups"), f"{where}: spec.resourceGroups",
+                                        has_parent=parent is not None, parent_word="parent",
+                                        limit_lending_to_nominal=False)
+        return Cohort(name, parent, groups)
+    # ClusterQueue
+    _reject_other_version_field(spec, version, "cohort", "cohortName", where)
+    cohort = _string(spec.get("cohortName" if version == "v1beta2" else "cohort"),
+                     f"{where}: spec.{'cohortName' if version == 'v1beta2' else 'cohort'}") or None
+    groups = _parse_resource_groups(spec.get("resourceGroups"), f"{where}: spec.resourceGroups",
+                                    has_parent=cohort is not None, parent_word="cohort",
+                                    limit_lending_to_nominal=True)
+    return ClusterQueue(
+        name=name,
+        resource_groups=groups,
+        cohort=cohort,
+        namespace_selector=parse_label_selector(spec.get("namespaceSelector"), f"{where}: spec.namespaceSelector"),
+        queueing_strategy=_enum(spec.get("queueingStrategy"), QUEUEING_STRATEGIES, BEST_EFFORT_FIFO,
+                                f"{where}: spec.queueingStrategy"),
+        stop_policy=_enum(spec.get("stopPolicy"), STOP_POLICIES, "None", f"{where}: spec.stopPolicy"),
+    )
+
+
+def build_config(docs: Iterable[tuple[str, Mapping[str, Any]]]) -> QuotaConfig:
+    """(source, object) pairs -> QuotaConfig. A later object of the same kind and name replaces an earlier one
+    (callers list file objects first, then the cluster's: the API server is the source of truth)."""
+    config = QuotaConfig()
+    for source, doc in docs:
+        if not isinstance(doc, Mapping):
+            config.errors.append(f"{source}: a document is not an object")
+            continue
+        try:
+            parsed = parse_object(doc)
+        except QuotaConfigError as exc:
+            config.errors.append(f"{source}: {exc}")
+            continue
+        if parsed is None:
+            continue
+        if isinstance(parsed, tuple):  # a Namespace
+            config.namespaces[parsed[1]] = parsed[2]
+        elif isinstance(parsed, ResourceFlavor):
+            config.flavors[parsed.name] = parsed
+        elif isinstance(parsed, ClusterQueue):
+            config.cluster_queues[parsed.name] = parsed
+            for resource in parsed.covered_resources:
+                if resource == protocol.RESOURCE_GPU_MEMORY_PERCENTAGE:
+                    config.warnings.append(f"ClusterQueue {parsed.name}: {resource} is never counted (usage is "
+                                           f"counted in MiB); cover {protocol.RESOURCE_GPU_MEMORY} instead")
+        elif isinstance(parsed, LocalQueue):
+            config.local_queues[(parsed.namespace, parsed.name)] = parsed
+        elif isinstance(parsed, Cohort):
+            config.cohorts[parsed.name] = parsed
+        elif isinstance(parsed, WorkloadPriorityClass):
+            config.priority_classes[parsed.name] = parsed
+    return config
+
+
+def load_documents(path: str | Path) -> list[dict[str, Any]]:
+    """Multi-document YAML (or JSON); `kind: List` documents are flattened. Raises ValueError if unreadable."""
+    text = Path(path).read_text()
+    try:
+        raw_docs = list(yaml.safe_load_all(text))
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not valid YAML: {exc}") from None
+    docs: list[dict[str, Any]] = []
+    for doc in raw_docs:
+        if doc is None:
+            continue
+        if isinstance(doc, dict) and doc.get("kind") == "List":
+            docs.extend(item for item in doc.get("items") or [] if isinstance(item, dict))
+        elif isinstance(doc, dict):
+            docs.append(doc)
+        else:
+            raise ValueError(f"{path}: every YAML document must be an object")
+    return docs
