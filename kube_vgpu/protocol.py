@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import datetime as _dt
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import Enum
-from typing import Any, Mapping
+from enum import StrEnum
+from typing import Any
 
 import orjson
 
@@ -76,12 +77,43 @@ def is_internal_annotation(key: str) -> bool:
     return key.startswith(ANNOTATION_PREFIX)
 
 
+# --- Added for the admission webhook (webhook/): limiter wiring and the namespace opt-out label. ---
+#: The dynamic loader's preload list; the webhook's LD_PRELOAD mode puts the limiter library first in it.
+ENV_LD_PRELOAD = "LD_PRELOAD"
+#: HAMi-core switches that loosen or switch off the limiter (CUDA_DISABLE_CONTROL=true disables it,
+#: CUDA_OVERSUBSCRIBE lets memory exceed the limit, GPU_CORE_UTILIZATION_POLICY=disable drops the core limit);
+#: the webhook strips them from GPU containers so a pod's author cannot raise their own limits.
+ENV_LIMITER_OVERRIDES = ("CUDA_DISABLE_CONTROL", "CUDA_OVERSUBSCRIBE", "GPU_CORE_UTILIZATION_POLICY")
+#: Where GPU nodes keep the limiter library (HAMi's location, so HAMi nodes work unchanged); mounted read-only
+#: into GPU containers at the same path.
+DEFAULT_LIMITER_LIBRARY_PATH = "/usr/local/vgpu/libvgpu.so"
+#: Host file listing the limiter library, mounted at /etc/ld.so.preload in the webhook's ld.so.preload mode.
+DEFAULT_LIMITER_LD_SO_PRELOAD_PATH = "/usr/local/vgpu/ld.so.preload"
+#: Namespace label exempting a namespace from the webhook when set to LABEL_WEBHOOK_DISABLED. Only a namespace
+#: label (not a pod label), so a pod's author cannot opt their own GPU pod out of the limits.
+LABEL_WEBHOOK = ANNOTATION_PREFIX + "webhook"
+LABEL_WEBHOOK_DISABLED = "disabled"
+# --- end of webhook additions ---
+
+
+# --- Added for the quota gate (extender/quota/, issue 6): Kueue's names, read as Kueue writes them. ---
+#: API group of Kueue's objects (ClusterQueue, LocalQueue, ResourceFlavor, Cohort, WorkloadPriorityClass).
+KUEUE_API_GROUP = "kueue.x-k8s.io"
+#: Pod label naming the LocalQueue (in the pod's namespace) whose ClusterQueue's quota the pod uses.
+LABEL_KUEUE_QUEUE_NAME = KUEUE_API_GROUP + "/queue-name"
+#: Pod label naming a Kueue WorkloadPriorityClass; as in Kueue, it wins over the pod's PriorityClass.
+LABEL_KUEUE_PRIORITY_CLASS = KUEUE_API_GROUP + "/priority-class"
+#: Namespace label the API server sets on every namespace (ClusterQueue namespaceSelectors may use it).
+LABEL_NAMESPACE_NAME = "kubernetes.io/metadata.name"
+# --- end of quota additions ---
+
+
 # ---------------------------------------------------------------------------------------------
 # Node inventory
 # ---------------------------------------------------------------------------------------------
 
 
-class PcieLevel(str, Enum):
+class PcieLevel(StrEnum):
     """Closest common PCIe ancestor of two GPUs, best first (NVML's topology levels)."""
 
     SAME_BOARD = "same-board"  # NVML_TOPOLOGY_INTERNAL
@@ -123,6 +155,10 @@ class GpuInfo:
     healthy: bool = True
     mig_mode: bool = False
     links: tuple[GpuLink, ...] = ()
+    #: Device plugin (issue 5): "namespace/name" of pods holding this GPU without a kube-vgpu assignment (they reached
+    #: the node another way). Consumers must treat such a GPU as fully used. Encoded only when non-empty, so
+    #: inventories without such pods stay byte-identical to earlier v1 producers.
+    external_pods: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,9 +195,8 @@ def encode_inventory(inventory: NodeInventory) -> str:
                 "pciBusId": gpu.pci_bus_id,
                 "healthy": gpu.healthy,
                 "mig": gpu.mig_mode,
-                "links": [
-                    [link.peer_index, link.nvlinks, link.via_nvswitch, link.pcie.value] for link in gpu.links
-                ],
+                "links": [[link.peer_index, link.nvlinks, link.via_nvswitch, link.pcie.value] for link in gpu.links],
+                **({"external": list(gpu.external_pods)} if gpu.external_pods else {}),
             }
             for gpu in inventory.gpus
         ],
@@ -189,7 +224,9 @@ def decode_inventory(text: str) -> NodeInventory:
         raise ProtocolError("inventory must be a JSON object")
     version = _require(doc, "v", int, "inventory")
     if version != INVENTORY_SCHEMA_VERSION:
-        raise ProtocolError(f"inventory schema version {version} is not supported (expected {INVENTORY_SCHEMA_VERSION})")
+        raise ProtocolError(
+            f"inventory schema version {version} is not supported (expected {INVENTORY_SCHEMA_VERSION})"
+        )
     gpus = []
     seen_indexes: set[int] = set()
     for position, raw in enumerate(_require(doc, "gpus", list, "inventory")):
@@ -209,6 +246,9 @@ def decode_inventory(text: str) -> NodeInventory:
             except ValueError:
                 raise ProtocolError(f"{where} links[{link_position}]: unknown PCIe level {pcie!r}") from None
             links.append(GpuLink(int(peer), int(nvlinks), bool(via_nvswitch), level))
+        external = raw.get("external", [])  # optional (device plugin, issue 5)
+        if not isinstance(external, list) or not all(isinstance(item, str) for item in external):
+            raise ProtocolError(f"{where}: field 'external' must be a list of strings")
         index = _require(raw, "index", int, where)
         if index in seen_indexes:
             raise ProtocolError(f"{where}: duplicate GPU index {index}")
@@ -231,19 +271,20 @@ def decode_inventory(text: str) -> NodeInventory:
                 healthy=_require(raw, "healthy", bool, where),
                 mig_mode=_require(raw, "mig", bool, where),
                 links=tuple(links),
+                external_pods=tuple(external),
             )
         )
     return NodeInventory(gpus=tuple(gpus), version=version)
 
 
 def format_heartbeat(moment: _dt.datetime) -> str:
-    return moment.astimezone(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return moment.astimezone(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def parse_heartbeat(text: str) -> float:
     """Heartbeat annotation -> POSIX seconds. Raises ProtocolError."""
     try:
-        moment = _dt.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=_dt.timezone.utc)
+        moment = _dt.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=_dt.UTC)
     except (TypeError, ValueError):
         raise ProtocolError(f"heartbeat {text!r} is not an RFC 3339 UTC time like 2026-01-31T12:00:00Z") from None
     return moment.timestamp()
@@ -343,6 +384,69 @@ def decode_assignment(text: str) -> PodAssignment:
             )
         )
     return PodAssignment(node=_require(doc, "node", str, "assignment"), containers=tuple(containers), version=version)
+
+
+# --- Added for the device plugin (deviceplugin/, issue 5): matching kubelet's Allocate to a pod. ---
+# kubelet's Allocate names only device IDs, never the pod. The device plugin therefore matches it against the
+# pods on its node that have an assignment and a GPU container not yet allocated, in the order kubelet admits
+# them (the order they were bound), and claims the container with a resourceVersion-guarded patch.
+
+#: Pod annotation the extender writes at bind, in the SAME patch as POD_ASSIGNMENT_ANNOTATION (before creating the
+#: Binding, under its per-node lock): when the assignment was committed (format_bind_time). Orders a node's
+#: pending pods the way kubelet will admit them.
+POD_BIND_TIME_ANNOTATION = ANNOTATION_PREFIX + "gpu-bind-time"
+#: Pod annotation the device plugin writes in Allocate (JSON, encode_allocation): which containers already got
+#: their devices, with the kubelet device IDs they got. Written with the pod's resourceVersion as a precondition
+#: so two concurrent Allocates can never claim the same container.
+POD_ALLOCATION_ANNOTATION = ANNOTATION_PREFIX + "gpu-allocation"
+ALLOCATION_SCHEMA_VERSION = 1
+
+
+def format_bind_time(moment: _dt.datetime) -> str:
+    """RFC 3339 UTC with microseconds: binds to one node are milliseconds apart, seconds would tie."""
+    return moment.astimezone(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def parse_bind_time(text: str) -> float:
+    """Bind-time annotation -> POSIX seconds (also accepts whole seconds). Raises ProtocolError."""
+    for layout in ("%Y-%m-%dT%H:%M:%S.%fZ", "%Y-%m-%dT%H:%M:%SZ"):
+        try:
+            return _dt.datetime.strptime(text, layout).replace(tzinfo=_dt.UTC).timestamp()
+        except (TypeError, ValueError):
+            continue
+    raise ProtocolError(f"bind time {text!r} is not an RFC 3339 UTC time like 2026-01-31T12:00:00.123456Z")
+
+
+def encode_allocation(containers: Mapping[str, tuple[str, ...] | list[str]]) -> str:
+    """{"v":1,"containers":{name: [kubelet device IDs]}} with containers sorted by name (deterministic)."""
+    doc = {
+        "v": ALLOCATION_SCHEMA_VERSION,
+        "containers": {name: list(containers[name]) for name in sorted(containers)},
+    }
+    return orjson.dumps(doc).decode()
+
+
+def decode_allocation(text: str) -> dict[str, tuple[str, ...]]:
+    """Container name -> kubelet device IDs it was allocated. Raises ProtocolError."""
+    try:
+        doc = orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise ProtocolError(f"allocation is not valid JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ProtocolError("allocation must be a JSON object")
+    version = _require(doc, "v", int, "allocation")
+    if version != ALLOCATION_SCHEMA_VERSION:
+        raise ProtocolError(f"allocation schema version {version} is not supported")
+    raw = _require(doc, "containers", dict, "allocation")
+    result: dict[str, tuple[str, ...]] = {}
+    for name, ids in raw.items():
+        if not isinstance(ids, list) or not all(isinstance(item, str) for item in ids):
+            raise ProtocolError(f"allocation container {name!r}: device IDs must be a list of strings")
+        result[name] = tuple(ids)
+    return result
+
+
+# --- end of device plugin additions ---
 
 
 # ---------------------------------------------------------------------------------------------

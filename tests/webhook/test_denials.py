@@ -1,0 +1,252 @@
+"""The bad-input matrix: every row is refused with its exact message, HTTP 200 + allowed=false + status.code 400/403
+(never a 5xx), in-process through `mutate.review` (the same function the HTTPS server calls; test_server.py runs
+this same table over real HTTPS)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from tests.webhook.builders import CORES, GPU, MEM, PCT, container, gpu_container, pod, run_review
+from webhook.config import WebhookConfig
+from webhook.mutate import Result
+
+
+@dataclass(frozen=True)
+class Row:
+    id: str
+    pod: dict[str, Any]
+    code: int
+    message: str
+    config: WebhookConfig = field(default_factory=WebhookConfig)
+    operation: str = "CREATE"
+    old: dict[str, Any] | None = None
+
+
+def _with_annotations(annotations: dict[str, str], *containers: dict[str, Any]) -> dict[str, Any]:
+    return pod(*containers, annotations=annotations)
+
+
+ROWS = [
+    # -- quantities: whole, non-negative numbers only
+    Row(
+        "gpu-fraction",
+        pod(gpu_container(gpu="0.5")),
+        400,
+        "container trainer: nvidia.com/gpu must be a non-negative whole number, got '0.5'",
+    ),
+    Row(
+        "gpucores-millis",
+        pod(gpu_container(gpu="1", gpucores="500m")),
+        400,
+        "container trainer: nvidia.com/gpucores must be a non-negative whole number, got '500m'",
+    ),
+    Row(
+        "gpumem-negative",
+        pod(gpu_container(gpu="1", gpumem="-1024")),
+        400,
+        "container trainer: nvidia.com/gpumem must not be negative, got '-1024'",
+    ),
+    Row(
+        "gpu-negative",
+        pod(gpu_container(gpu="-1")),
+        400,
+        "container trainer: nvidia.com/gpu must not be negative, got '-1'",
+    ),
+    Row(
+        "gpumem-garbage",
+        pod(gpu_container(gpu="1", gpumem="lots")),
+        400,
+        "container trainer: nvidia.com/gpumem must be a non-negative whole number, got 'lots'",
+    ),
+    # -- ranges
+    Row(
+        "gpucores-150",
+        pod(gpu_container(gpu="1", gpucores="150")),
+        400,
+        "container trainer: nvidia.com/gpucores must be between 0 and 100, got 150",
+    ),
+    Row(
+        "gpumem-zero",
+        pod(gpu_container(gpu="1", gpumem="0")),
+        400,
+        "container trainer: nvidia.com/gpumem must be greater than 0 MiB, got 0",
+    ),
+    Row(
+        "gpumem-percentage-zero",
+        pod(gpu_container(gpu="1", gpumem_percentage="0")),
+        400,
+        "container trainer: nvidia.com/gpumem-percentage must be between 1 and 100, got 0",
+    ),
+    Row(
+        "gpumem-percentage-101",
+        pod(gpu_container(gpu="1", gpumem_percentage="101")),
+        400,
+        "container trainer: nvidia.com/gpumem-percentage must be between 1 and 100, got 101",
+    ),
+    Row(
+        "gpumem-and-percentage",
+        pod(gpu_container(gpu="1", gpumem="4096", gpumem_percentage="50")),
+        400,
+        "container trainer: set either nvidia.com/gpumem or nvidia.com/gpumem-percentage, not both",
+    ),
+    Row(
+        "zero-gpus-with-memory",
+        pod(gpu_container(gpu="0", gpumem="4096")),
+        400,
+        "container trainer: nvidia.com/gpu is 0 but GPU memory or cores are requested",
+    ),
+    Row(
+        "bad-value-in-requests-only",
+        pod(container("trainer", limits={GPU: "1"}, requests={GPU: "1", CORES: "150"})),
+        400,
+        "container trainer: nvidia.com/gpucores must be between 0 and 100, got 150",
+    ),
+    Row(
+        "bad-init-container",
+        pod(container("app"), init_containers=[gpu_container("warmup", gpu="1", gpumem_percentage="200")]),
+        400,
+        "container warmup: nvidia.com/gpumem-percentage must be between 1 and 100, got 200",
+    ),
+    # -- count per pod
+    Row(
+        "gpu-count-above-default-max",
+        pod(gpu_container(gpu="17")),
+        403,
+        "pod asks for 17 vGPUs (nvidia.com/gpu), more than the maximum of 16 per pod allowed in this cluster",
+    ),
+    Row(
+        "gpu-count-above-configured-max-across-containers",
+        pod(gpu_container("a", gpu="3"), gpu_container("b", gpu="2")),
+        403,
+        "pod asks for 5 vGPUs (nvidia.com/gpu), more than the maximum of 4 per pod allowed in this cluster",
+        config=WebhookConfig(max_gpus_per_pod=4),
+    ),
+    # -- placement and isolation
+    Row(
+        "node-name-preset",
+        pod(gpu_container(gpu="1", gpumem="4096"), nodeName="gpu-node-3"),
+        403,
+        "pod sets spec.nodeName='gpu-node-3', which skips GPU placement and limits; "
+        "use a nodeSelector or node affinity instead",
+    ),
+    Row(
+        "privileged-gpu-container",
+        pod(gpu_container(gpu="1", gpumem="4096", securityContext={"privileged": True})),
+        403,
+        "container trainer: privileged containers cannot use vGPUs (a privileged container sees every GPU on the "
+        "node, so its limits cannot be enforced); remove securityContext.privileged",
+    ),
+    Row(
+        "privileged-gpu-init-container",
+        pod(container("app"), init_containers=[gpu_container("warmup", gpu="1", securityContext={"privileged": True})]),
+        403,
+        "container warmup: privileged containers cannot use vGPUs (a privileged container sees every GPU on the "
+        "node, so its limits cannot be enforced); remove securityContext.privileged",
+    ),
+    # -- internal annotations
+    Row(
+        "internal-annotation-on-gpu-pod",
+        _with_annotations({"kube-vgpu.io/gpu-assignment": "{}"}, gpu_container(gpu="1")),
+        403,
+        "annotation kube-vgpu.io/gpu-assignment is written only by kube-vgpu; remove it from the pod",
+    ),
+    Row(
+        "internal-annotations-on-cpu-pod",
+        _with_annotations({"kube-vgpu.io/gpu-allocation": "{}", "kube-vgpu.io/gpu-assignment": "{}"}),
+        403,
+        "annotations kube-vgpu.io/gpu-allocation, kube-vgpu.io/gpu-assignment are written only by kube-vgpu; "
+        "remove them from the pod",
+    ),
+    Row(
+        "update-adds-internal-annotation",
+        _with_annotations({"kube-vgpu.io/gpu-assignment": '{"v":1}'}, gpu_container(gpu="1")),
+        403,
+        "annotation kube-vgpu.io/gpu-assignment is written only by kube-vgpu and cannot be added, changed or removed",
+        operation="UPDATE",
+        old=pod(gpu_container(gpu="1")),
+    ),
+    Row(
+        "update-changes-internal-annotation",
+        _with_annotations({"kube-vgpu.io/gpu-assignment": '{"v":2}'}, gpu_container(gpu="1")),
+        403,
+        "annotation kube-vgpu.io/gpu-assignment is written only by kube-vgpu and cannot be added, changed or removed",
+        operation="UPDATE",
+        old=_with_annotations({"kube-vgpu.io/gpu-assignment": '{"v":1}'}, gpu_container(gpu="1")),
+    ),
+    Row(
+        "update-removes-internal-annotation",
+        _with_annotations({"team": "a"}, gpu_container(gpu="1")),
+        403,
+        "annotation kube-vgpu.io/gpu-bind-time is written only by kube-vgpu and cannot be added, changed or removed",
+        operation="UPDATE",
+        old=_with_annotations({"team": "a", "kube-vgpu.io/gpu-bind-time": "2026-01-01T00:00:00Z"}, gpu_container()),
+    ),
+]
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[row.id for row in ROWS])
+def test_bad_input_is_denied_with_its_message(row: Row) -> None:
+    outcome, response = run_review(row.pod, row.config, operation=row.operation, old=row.old)
+    assert outcome.http_status == 200
+    assert outcome.result is Result.DENIED
+    assert response["allowed"] is False
+    assert response["status"] == {
+        "status": "Failure",
+        "code": row.code,
+        "reason": "Forbidden" if row.code == 403 else "BadRequest",
+        "message": row.message,
+    }
+    assert "patch" not in response
+
+
+def test_every_rule_of_the_issue_has_a_row() -> None:
+    messages = " | ".join(row.message for row in ROWS)
+    for fragment in (
+        "whole number",  # non-integer
+        "must not be negative",
+        f"{CORES} must be between 0 and 100",
+        f"{MEM} must be greater than 0",
+        f"{PCT} must be between 1 and 100",
+        "not both",
+        "more than the maximum",
+        "spec.nodeName",
+        "privileged",
+        "written only by kube-vgpu",
+    ):
+        assert fragment in messages, fragment
+
+
+def test_components_may_write_internal_annotations() -> None:
+    """The extender (bind) and device plugin (Allocate) write them; their service accounts are trusted."""
+    old = pod(gpu_container(gpu="1"))
+    new = _with_annotations({"kube-vgpu.io/gpu-assignment": '{"v":1}'}, gpu_container(gpu="1"))
+    for username in (
+        "system:serviceaccount:kube-vgpu:kube-vgpu-extender",
+        "system:serviceaccount:kube-vgpu:kube-vgpu-device-plugin",
+    ):
+        outcome, response = run_review(new, operation="UPDATE", old=old, username=username)
+        assert (outcome.result, response["allowed"]) == (Result.ALLOWED, True)
+    config = WebhookConfig(trusted_usernames=frozenset({"system:admin"}))
+    outcome, _ = run_review(new, config, operation="UPDATE", old=old, username="system:admin")
+    assert outcome.result is Result.ALLOWED
+    outcome, _ = run_review(new, config, operation="UPDATE", old=old, username="system:serviceaccount:x:y")
+    assert outcome.result is Result.DENIED
+
+
+def test_update_that_keeps_internal_annotations_is_allowed() -> None:
+    """kubectl label / apply on a bound pod resends the annotations unchanged: fine."""
+    annotations = {"kube-vgpu.io/gpu-assignment": '{"v":1}'}
+    old = _with_annotations(annotations, gpu_container(gpu="1"))
+    new = _with_annotations({**annotations, "note": "hello"}, gpu_container(gpu="1"))
+    outcome, response = run_review(new, operation="UPDATE", old=old)
+    assert (outcome.result, response["allowed"], "patch" in response) == (Result.ALLOWED, True, False)
+
+
+def test_update_never_mutates_even_a_gpu_pod() -> None:
+    gpu_pod = pod(gpu_container(gpu="1", gpumem="1024"))
+    outcome, response = run_review(gpu_pod, operation="UPDATE", old=gpu_pod)
+    assert outcome.result is Result.ALLOWED
+    assert "patch" not in response

@@ -1,0 +1,147 @@
+"""`kube-vgpu webhook`: serve the admission webhook over HTTPS.
+
+    kube-vgpu webhook --port 8443 --tls-cert-file /tls/tls.crt --tls-key-file /tls/tls.key
+    kube-vgpu webhook --port 8443 --self-signed-dir DIR    # development: CA + localhost cert in DIR, CA on stdout
+
+Readiness: GET https://<host>:<port>/healthz answers 200 once connections are accepted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import ssl
+import sys
+
+from kube_vgpu.protocol import DEFAULT_LIMITER_LD_SO_PRELOAD_PATH, DEFAULT_LIMITER_LIBRARY_PATH, DEFAULT_SCHEDULER_NAME
+from webhook.config import (
+    DEFAULT_CACHE_DIR,
+    DEFAULT_MAX_GPUS_PER_POD,
+    DEFAULT_TRUSTED_USERNAMES,
+    LimiterMode,
+    WebhookConfig,
+)
+from webhook.tls import DEFAULT_RELOAD_INTERVAL_S
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    serve = parser.add_argument_group("serving")
+    serve.add_argument("--host", default="0.0.0.0", help="address to listen on (default: %(default)s)")
+    serve.add_argument("--port", type=int, default=8443, help="HTTPS port; 0 picks a free one (default: %(default)s)")
+    serve.add_argument("--tls-cert-file", help="serving certificate (PEM), re-read when it changes")
+    serve.add_argument("--tls-key-file", help="its private key (PEM)")
+    serve.add_argument(
+        "--self-signed-dir",
+        help="development: create (or reuse) a CA and a serving cert for localhost in this directory, print the CA "
+        "bundle on stdout and serve with them",
+    )
+    serve.add_argument("--hostname", action="append", default=[], help="with --self-signed-dir: extra DNS name")
+    serve.add_argument("--ip", action="append", default=[], help="with --self-signed-dir: extra IP address")
+    serve.add_argument(
+        "--cert-reload-interval-seconds",
+        type=float,
+        default=DEFAULT_RELOAD_INTERVAL_S,
+        help="how often the certificate files are checked for changes (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--shutdown-delay-seconds",
+        type=float,
+        default=0.0,
+        help="on SIGTERM, report not-ready on /readyz and keep answering this long before stopping, so the API "
+        "server stops sending here first (a second SIGTERM stops at once) (default: %(default)s)",
+    )
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--access-log", action="store_true", help="log every request (off: it costs latency)")
+
+    policy = parser.add_argument_group("admission policy")
+    policy.add_argument("--scheduler-name", default=DEFAULT_SCHEDULER_NAME, help="default: %(default)s")
+    policy.add_argument("--max-gpus-per-pod", type=int, default=DEFAULT_MAX_GPUS_PER_POD, help="default: %(default)s")
+    policy.add_argument(
+        "--limiter-mode",
+        choices=[mode.value for mode in LimiterMode],
+        default=LimiterMode.LD_PRELOAD.value,
+        help="how GPU containers load the limiter library: LD_PRELOAD env, an /etc/ld.so.preload mount, or none "
+        "(the cluster provides it) (default: %(default)s)",
+    )
+    policy.add_argument("--limiter-library-path", default=DEFAULT_LIMITER_LIBRARY_PATH, help="default: %(default)s")
+    policy.add_argument(
+        "--limiter-ld-so-preload-path",
+        default=DEFAULT_LIMITER_LD_SO_PRELOAD_PATH,
+        help="host file mounted at /etc/ld.so.preload in ld-so-preload mode (default: %(default)s)",
+    )
+    policy.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help="limiter cache directory (default: %(default)s)")
+    policy.add_argument(
+        "--trusted-user",
+        action="append",
+        default=None,
+        help="user allowed to write kube-vgpu's internal pod annotations (repeatable; default: "
+        f"{', '.join(sorted(DEFAULT_TRUSTED_USERNAMES))})",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> WebhookConfig:
+    return WebhookConfig(
+        scheduler_name=args.scheduler_name,
+        max_gpus_per_pod=args.max_gpus_per_pod,
+        limiter_mode=LimiterMode(args.limiter_mode),
+        limiter_library_path=args.limiter_library_path,
+        limiter_ld_so_preload_path=args.limiter_ld_so_preload_path,
+        cache_dir=args.cache_dir,
+        trusted_usernames=frozenset(args.trusted_user) if args.trusted_user else DEFAULT_TRUSTED_USERNAMES,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"kube-vgpu webhook: {exc}", file=sys.stderr)
+        return 2
+    if args.self_signed_dir:
+        if args.tls_cert_file or args.tls_key_file:
+            print("kube-vgpu webhook: give either --self-signed-dir or --tls-cert-file/--tls-key-file", file=sys.stderr)
+            return 2
+        from webhook.certs import DEFAULT_HOSTNAMES, DEFAULT_IPS, ensure_ca_and_serving_cert
+
+        paths = ensure_ca_and_serving_cert(
+            args.self_signed_dir, [*DEFAULT_HOSTNAMES, *args.hostname], [*DEFAULT_IPS, *args.ip]
+        )
+        cert_file, key_file = str(paths.cert), str(paths.key)
+        sys.stdout.write(paths.ca_pem.decode())
+        sys.stdout.flush()
+    elif args.tls_cert_file and args.tls_key_file:
+        cert_file, key_file = args.tls_cert_file, args.tls_key_file
+    else:
+        print(
+            "kube-vgpu webhook: HTTPS only: give --tls-cert-file and --tls-key-file, or --self-signed-dir DIR",
+            file=sys.stderr,
+        )
+        return 2
+
+    from webhook.server import WebhookServer  # FastAPI and uvicorn load only when serving
+
+    try:
+        server = WebhookServer(
+            config,
+            cert_file=cert_file,
+            key_file=key_file,
+            host=args.host,
+            port=args.port,
+            reload_interval_s=args.cert_reload_interval_seconds,
+            log_level=args.log_level,
+            access_log=args.access_log,
+            shutdown_delay_s=args.shutdown_delay_seconds,
+        )
+    except (OSError, ssl.SSLError) as exc:
+        print(f"kube-vgpu webhook: cannot serve: {exc}", file=sys.stderr)
+        return 1
+    logging.getLogger("kube_vgpu.webhook").info(
+        "serving https://%s:%d/mutate (scheduler %s, limiter %s)",
+        args.host,
+        server.port,
+        config.scheduler_name,
+        config.limiter_mode.value,
+    )
+    server.run()
+    return 0

@@ -1,0 +1,59 @@
+"""Settings of the admission webhook: what it injects and what it refuses. Plain data, no I/O."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from kube_vgpu.protocol import (
+    DEFAULT_LIMITER_LD_SO_PRELOAD_PATH,
+    DEFAULT_LIMITER_LIBRARY_PATH,
+    DEFAULT_SCHEDULER_NAME,
+)
+
+#: The service accounts of the components that write kube-vgpu's internal pod annotations, as named in manifests/:
+#: the extender (assignment and bind time, at bind) and the device plugin (allocation, in Allocate).
+DEFAULT_EXTENDER_USERNAME = "system:serviceaccount:kube-vgpu:kube-vgpu-extender"
+DEFAULT_DEVICE_PLUGIN_USERNAME = "system:serviceaccount:kube-vgpu:kube-vgpu-device-plugin"
+DEFAULT_TRUSTED_USERNAMES = frozenset({DEFAULT_EXTENDER_USERNAME, DEFAULT_DEVICE_PLUGIN_USERNAME})
+#: Default cap on vGPUs per pod: 16 covers every single node on the market (8 GPUs x 2 sharing containers) while
+#: stopping typos like `nvidia.com/gpu: 100` that would stay Pending forever.
+DEFAULT_MAX_GPUS_PER_POD = 16
+#: Directory (an emptyDir the webhook adds) holding each GPU container's limiter cache file.
+DEFAULT_CACHE_DIR = "/run/kube-vgpu"
+
+
+class LimiterMode(StrEnum):
+    """How the in-container limiter library gets loaded into every process of a GPU container."""
+
+    #: LD_PRELOAD env + the library mounted read-only. Works everywhere, but a process that clears LD_PRELOAD
+    #: (or a static binary) escapes the limits.
+    LD_PRELOAD = "ld-preload"
+    #: The node's ld.so.preload file mounted at /etc/ld.so.preload (+ the library): every dynamically linked
+    #: process loads the limiter whatever its environment. Needs that file on every GPU node.
+    LD_SO_PRELOAD = "ld-so-preload"
+    #: The cluster provides the limiter another way (e.g. a runtime hook); only the env vars are set.
+    NONE = "none"
+
+
+@dataclass(frozen=True, slots=True)
+class WebhookConfig:
+    scheduler_name: str = DEFAULT_SCHEDULER_NAME
+    max_gpus_per_pod: int = DEFAULT_MAX_GPUS_PER_POD
+    limiter_mode: LimiterMode = LimiterMode.LD_PRELOAD
+    #: Path of the limiter library on the node; mounted at the same path in the container.
+    limiter_library_path: str = DEFAULT_LIMITER_LIBRARY_PATH
+    #: Path on the node of the file listing the library (LD_SO_PRELOAD mode only).
+    limiter_ld_so_preload_path: str = DEFAULT_LIMITER_LD_SO_PRELOAD_PATH
+    cache_dir: str = DEFAULT_CACHE_DIR
+    #: Users (AdmissionReview userInfo.username) allowed to write kube-vgpu's internal pod annotations.
+    trusted_usernames: frozenset[str] = DEFAULT_TRUSTED_USERNAMES
+
+    def __post_init__(self) -> None:
+        if self.max_gpus_per_pod < 1:
+            raise ValueError(f"max_gpus_per_pod must be at least 1, got {self.max_gpus_per_pod}")
+        for name in ("limiter_library_path", "limiter_ld_so_preload_path", "cache_dir"):
+            if not getattr(self, name).startswith("/"):
+                raise ValueError(f"{name} must be an absolute path, got {getattr(self, name)!r}")
+        if not self.scheduler_name:
+            raise ValueError("scheduler_name must not be empty")

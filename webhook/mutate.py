@@ -1,0 +1,483 @@
+"""Admission logic, pure: an AdmissionReview body in, the HTTP status and response body out. No I/O.
+
+On Pod CREATE a pod asking for vGPUs is validated (protocol.parse_pod_gpu_request holds the rules and messages),
+routed to our scheduler, and given the env vars, volumes and mounts the in-container limiter needs. On UPDATE only
+kube-vgpu's internal annotations are guarded. Everything is expressed as an RFC 6902 JSON Patch against the pod
+exactly as the API server sent it, recomputed from that pod each time, so a reinvocation (reinvocationPolicy:
+IfNeeded) after another webhook's change yields an empty patch when nothing of ours is missing.
+
+The hot path avoids pydantic: orjson in, plain dicts, orjson out. A pod asking for no GPU resource costs one JSON
+parse plus a scan of its annotations and container resource names.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import orjson
+
+from kube_vgpu.protocol import (
+    ENV_LD_PRELOAD,
+    ENV_LIMITER_OVERRIDES,
+    ENV_MEMORY_LIMIT_PREFIX,
+    ENV_NVIDIA_VISIBLE_DEVICES,
+    ENV_SHARED_CACHE,
+    ENV_SM_LIMIT,
+    GPU_RESOURCES,
+    RESOURCE_GPU,
+    ContainerGpuRequest,
+    InvalidGpuRequest,
+    PodGpuRequest,
+    is_internal_annotation,
+    parse_pod_gpu_request,
+    pod_asks_for_gpu,
+)
+from webhook.config import LimiterMode, WebhookConfig
+
+API_VERSION_V1 = "admission.k8s.io/v1"
+API_VERSION_V1BETA1 = "admission.k8s.io/v1beta1"
+SUPPORTED_API_VERSIONS = (API_VERSION_V1, API_VERSION_V1BETA1)
+#: What the API server defaults spec.schedulerName to.
+KUBERNETES_DEFAULT_SCHEDULER = "default-scheduler"
+
+# Names of what the webhook adds to GPU pods (reserved: a pod's own volume of that name is replaced).
+CACHE_VOLUME = "kube-vgpu-cache"
+LIMITER_VOLUME = "kube-vgpu-limiter"
+LD_SO_PRELOAD_VOLUME = "kube-vgpu-ld-so-preload"
+LD_SO_PRELOAD_MOUNT_PATH = "/etc/ld.so.preload"
+
+# HAMi-core also reads the un-indexed CUDA_DEVICE_MEMORY_LIMIT (a limit for every device).
+_ENV_MEMORY_LIMIT_ALL = ENV_MEMORY_LIMIT_PREFIX.rstrip("_")
+_LD_PRELOAD_SEPARATOR = re.compile(r"[:\s]+")
+
+
+class Result(StrEnum):
+    """Outcome of one admission, as counted in metrics."""
+
+    ALLOWED = "allowed"  # allowed, nothing to change
+    MUTATED = "mutated"  # allowed with a patch
+    DENIED = "denied"  # a well-formed review, refused (HTTP 200, allowed=false)
+    MALFORMED = "malformed"  # not an AdmissionReview we can answer (HTTP 400)
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionOutcome:
+    http_status: int
+    body: bytes
+    result: Result
+    operation: str  # CREATE, UPDATE, ... ("" when the review was malformed)
+    message: str = ""  # the denial or the reason the review was malformed, for logs
+    warnings: tuple[str, ...] = ()
+    subject: str = ""  # namespace/name of the pod, for logs
+
+
+@dataclass(slots=True)
+class Decision:
+    """What to answer for one pod: allowed with an optional patch and warnings, or denied with a status code."""
+
+    allowed: bool = True
+    patch: list[dict[str, Any]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    code: int = 200
+    message: str = ""
+
+
+ALLOW = Decision()  # shared: never mutated, handed out for the no-op cases
+
+
+class MalformedReview(ValueError):
+    """The body is not an AdmissionReview about a pod that we can answer; the message says what is wrong."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The AdmissionReview envelope
+# ---------------------------------------------------------------------------------------------
+
+
+def review(body: bytes, config: WebhookConfig) -> AdmissionOutcome:
+    """Answer one AdmissionReview (v1 or v1beta1, in the version asked). Never raises."""
+    try:
+        api_version, uid, operation, subject, decision = _decide(body, config)
+    except MalformedReview as exc:
+        return _malformed(str(exc))
+    response: dict[str, Any] = {"uid": uid, "allowed": decision.allowed}
+    if not decision.allowed:
+        reason = "Forbidden" if decision.code == 403 else "BadRequest"
+        response["status"] = {"status": "Failure", "code": decision.code, "reason": reason, "message": decision.message}
+        result = Result.DENIED
+    elif decision.patch:
+        response["patchType"] = "JSONPatch"
+        response["patch"] = base64.b64encode(orjson.dumps(decision.patch)).decode()
+        result = Result.MUTATED
+    else:
+        result = Result.ALLOWED
+    if decision.warnings:
+        response["warnings"] = decision.warnings
+    out = {"apiVersion": api_version, "kind": "AdmissionReview", "response": response}
+    return AdmissionOutcome(
+        200, orjson.dumps(out), result, operation, decision.message, tuple(decision.warnings), subject
+    )
+
+
+def _malformed(message: str) -> AdmissionOutcome:
+    # A metav1.Status body: client-go (the API server's webhook client) shows its message in the error it reports.
+    status = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "BadRequest", "code": 400}
+    status["message"] = f"malformed AdmissionReview: {message}"
+    return AdmissionOutcome(400, orjson.dumps(status), Result.MALFORMED, "", str(status["message"]))
+
+
+def _decide(body: bytes, config: WebhookConfig) -> tuple[str, str, str, str, Decision]:
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise MalformedReview(f"body is not valid JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise MalformedReview("body must be a JSON object")
+    api_version = doc.get("apiVersion")
+    if api_version not in SUPPORTED_API_VERSIONS:
+        raise MalformedReview(f"apiVersion must be one of {', '.join(SUPPORTED_API_VERSIONS)}, got {api_version!r}")
+    if doc.get("kind") != "AdmissionReview":
+        raise MalformedReview(f"kind must be AdmissionReview, got {doc.get('kind')!r}")
+    request = doc.get("request")
+    if not isinstance(request, dict):
+        raise MalformedReview("request must be an object")
+    uid = request.get("uid")
+    if not isinstance(uid, str) or not uid:
+        raise MalformedReview("request.uid must be a non-empty string")
+    operation = request.get("operation")
+    if not isinstance(operation, str) or not operation:
+        raise MalformedReview("request.operation must be a non-empty string")
+    kind = request.get("kind")
+    if not isinstance(kind, dict) or not isinstance(kind.get("kind"), str):
+        raise MalformedReview("request.kind must be an object with a kind, like {'version': 'v1', 'kind': 'Pod'}")
+    subject = f"{request.get('namespace') or ''}/{request.get('name') or ''}"
+    if kind["kind"] != "Pod" or kind.get("group", "") != "" or request.get("subResource"):
+        return api_version, uid, operation, subject, ALLOW  # not ours to judge (a misconfigured rule); let it through
+    user_info = request.get("userInfo")
+    username = user_info.get("username", "") if isinstance(user_info, dict) else ""
+    if operation not in ("CREATE", "UPDATE"):
+        return api_version, uid, operation, subject, ALLOW
+    pod = _pod_object(request, "object")
+    old_pod = _pod_object(request, "oldObject") if operation == "UPDATE" else None
+    try:
+        if old_pod is None:
+            decision = admit_create(pod, username, config)
+        else:
+            decision = admit_update(pod, old_pod, username, config)
+    except (AttributeError, TypeError, KeyError, IndexError, ValueError) as exc:
+        # A pod that the API server could never have sent (it decodes pods into typed structs first).
+        raise MalformedReview(f"request.object is not a valid Pod ({type(exc).__name__}: {exc})") from None
+    return api_version, uid, operation, subject, decision
+
+
+def _pod_object(request: dict[str, Any], key: str) -> dict[str, Any]:
+    pod = request.get(key)
+    if not isinstance(pod, dict) or not isinstance(pod.get("spec"), dict):
+        raise MalformedReview(f"request.{key} must be a Pod object with a spec")
+    metadata = pod.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise MalformedReview(f"request.{key}.metadata must be an object")
+    return pod
+
+
+# ---------------------------------------------------------------------------------------------
+# Decisions about one pod
+# ---------------------------------------------------------------------------------------------
+
+
+def _deny(code: int, message: str) -> Decision:
+    return Decision(allowed=False, code=code, message=message)
+
+
+def _internal_annotations(pod: dict[str, Any]) -> dict[str, Any]:
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    return {key: value for key, value in annotations.items() if is_internal_annotation(key)}
+
+
+def admit_update(pod: dict[str, Any], old_pod: dict[str, Any], username: str, config: WebhookConfig) -> Decision:
+    """Pod UPDATE: only the internal annotations are guarded (a fake device assignment would corrupt the extender's
+    accounting); nothing is mutated."""
+    if username in config.trusted_usernames:
+        return ALLOW
+    new, old = _internal_annotations(pod), _internal_annotations(old_pod)
+    if new == old:
+        return ALLOW
+    changed = sorted(key for key in new.keys() | old.keys() if new.get(key) != old.get(key))
+    return _deny(403, f"{_annotation_words(changed)} written only by kube-vgpu and cannot be added, changed or removed")
+
+
+def _annotation_words(keys: list[str]) -> str:
+    return f"annotation {keys[0]} is" if len(keys) == 1 else f"annotations {', '.join(keys)} are"
+
+
+def admit_create(pod: dict[str, Any], username: str, config: WebhookConfig) -> Decision:
+    """Pod CREATE: validate, then mutate a pod that asks for vGPUs."""
+    if username not in config.trusted_usernames:
+        internal = _internal_annotations(pod)
+        if internal:
+            words = _annotation_words(sorted(internal))
+            pronoun = "it" if len(internal) == 1 else "them"
+            return _deny(403, f"{words} written only by kube-vgpu; remove {pronoun} from the pod")
+    if not pod_asks_for_gpu(pod):
+        return ALLOW
+    try:
+        request = parse_pod_gpu_request(pod)
+    except InvalidGpuRequest as exc:
+        return _deny(400, str(exc))
+    if request.is_empty:  # every container asks for nvidia.com/gpu: 0
+        return ALLOW
+    spec = pod["spec"]
+    node_name = spec.get("nodeName")
+    if node_name:
+        return _deny(
+            403,
+            f"pod sets spec.nodeName={node_name!r}, which skips GPU placement and limits; "
+            "use a nodeSelector or node affinity instead",
+        )
+    for _key, _index, container, gpu in _gpu_containers(spec, request):
+        if ((container.get("securityContext") or {}).get("privileged")) is True:
+            return _deny(
+                403,
+                f"container {gpu.name}: privileged containers cannot use vGPUs (a privileged container sees every "
+                "GPU on the node, so its limits cannot be enforced); remove securityContext.privileged",
+            )
+    total = request.total_vgpus
+    if total > config.max_gpus_per_pod:
+        return _deny(
+            403,
+            f"pod asks for {total} vGPUs ({RESOURCE_GPU}), more than the maximum of {config.max_gpus_per_pod} "
+            "per pod allowed in this cluster",
+        )
+    return mutate_gpu_pod(pod, request, config)
+
+
+def _gpu_containers(
+    spec: dict[str, Any], request: PodGpuRequest
+) -> list[tuple[str, int, dict[str, Any], ContainerGpuRequest]]:
+    """(spec key, index, container, its request) for every container with a vGPU request."""
+    by_name = {(gpu.init, gpu.name): gpu for gpu in request.containers}
+    found = []
+    for key, init in (("initContainers", True), ("containers", False)):
+        for index, container in enumerate(spec.get(key) or ()):
+            gpu = by_name.get((init, str(container.get("name", "?"))))
+            if gpu is not None:
+                found.append((key, index, container, gpu))
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
+# The mutation of a GPU pod
+# ---------------------------------------------------------------------------------------------
+
+
+def _pointer(*parts: str | int) -> str:
+    """RFC 6901 JSON pointer: '~' -> '~0', '/' -> '~1' (so nvidia.com/gpu is nvidia.com~1gpu)."""
+    return "".join("/" + str(part).replace("~", "~0").replace("/", "~1") for part in parts)
+
+
+def _set(ops: list[dict[str, Any]], parent: dict[str, Any], key: str, path: str, value: Any) -> None:
+    """Set parent[key] = value with a replace (member present) or an add (member absent)."""
+    ops.append({"op": "replace" if key in parent else "add", "path": path, "value": value})
+
+
+def mutate_gpu_pod(pod: dict[str, Any], request: PodGpuRequest, config: WebhookConfig) -> Decision:
+    spec = pod["spec"]
+    decision = Decision()
+    ops, warnings = decision.patch, decision.warnings
+
+    scheduler = spec.get("schedulerName")
+    if scheduler in (None, "", KUBERNETES_DEFAULT_SCHEDULER):
+        _set(ops, spec, "schedulerName", "/spec/schedulerName", config.scheduler_name)
+    elif scheduler != config.scheduler_name:
+        warnings.append(
+            f"pod names scheduler {scheduler!r}, so kube-vgpu left spec.schedulerName alone: "
+            f"its GPUs are not placed by {config.scheduler_name}"
+        )
+
+    mounts = _desired_mounts(config)
+    for key, index, container, gpu in _gpu_containers(spec, request):
+        base = ("spec", key, index)
+        _patch_resources(ops, container, base)
+        _patch_env(ops, warnings, container, gpu, base, config)
+        _patch_mounts(ops, warnings, container, gpu.name, base, mounts)
+    _patch_volumes(ops, warnings, spec, _desired_volumes(config))
+    return decision
+
+
+def _patch_resources(ops: list[dict[str, Any]], container: dict[str, Any], base: tuple[str | int, ...]) -> None:
+    """GPU limits and requests made equal (limits win, as in protocol); nvidia.com/gpu: 1 when only memory or cores
+    were given, so the device plugin's resource is what the scheduler and kubelet count."""
+    resources = container.get("resources") or {}
+    merged: dict[str, Any] = {}
+    merged.update(resources.get("requests") or {})
+    merged.update(resources.get("limits") or {})
+    wanted = {name: merged[name] for name in GPU_RESOURCES if name in merged}
+    wanted.setdefault(RESOURCE_GPU, "1")
+    wanted = {name: wanted[name] for name in GPU_RESOURCES if name in wanted}  # fixed order: stable patches
+    if not container.get("resources"):
+        _set(ops, container, "resources", _pointer(*base, "resources"), {"limits": wanted, "requests": dict(wanted)})
+        return
+    for section in ("limits", "requests"):
+        current = resources.get(section)
+        if not current:
+            _set(ops, resources, section, _pointer(*base, "resources", section), dict(wanted))
+            continue
+        for name, value in wanted.items():
+            if current.get(name) != value:
+                _set(ops, current, name, _pointer(*base, "resources", section, name), value)
+
+
+def _desired_env(gpu: ContainerGpuRequest, config: WebhookConfig) -> dict[str, str]:
+    env = {ENV_SM_LIMIT: str(gpu.cores)}  # 0 = no compute limit
+    if gpu.memory_mib is not None:
+        # "<MiB>m": a bare number would be read as bytes. Percentages are resolved by the device plugin, which
+        # alone knows which GPU (and so how much memory) the container got.
+        for index in range(gpu.count):
+            env[f"{ENV_MEMORY_LIMIT_PREFIX}{index}"] = f"{gpu.memory_mib}m"
+    # Per container: the limiter's processes in one container share this file; containers must not.
+    env[ENV_SHARED_CACHE] = f"{config.cache_dir}/{gpu.name}.cache"
+    return env
+
+
+def _is_limiter_env(name: str) -> bool:
+    """Names a pod must not set itself in a GPU container. The kubelet puts the device plugin's env (visible
+    devices, percentage-based memory limits) before the pod's own env, and the pod's would win."""
+    return (
+        name.startswith(ENV_MEMORY_LIMIT_PREFIX)
+        or name.startswith(ENV_SM_LIMIT)
+        or name in (_ENV_MEMORY_LIMIT_ALL, ENV_SHARED_CACHE, ENV_NVIDIA_VISIBLE_DEVICES)
+        or name in ENV_LIMITER_OVERRIDES
+    )
+
+
+def _patch_env(
+    ops: list[dict[str, Any]],
+    warnings: list[str],
+    container: dict[str, Any],
+    gpu: ContainerGpuRequest,
+    base: tuple[str | int, ...],
+    config: WebhookConfig,
+) -> None:
+    desired = _desired_env(gpu, config)
+    library = config.limiter_library_path if config.limiter_mode is LimiterMode.LD_PRELOAD else None
+    env: list[dict[str, Any]] = container.get("env") or []
+    new_env: list[dict[str, Any]] = []
+    overridden: list[str] = []  # names whose pod-supplied entry was replaced or dropped
+    seen: set[str] = set()
+    for entry in env:
+        name = entry.get("name", "")
+        if name in desired or (library and name == ENV_LD_PRELOAD):
+            if name in seen:  # a duplicate entry: the later one would win in the container, drop it
+                overridden.append(name)
+                continue
+            seen.add(name)
+            if name == ENV_LD_PRELOAD:
+                assert library is not None
+                wanted = {"name": name, "value": _ld_preload_value(entry, library)}
+            else:
+                wanted = {"name": name, "value": desired[name]}
+            if entry != wanted:
+                overridden.append(name)
+            new_env.append(wanted)
+        elif _is_limiter_env(name):
+            overridden.append(name)
+        else:
+            new_env.append(entry)
+    new_env.extend({"name": name, "value": value} for name, value in desired.items() if name not in seen)
+    if library and ENV_LD_PRELOAD not in seen:
+        new_env.append({"name": ENV_LD_PRELOAD, "value": library})
+    if new_env != env:
+        _set(ops, container, "env", _pointer(*base, "env"), new_env)
+    if overridden:
+        names = ", ".join(dict.fromkeys(overridden))
+        warnings.append(
+            f"container {gpu.name}: env {names} set by the pod was overridden; "
+            "kube-vgpu sets GPU limits from the container's resources"
+        )
+
+
+def _ld_preload_value(entry: dict[str, Any], library: str) -> str:
+    """The limiter first, then whatever the pod preloads itself (a valueFrom cannot be merged and is replaced)."""
+    value = entry.get("value")
+    if "valueFrom" in entry or not isinstance(value, str):
+        return library
+    others = [part for part in _LD_PRELOAD_SEPARATOR.split(value) if part and part != library]
+    return ":".join([library, *others])
+
+
+def _desired_mounts(config: WebhookConfig) -> list[dict[str, Any]]:
+    mounts: list[dict[str, Any]] = [{"name": CACHE_VOLUME, "mountPath": config.cache_dir}]
+    if config.limiter_mode is not LimiterMode.NONE:
+        mounts.append({"name": LIMITER_VOLUME, "mountPath": config.limiter_library_path, "readOnly": True})
+    if config.limiter_mode is LimiterMode.LD_SO_PRELOAD:
+        mounts.append({"name": LD_SO_PRELOAD_VOLUME, "mountPath": LD_SO_PRELOAD_MOUNT_PATH, "readOnly": True})
+    return mounts
+
+
+def _desired_volumes(config: WebhookConfig) -> list[dict[str, Any]]:
+    volumes: list[dict[str, Any]] = [{"name": CACHE_VOLUME, "emptyDir": {}}]
+    # type: File makes a node without the limiter fail the pod's start visibly instead of running it unlimited.
+    if config.limiter_mode is not LimiterMode.NONE:
+        volumes.append({"name": LIMITER_VOLUME, "hostPath": {"path": config.limiter_library_path, "type": "File"}})
+    if config.limiter_mode is LimiterMode.LD_SO_PRELOAD:
+        volumes.append(
+            {"name": LD_SO_PRELOAD_VOLUME, "hostPath": {"path": config.limiter_ld_so_preload_path, "type": "File"}}
+        )
+    return volumes
+
+
+def _patch_mounts(
+    ops: list[dict[str, Any]],
+    warnings: list[str],
+    container: dict[str, Any],
+    container_name: str,
+    base: tuple[str | int, ...],
+    desired: list[dict[str, Any]],
+) -> None:
+    """Our mounts in the container; a pod's own mount of our volumes or at our paths is dropped (one at
+    /etc/ld.so.preload or over the library would switch the limiter off)."""
+    names = {mount["name"] for mount in desired}
+    paths = {mount["mountPath"] for mount in desired}
+    current: list[dict[str, Any]] = container.get("volumeMounts") or []
+    new_mounts: list[dict[str, Any]] = []
+    dropped: list[str] = []
+    for mount in current:
+        if mount.get("name") in names or mount.get("mountPath") in paths:
+            if mount in desired and mount not in new_mounts:
+                new_mounts.append(mount)
+            else:
+                dropped.append(str(mount.get("mountPath")))
+        else:
+            new_mounts.append(mount)
+    new_mounts.extend(mount for mount in desired if mount not in new_mounts)
+    if new_mounts != current:
+        _set(ops, container, "volumeMounts", _pointer(*base, "volumeMounts"), new_mounts)
+    if dropped:
+        warnings.append(
+            f"container {container_name}: volume mounts at {', '.join(dropped)} were replaced by kube-vgpu's own"
+        )
+
+
+def _patch_volumes(
+    ops: list[dict[str, Any]], warnings: list[str], spec: dict[str, Any], desired: list[dict[str, Any]]
+) -> None:
+    volumes: list[dict[str, Any]] | None = spec.get("volumes")
+    if not volumes:
+        _set(ops, spec, "volumes", "/spec/volumes", desired)
+        return
+    wanted = {volume["name"]: volume for volume in desired}
+    present: set[str] = set()
+    for index, volume in enumerate(volumes):
+        name = str(volume.get("name"))
+        if name in wanted:
+            present.add(name)
+            if volume != wanted[name]:
+                ops.append({"op": "replace", "path": _pointer("spec", "volumes", index), "value": wanted[name]})
+                warnings.append(f"volume {name} was replaced: the name is reserved for kube-vgpu")
+    for volume in desired:
+        if volume["name"] not in present:
+            ops.append({"op": "add", "path": "/spec/volumes/-", "value": volume})

@@ -1,0 +1,135 @@
+"""The MutatingWebhookConfiguration that makes the API server call the webhook, as a plain dict.
+
+One builder for every consumer: the dev cluster registers a URL (the webhook on localhost), manifests/ and the
+`kube-vgpu certs --webhook-config-out` Job register a Service. Two webhooks share the one /mutate endpoint:
+
+* CREATE of pods: validates and mutates. failurePolicy Fail, because a GPU pod admitted while we are down would run
+  without limits and on the wrong scheduler (a silent limit escape, a known HAMi complaint). reinvocationPolicy
+  IfNeeded: if a later webhook edits the pod (say, adds a container or env), we run again and patch what is missing.
+* UPDATE of pods: guards kube-vgpu's internal annotations; never mutates. A matchCondition skips the call for
+  kube-vgpu's own components (they write those annotations at bind and in Allocate), so a webhook outage never
+  stalls binding or container start.
+
+Namespaces excluded: kube-system, our own (the webhook's pods must be creatable while the webhook is down, or it
+could never come back), and any namespace labelled kube-vgpu.io/webhook=disabled. The opt-out is a namespace label
+on purpose: a pod label would let a pod's author opt their own GPU pod out of the limits.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from kube_vgpu.protocol import LABEL_WEBHOOK, LABEL_WEBHOOK_DISABLED
+from webhook.config import DEFAULT_TRUSTED_USERNAMES
+
+CONFIGURATION_NAME = "kube-vgpu-webhook"
+MUTATE_WEBHOOK_NAME = "pods.mutate.kube-vgpu.io"
+GUARD_WEBHOOK_NAME = "pods.guard.kube-vgpu.io"
+MUTATE_PATH = "/mutate"
+DEFAULT_NAMESPACE = "kube-vgpu"
+DEFAULT_SERVICE_NAME = "kube-vgpu-webhook"
+#: The API server's wait for one admission; we answer in milliseconds, this covers a cold connection and GC.
+DEFAULT_TIMEOUT_SECONDS = 5
+#: Matches the namespace name: set by the API server on every namespace since Kubernetes 1.21.
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
+
+FailurePolicy = Literal["Fail", "Ignore"]
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceReference:
+    namespace: str = DEFAULT_NAMESPACE
+    name: str = DEFAULT_SERVICE_NAME
+    port: int = 443
+    path: str = MUTATE_PATH
+
+
+def mutating_webhook_configuration(
+    ca_bundle_pem: bytes | str,
+    *,
+    url: str | None = None,
+    service: ServiceReference | None = None,
+    name: str = CONFIGURATION_NAME,
+    excluded_namespaces: tuple[str, ...] = ("kube-system", DEFAULT_NAMESPACE),
+    timeout_seconds: int = DEFAULT_TIMEOUT_SECONDS,
+    update_failure_policy: FailurePolicy = "Fail",
+    trusted_usernames: Iterable[str] = DEFAULT_TRUSTED_USERNAMES,
+) -> dict[str, Any]:
+    """The admissionregistration.k8s.io/v1 object. Give exactly one of `url` (https://host:port/mutate) or `service`.
+
+    `ca_bundle_pem` is the PEM of the CA that signed the webhook's serving cert (an empty value leaves caBundle
+    out, for cert-manager's CA injector to fill in)."""
+    if (url is None) == (service is None):
+        raise ValueError("give exactly one of url or service")
+    if not 1 <= timeout_seconds <= 30:
+        raise ValueError(f"timeout_seconds must be between 1 and 30 (the API server's limit), got {timeout_seconds}")
+    client_config: dict[str, Any]
+    if url is not None:
+        if not url.startswith("https://"):
+            raise ValueError(f"the API server calls webhooks over HTTPS only; got {url!r}")
+        client_config = {"url": url}
+    else:
+        assert service is not None
+        reference = {"namespace": service.namespace, "name": service.name, "path": service.path, "port": service.port}
+        client_config = {"service": reference}
+    pem = ca_bundle_pem.encode() if isinstance(ca_bundle_pem, str) else ca_bundle_pem
+    if pem:
+        client_config["caBundle"] = base64.b64encode(pem).decode()
+    namespace_selector = {
+        "matchExpressions": [
+            {"key": NAMESPACE_NAME_LABEL, "operator": "NotIn", "values": list(excluded_namespaces)},
+            {"key": LABEL_WEBHOOK, "operator": "NotIn", "values": [LABEL_WEBHOOK_DISABLED]},
+        ]
+    }
+
+    def webhook(webhook_name: str, operation: str, failure_policy: FailurePolicy, reinvocation: str) -> dict[str, Any]:
+        entry = {
+            "name": webhook_name,
+            "admissionReviewVersions": ["v1"],
+            # copies: a YAML dump of shared dicts would show anchors and aliases
+            "clientConfig": copy.deepcopy(client_config),
+            "rules": [
+                {
+                    "apiGroups": [""],
+                    "apiVersions": ["v1"],
+                    "operations": [operation],
+                    "resources": ["pods"],
+                    "scope": "Namespaced",
+                }
+            ],
+            "failurePolicy": failure_policy,
+            "matchPolicy": "Equivalent",
+            "namespaceSelector": copy.deepcopy(namespace_selector),
+            "sideEffects": "None",
+            "timeoutSeconds": timeout_seconds,
+            "reinvocationPolicy": reinvocation,
+        }
+        if operation == "UPDATE" and trusted:
+            listed = ", ".join(_cel_string(user) for user in trusted)
+            entry["matchConditions"] = [
+                {"name": "not-from-kube-vgpu-components", "expression": f"!(request.userInfo.username in [{listed}])"}
+            ]
+        return entry
+
+    trusted = sorted(trusted_usernames)
+
+    return {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "MutatingWebhookConfiguration",
+        "metadata": {
+            "name": name,
+            "labels": {"app.kubernetes.io/name": "kube-vgpu", "app.kubernetes.io/component": "webhook"},
+        },
+        "webhooks": [
+            webhook(MUTATE_WEBHOOK_NAME, "CREATE", "Fail", "IfNeeded"),
+            webhook(GUARD_WEBHOOK_NAME, "UPDATE", update_failure_policy, "Never"),
+        ],
+    }
+
+
+def _cel_string(text: str) -> str:
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"

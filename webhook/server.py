@@ -1,0 +1,233 @@
+"""The webhook's HTTPS server: a FastAPI app (POST /mutate, GET /healthz, GET /metrics) served by uvicorn with a
+hot-reloading certificate.
+
+/mutate and /healthz are plain Starlette routes on the FastAPI app: no dependency injection or pydantic on the
+request path, the body goes straight to the pure `mutate.review`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+
+import orjson
+import uvicorn
+from fastapi import FastAPI
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+
+from webhook.config import WebhookConfig
+from webhook.metrics import WebhookMetrics
+from webhook.mutate import Result, review
+from webhook.registration import MUTATE_PATH
+from webhook.tls import DEFAULT_RELOAD_INTERVAL_S, ReloadingCertificate
+
+log = logging.getLogger("kube_vgpu.webhook")
+
+#: An AdmissionReview holds the pod twice at most (object + oldObject) and etcd caps an object at 1.5 MiB.
+MAX_BODY_BYTES = 8 * 1024 * 1024
+_JSON = "application/json"
+
+
+def create_app(config: WebhookConfig, metrics: WebhookMetrics | None = None) -> FastAPI:
+    metrics = metrics or WebhookMetrics()
+    app = FastAPI(title="kube-vgpu webhook", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.metrics = metrics
+    app.state.webhook_config = config
+    app.state.draining = False
+
+    async def mutate(request: Request) -> Response:
+        started_s = time.perf_counter()
+        body = await _read_body(request)
+        if body is None:
+            metrics.admissions.labels("unknown", Result.MALFORMED.value).inc()
+            message = f"request body larger than {MAX_BODY_BYTES} bytes"
+            return Response(_status_body(413, message), status_code=413, media_type=_JSON)
+        outcome = review(body, config)
+        metrics.admissions.labels(outcome.operation or "unknown", outcome.result.value).inc()
+        metrics.admission_duration.labels(outcome.result.value).observe(time.perf_counter() - started_s)
+        if outcome.warnings:
+            metrics.warnings.inc(len(outcome.warnings))
+        if outcome.result is Result.DENIED:
+            log.info("denied %s of pod %s: %s", outcome.operation, outcome.subject, outcome.message)
+        elif outcome.result is Result.MALFORMED:
+            log.warning("malformed admission review from %s: %s", _peer(request), outcome.message)
+        return Response(outcome.body, status_code=outcome.http_status, media_type=_JSON)
+
+    async def healthz(request: Request) -> Response:
+        return PlainTextResponse("ok")
+
+    async def readyz(request: Request) -> Response:
+        # Not ready while draining: endpoints drop this replica while it still answers what is in flight.
+        if app.state.draining:
+            return PlainTextResponse("draining", status_code=503)
+        return PlainTextResponse("ok")
+
+    async def metrics_endpoint(request: Request) -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.add_route(MUTATE_PATH, mutate, methods=["POST"])
+    app.add_route("/healthz", healthz, methods=["GET"])
+    app.add_route("/readyz", readyz, methods=["GET"])
+    app.add_route("/metrics", metrics_endpoint, methods=["GET"])
+    return app
+
+
+async def _read_body(request: Request) -> bytes | None:
+    """The body, or None when it is larger than MAX_BODY_BYTES (checked while streaming, not after)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        return None
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _status_body(code: int, message: str) -> bytes:
+    return orjson.dumps({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": code, "message": message})
+
+
+def _peer(request: Request) -> str:
+    return f"{request.client.host}:{request.client.port}" if request.client else "?"
+
+
+class WebhookServer:
+    """The app behind HTTPS on (host, port); port 0 picks a free port (read it from `.port`)."""
+
+    def __init__(
+        self,
+        config: WebhookConfig,
+        *,
+        cert_file: str | Path,
+        key_file: str | Path,
+        host: str = "0.0.0.0",
+        port: int = 8443,
+        reload_interval_s: float = DEFAULT_RELOAD_INTERVAL_S,
+        log_level: str = "info",
+        access_log: bool = False,
+        shutdown_delay_s: float = 0.0,
+    ) -> None:
+        self.metrics = WebhookMetrics()
+
+        def on_reload(ok: bool, not_after_s: float | None) -> None:
+            self.metrics.certificate_reloads.labels("success" if ok else "failure").inc()
+            if not_after_s is not None:
+                self.metrics.certificate_expiry.set(not_after_s)
+
+        self.certificate = ReloadingCertificate(cert_file, key_file, on_reload=on_reload)
+        self.reload_interval_s = reload_interval_s
+        self.app = create_app(config, self.metrics)
+        # Bind here, not in uvicorn, so the port is known (port 0) and taken before anyone is told about it.
+        self._socket = _bind(host, port)
+        self.host = host
+        self.port: int = self._socket.getsockname()[1]
+        uvicorn_config = uvicorn.Config(
+            self.app,
+            ssl_context_factory=lambda _config, _default: self.certificate.server_context,
+            log_level=log_level,
+            access_log=access_log,
+            lifespan="off",
+            http="h11",
+            loop="asyncio",
+            timeout_graceful_shutdown=5,
+        )
+        self._server = _DrainingServer(uvicorn_config, self)
+        self.shutdown_delay_s = shutdown_delay_s
+        self._drain_timer: threading.Timer | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def started(self) -> bool:
+        return self._server.started
+
+    def run(self) -> None:
+        """Serve until SIGTERM / SIGINT (when called from the main thread) or stop()."""
+        self.certificate.start(self.reload_interval_s)
+        try:
+            asyncio.run(self._server.serve(sockets=[self._socket]))
+        finally:
+            self.certificate.stop()
+            self._socket.close()
+
+    def start_in_thread(self, timeout_s: float = 30.0) -> None:
+        """Serve from a background thread; returns once connections are accepted."""
+        self._thread = threading.Thread(target=self.run, name="webhook-server", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the webhook server did not start")
+            time.sleep(0.01)
+
+    def drain(self) -> None:
+        """Begin a graceful stop: /readyz answers 503 at once, admissions are still answered for
+        `shutdown_delay_s` (while the endpoints controller and kube-proxy drop this replica), then the server
+        stops. What SIGTERM does; a second SIGTERM stops at once."""
+        if self._drain_timer is not None or self._server.should_exit:
+            return
+        self.app.state.draining = True
+        log.info("draining: stopping in %.1f s", self.shutdown_delay_s)
+
+        def finish() -> None:
+            self._server.should_exit = True
+
+        self._drain_timer = threading.Timer(self.shutdown_delay_s, finish)
+        self._drain_timer.daemon = True
+        self._drain_timer.start()
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_timer is not None
+
+    def stop(self) -> None:
+        if self._drain_timer is not None:
+            self._drain_timer.cancel()
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's server whose first SIGTERM / SIGINT drains (WebhookServer.drain) instead of stopping at once."""
+
+    def __init__(self, config: uvicorn.Config, owner: WebhookServer) -> None:
+        super().__init__(config)
+        self._owner = owner
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._owner.shutdown_delay_s > 0 and not self._owner.draining and not self.should_exit:
+            self._owner.drain()
+            return
+        if self._owner._drain_timer is not None:
+            self._owner._drain_timer.cancel()
+        super().handle_exit(sig, frame)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # proto must say TCP: asyncio sets TCP_NODELAY only on sockets whose proto is IPPROTO_TCP, and without it
+    # Nagle + delayed ACKs add ~40 ms to every response written in two parts (headers, body).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if family == socket.AF_INET6:
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # "::" serves IPv4 too
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
