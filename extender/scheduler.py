@@ -93,6 +93,10 @@ class Scheduler:
         self._recent_pods: TTLCache[str, Mapping[str, Any]] = TTLCache(maxsize=50_000, ttl=600)
         self._binding: set[str] = set()
         self._binding_lock = threading.Lock()
+        # Binds to one node run one at a time from decision to Binding: kubelet admits a node's pods in
+        # Binding order, and the device plugin matches Allocate calls to pods by bind time, so the two orders
+        # must agree. Binds to different nodes stay concurrent; nothing waits on kubelet.
+        self._node_locks: dict[str, threading.Lock] = {}
         #: hooks for metrics: called with (verb outcome, FitFailure code)
         self.on_rejection: Callable[[str], None] = lambda code: None
 
@@ -219,7 +223,10 @@ class Scheduler:
                 raise BindError(f"pod {namespace}/{name} is already being bound")
             self._binding.add(uid)
         try:
-            self._bind(namespace, name, uid, node_name)
+            with self._binding_lock:
+                node_lock = self._node_locks.setdefault(node_name, threading.Lock())
+            with node_lock:
+                self._bind(namespace, name, uid, node_name)
         finally:
             with self._binding_lock:
                 self._binding.discard(uid)

@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 
 from . import protocol
-from .protocol import GpuInfo, GpuLink, NodeInventory, PcieLevel
+from .protocol import NodeInventory
 
 TOPOLOGIES = ("nvswitch", "nvlink-pairs", "pcie")
 
@@ -31,42 +31,20 @@ def synth_inventory(
     max_shares: int = protocol.DEFAULT_MAX_SHARES,
 ) -> NodeInventory:
     """Hardware description of a synthetic node: half the GPUs on each of two NUMA nodes, two GPUs per
-    PCIe switch, NVLink per `topology`."""
+    PCIe switch, NVLink per `topology`.
+
+    One code path with the device plugin: this builds fake NVML hardware with that layout and runs the device
+    plugin's own discovery on it, so a synthetic node carries exactly the inventory a real node with that
+    hardware publishes (deviceplugin.fakenvml.layout_hardware, deviceplugin.discovery.discover)."""
     if topology not in TOPOLOGIES:
         raise ValueError(f"unknown topology {topology!r}; choose one of {', '.join(TOPOLOGIES)}")
-    numa_nodes = 2 if gpus > 1 else 1
-    per_numa = max(1, (gpus + numa_nodes - 1) // numa_nodes)
-    infos = []
-    for index in range(gpus):
-        links = []
-        for peer in range(gpus):
-            if peer == index:
-                continue
-            if index // per_numa != peer // per_numa:
-                pcie = PcieLevel.CROSS_NUMA
-            elif index // 2 == peer // 2:
-                pcie = PcieLevel.SINGLE_SWITCH
-            else:
-                pcie = PcieLevel.HOST_BRIDGE
-            nvlinks, via_switch = 0, False
-            if topology == "nvswitch":
-                nvlinks, via_switch = 18, True
-            elif topology == "nvlink-pairs" and index // 2 == peer // 2:
-                nvlinks = 12
-            links.append(GpuLink(peer, nvlinks, via_switch, pcie))
-        infos.append(
-            GpuInfo(
-                uuid=synth_uuid(node_name, index),
-                index=index,
-                model=model,
-                memory_mib=memory_mib,
-                max_shares=max_shares,
-                numa_node=index // per_numa,
-                pci_bus_id=f"00000000:{0x10 + index * 0x10:02X}:00.0",
-                links=tuple(links),
-            )
-        )
-    return NodeInventory(gpus=tuple(infos))
+    # imported here: the device plugin package imports this module (UUID derivation), not the other way round
+    from deviceplugin.discovery import discover
+    from deviceplugin.fakenvml import FakeNvml, layout_hardware
+    from deviceplugin.nvml import Nvml
+
+    hardware = layout_hardware([synth_uuid(node_name, index) for index in range(gpus)], model, memory_mib, topology)
+    return discover(Nvml(FakeNvml(hardware)), sharing_count=max_shares).inventory
 
 
 def synth_uuid(node_name: str, index: int) -> str:
@@ -85,15 +63,18 @@ def node_object(
     pods: int = 110,
     extra_labels: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """A Node API object carrying the inventory annotations exactly as the device plugin writes them."""
-    moment = heartbeat or dt.datetime.now(dt.timezone.utc)
+    """A Node API object carrying the inventory annotations exactly as the device plugin writes them
+    (the device plugin's publisher functions encode both)."""
+    from deviceplugin.publisher import inventory_annotations, node_labels
+
+    moment = heartbeat or dt.datetime.now(dt.UTC)
     resources = {
         "cpu": f"{cpu_milli}m",
         "memory": f"{memory_mib}Mi",
         "pods": str(pods),
         protocol.RESOURCE_GPU: str(sum(g.max_shares for g in inventory.gpus)),
     }
-    labels = {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux", **protocol.gpu_node_labels(inventory)}
+    labels = {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux", **node_labels(inventory)}
     labels.update(extra_labels or {})
     return {
         "apiVersion": "v1",
@@ -101,10 +82,7 @@ def node_object(
         "metadata": {
             "name": name,
             "labels": labels,
-            "annotations": {
-                protocol.NODE_INVENTORY_ANNOTATION: protocol.encode_inventory(inventory),
-                protocol.NODE_HEARTBEAT_ANNOTATION: protocol.format_heartbeat(moment),
-            },
+            "annotations": inventory_annotations(inventory, moment),
         },
         "spec": {},
         "status": {
@@ -137,7 +115,9 @@ def gpu_pod_object(
         "metadata": {"name": name, "namespace": namespace, "uid": uid or f"uid-{namespace}-{name}", "annotations": {}},
         "spec": {
             "schedulerName": protocol.DEFAULT_SCHEDULER_NAME,
-            "containers": [{"name": "main", "image": "busybox", "resources": {"limits": limits, "requests": dict(limits)}}],
+            "containers": [
+                {"name": "main", "image": "busybox", "resources": {"limits": limits, "requests": dict(limits)}}
+            ],
         },
         "status": {"phase": "Pending"},
     }
@@ -165,7 +145,7 @@ def synth_cluster(
     from extender.engine.policies import make_policy
 
     rng = random.Random(seed)
-    moment = dt.datetime.now(dt.timezone.utc)
+    moment = dt.datetime.now(dt.UTC)
     items: list[dict[str, Any]] = []
     policy = make_policy("binpack")
     for node_number in range(nodes):
@@ -185,7 +165,9 @@ def synth_cluster(
                 break
             state.apply_usage(placement.usage)
             assignment = assignment_from_placement(state, placement)
-            items.append(gpu_pod_object(pod_name, memory_mib=memory, cores=cores, node_name=name, assignment=assignment))
+            items.append(
+                gpu_pod_object(pod_name, memory_mib=memory, cores=cores, node_name=name, assignment=assignment)
+            )
     return {"apiVersion": "v1", "kind": "List", "items": items}
 
 
@@ -225,10 +207,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.nodes < 0 or args.gpus_per_node < 1 or args.gpu_memory_mib < 1:
-        print("kube-vgpu cluster synth: --nodes must be >= 0, --gpus-per-node and --gpu-memory-mib >= 1", file=sys.stderr)
+        print(
+            "kube-vgpu cluster synth: --nodes must be >= 0, --gpus-per-node and --gpu-memory-mib >= 1", file=sys.stderr
+        )
         return 2
     snapshot = synth_cluster(
-        args.nodes, args.gpus_per_node, args.gpu_model, args.gpu_memory_mib, args.topology, args.pods_per_node, args.seed
+        args.nodes,
+        args.gpus_per_node,
+        args.gpu_model,
+        args.gpu_memory_mib,
+        args.topology,
+        args.pods_per_node,
+        args.seed,
     )
     if args.output.endswith((".yaml", ".yml")):
         import yaml

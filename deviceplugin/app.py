@@ -1,0 +1,170 @@
+"""The device plugin process: discovery, health, kubelet gRPC, Allocate, publisher and probes wired together.
+
+`DevicePluginApp` takes its collaborators as arguments (NVML or the fake, a cluster client or none), so the CLI
+and the tests run the same object.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Protocol
+
+from kube_vgpu import protocol
+
+from .allocate import Allocator, DeliveryConfig
+from .discovery import Discovery, discover
+from .foreign import DeviceHolders, ForeignPodMonitor
+from .health import APPLICATION_XIDS, HealthMonitor
+from .kube import NodeClient, PodSource
+from .nvml import Nvml
+from .publisher import DEFAULT_HEARTBEAT_SECONDS, Publisher
+from .server import DEFAULT_KUBELET_DIR, DEFAULT_SOCKET_NAME, DevicePluginServicer, PluginServer
+from .state import DeviceState
+
+log = logging.getLogger(__name__)
+
+
+class Cluster(PodSource, NodeClient, Protocol):
+    """What the plugin needs from the API server (KubeClient, InMemoryCluster)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PluginConfig:
+    node_name: str
+    kubelet_dir: str = DEFAULT_KUBELET_DIR
+    socket_name: str = DEFAULT_SOCKET_NAME
+    sharing_count: int = protocol.DEFAULT_MAX_SHARES
+    heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS
+    #: how often kubelet's sockets are checked (restart detection) and registration retried
+    kubelet_poll_seconds: float = 1.0
+    #: lost-GPU poll; at most the heartbeat so a lost GPU is published within one heartbeat
+    health_poll_seconds: float | None = None
+    health_event_wait_ms: int = 1000
+    ignored_xids: frozenset[int] = APPLICATION_XIDS
+    sysfs_root: str = "/sys"
+    delivery: DeliveryConfig = field(default_factory=DeliveryConfig)
+    #: "host:port" for /healthz and /readyz ("" = no probe server)
+    probe_address: str = ""
+
+
+class DevicePluginApp:
+    def __init__(
+        self,
+        config: PluginConfig,
+        nvml: Nvml,
+        cluster: Cluster | None = None,
+        holders: DeviceHolders | None = None,
+    ) -> None:
+        self.config = config
+        self.nvml = nvml
+        self.cluster = cluster
+        self.holders = holders
+        self.stop_event = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._probe_server: ThreadingHTTPServer | None = None
+        self.discovery: Discovery = discover(
+            nvml, sharing_count=config.sharing_count, sysfs_root=Path(config.sysfs_root)
+        )
+        self.state = DeviceState(self.discovery.inventory)
+        self.allocator = Allocator(config.node_name, cluster, self.state, config.delivery)
+        self.servicer = DevicePluginServicer(self.state, self.allocator, self.stop_event)
+        self.server = PluginServer(
+            config.kubelet_dir, self.servicer, socket_name=config.socket_name, poll_seconds=config.kubelet_poll_seconds
+        )
+        poll = config.health_poll_seconds or config.heartbeat_seconds
+        self.health = HealthMonitor(
+            nvml,
+            self.state,
+            self.discovery.handles,
+            poll_seconds=min(poll, config.heartbeat_seconds),
+            event_wait_ms=config.health_event_wait_ms,
+            ignored_xids=config.ignored_xids,
+        )
+        self.publisher: Publisher | None = None
+        self.foreign: ForeignPodMonitor | None = None
+        if cluster is not None:
+            self.foreign = ForeignPodMonitor(config.node_name, cluster, self.state, holders)
+            self.publisher = Publisher(
+                config.node_name,
+                cluster,
+                self.state,
+                heartbeat_seconds=config.heartbeat_seconds,
+                before_publish=[self.foreign.scan],
+            )
+
+    def _thread(self, name: str, target: Any) -> None:
+        thread = threading.Thread(target=target, args=(self.stop_event,), name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def start(self) -> None:
+        discovery = self.discovery
+        log.info(
+            "node %s: %d GPU(s), driver %s%s",
+            self.config.node_name,
+            len(discovery.inventory.gpus),
+            discovery.driver_version or "unknown",
+            "" if discovery.nvml_available else " (NVML unavailable)",
+        )
+        if self.publisher is None:
+            # no API server: say once what would have been published, so a bare GPU machine can be checked
+            log.info("inventory publishing is off (no kubeconfig, not in a cluster); inventory:")
+            log.info("%s", protocol.encode_inventory(discovery.inventory))
+        self.health.start()
+        self._thread("kubelet-registration", self.server.run)
+        if self.publisher is not None:
+            self._thread("inventory-publisher", self.publisher.run)
+        if self.config.probe_address:
+            self._start_probes(self.config.probe_address)
+
+    def ready(self) -> bool:
+        """Registered with kubelet and, when publishing, the inventory is on the node."""
+        return self.server.registered.is_set() and (self.publisher is None or self.publisher.published.is_set())
+
+    def alive(self) -> bool:
+        return all(thread.is_alive() for thread in self._threads)
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.state.wake_all()
+        for thread in self._threads:
+            thread.join(timeout=10)
+        self.health.stop()
+        if self._probe_server is not None:
+            self._probe_server.shutdown()
+            self._probe_server.server_close()
+        if self.discovery.nvml_available:
+            try:
+                self.nvml.shutdown()
+            except Exception as exc:  # shutting down; nothing left to protect
+                log.debug("NVML shutdown: %s", exc)
+
+    def _start_probes(self, address: str) -> None:
+        host, _, port = address.rpartition(":")
+        app = self
+
+        class Probes(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                ok = {"/healthz": app.alive, "/readyz": app.ready}.get(self.path)
+                if ok is None:
+                    self.send_error(404)
+                    return
+                good = ok()
+                body = b"ok\n" if good else b"not ready\n"
+                self.send_response(200 if good else 503)
+                self.send_header("Content-Type", "text/plain")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self._probe_server = ThreadingHTTPServer((host or "0.0.0.0", int(port)), Probes)
+        thread = threading.Thread(target=self._probe_server.serve_forever, name="probes", daemon=True)
+        thread.start()
+        log.info("probes on http://%s/healthz and /readyz", address)

@@ -1,0 +1,532 @@
+"""A stand-in for the `pynvml` module (distribution nvidia-ml-py) describing made-up hardware.
+
+It is the only stand-in the project allows: CI has no GPU. It mimics pynvml's function names, argument order,
+return shapes (structures with `.total`, `.busId`, event data with `.device`/`.eventType`/`.eventData`) and its
+exceptions: it raises pynvml's own `NVMLError` subclasses (`NVMLError_NotSupported`, `NVMLError_FunctionNotFound`,
+`NVMLError_GpuIsLost`, `NVMLError_LibraryNotFound`, `NVMLError_Timeout`, ...), so `deviceplugin.nvml` runs
+unchanged against either. Importing pynvml does not load libnvidia-ml; only `pynvml.nvmlInit` does.
+
+Hardware is described by `FakeHardware`: GPUs with a PCIe path (for the common-ancestor level), NVLink lanes to
+peer GPUs or to an NVSwitch fabric, NUMA node, MIG mode, and failure knobs (functions answering NotSupported or
+FunctionNotFound, lost GPUs, a missing library). Named profiles cover the usual shapes; `from-file:PATH` reads
+a JSON description; `layout_hardware` is the synthetic layout `kube-vgpu cluster synth` uses.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import deque
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import pynvml
+
+# --- hardware description ---------------------------------------------------------------------------------------
+
+#: PCIe path element kinds, outermost first. A GPU's path lists its ancestors from the NUMA node down to the
+#: switch (or board) it hangs off; the deepest element two GPUs share decides NVML's common-ancestor level.
+PCIE_KINDS = ("numa", "hostbridge", "switch", "board")
+
+#: Lanes per GPU to an NVSwitch fabric (H100 SXM) and per NVLink-bridged pair (A100: 3 bridges x 4 links).
+NVSWITCH_LANES = 18
+PAIR_LANES = 12
+
+BYTES_PER_MIB = 1024 * 1024
+
+#: error names usable in FakeGpu.failing / the JSON "failing" map -> pynvml error codes
+ERRORS = {
+    "NotSupported": pynvml.NVML_ERROR_NOT_SUPPORTED,
+    "FunctionNotFound": pynvml.NVML_ERROR_FUNCTION_NOT_FOUND,
+    "GpuIsLost": pynvml.NVML_ERROR_GPU_IS_LOST,
+    "NoPermission": pynvml.NVML_ERROR_NO_PERMISSION,
+    "Unknown": pynvml.NVML_ERROR_UNKNOWN,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class FakeGpu:
+    uuid: str
+    name: str
+    memory_mib: int
+    bus_id: str  # NVML format, e.g. "00000000:17:00.0"
+    pcie_path: tuple[str, ...]  # e.g. ("numa:0", "hostbridge:0", "switch:0-0")
+    numa_node: int | None = None  # what nvmlDeviceGetNumaNodeId answers (None: -1, no affinity)
+    #: NVLink lanes to peer GPUs, by peer position in FakeHardware.gpus
+    nvlink_peers: tuple[tuple[int, int], ...] = ()
+    nvswitch_lanes: int = 0  # lanes to an NVSwitch fabric
+    nvlink_max: int | None = None  # links the GPU has; default: the lanes it uses (0 = no NVLink at all)
+    mig_capable: bool = False
+    mig_enabled: bool = False
+    lost: bool = False  # every query answers GpuIsLost
+    #: nvml function names answering NotSupported for this GPU
+    unsupported: frozenset[str] = frozenset()
+    #: (nvml function name, error name from ERRORS) pairs: that call fails that way for this GPU
+    failing: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class FakeHardware:
+    gpus: tuple[FakeGpu, ...]
+    driver_version: str = "550.54.15"
+    #: nvml function names the (old) driver lacks: they answer FunctionNotFound for every GPU
+    missing_functions: frozenset[str] = frozenset()
+    library_missing: bool = False  # nvmlInit answers LibraryNotFound (no libnvidia-ml.so.1)
+
+
+def layout_hardware(
+    uuids: list[str],
+    model: str,
+    memory_mib: int,
+    topology: str,
+    *,
+    bus_ids: list[str] | None = None,
+) -> FakeHardware:
+    """The standard synthetic layout: half the GPUs on each of two NUMA nodes (one host bridge each), two GPUs
+    per PCIe switch, and NVLink per `topology`: "nvswitch" (every GPU NVSWITCH_LANES lanes to a fabric),
+    "nvlink-pairs" (the two GPUs of a switch bridged with PAIR_LANES lanes) or "pcie" (no NVLink)."""
+    if topology not in ("nvswitch", "nvlink-pairs", "pcie"):
+        raise ValueError(f"unknown topology {topology!r}; choose one of nvswitch, nvlink-pairs, pcie")
+    count = len(uuids)
+    numa_nodes = 2 if count > 1 else 1
+    per_numa = max(1, (count + numa_nodes - 1) // numa_nodes)
+    gpus = []
+    for index, uuid in enumerate(uuids):
+        numa = index // per_numa
+        pair = index // 2
+        peers: tuple[tuple[int, int], ...] = ()
+        if topology == "nvlink-pairs":
+            peers = tuple((peer, PAIR_LANES) for peer in range(count) if peer != index and peer // 2 == pair)
+        gpus.append(
+            FakeGpu(
+                uuid=uuid,
+                name=model,
+                memory_mib=memory_mib,
+                bus_id=bus_ids[index] if bus_ids else f"00000000:{0x10 + index * 0x10:02X}:00.0",
+                # the switch id carries the NUMA node: a pair split across NUMA nodes is two switches
+                pcie_path=(f"numa:{numa}", f"hostbridge:{numa}", f"switch:{numa}-{pair}"),
+                numa_node=numa,
+                nvlink_peers=peers,
+                nvswitch_lanes=NVSWITCH_LANES if topology == "nvswitch" else 0,
+            )
+        )
+    return FakeHardware(gpus=tuple(gpus))
+
+
+def profile_uuid(seed: str, index: int) -> str:
+    """Stable GPU UUID for fake hardware; the same derivation as `cluster synth` so a node's UUIDs do not
+    depend on which tool described it."""
+    from kube_vgpu.synth import synth_uuid
+
+    return synth_uuid(seed, index)
+
+
+def _uuids(seed: str, count: int) -> list[str]:
+    return [profile_uuid(seed, index) for index in range(count)]
+
+
+def _dgx_h100_8(seed: str) -> FakeHardware:
+    return layout_hardware(_uuids(seed, 8), "NVIDIA H100 80GB HBM3", 81559, "nvswitch")
+
+
+def _a100_4_nvlink_pairs(seed: str) -> FakeHardware:
+    return layout_hardware(_uuids(seed, 4), "NVIDIA A100 80GB PCIe", 81920, "nvlink-pairs")
+
+
+def _t4_4_pcie(seed: str) -> FakeHardware:
+    hardware = layout_hardware(_uuids(seed, 4), "Tesla T4", 15360, "pcie")
+    # T4 has no NVLink: NVML answers NotSupported for link queries (nvlink_max 0 does that)
+    return replace(hardware, gpus=tuple(replace(gpu, nvlink_max=0) for gpu in hardware.gpus))
+
+
+def _a100_mig(seed: str) -> FakeHardware:
+    """HGX A100 4-GPU board: direct NVLink mesh, 4 lanes to each of the 3 peers; GPUs 0 and 1 run in MIG mode."""
+    hardware = layout_hardware(_uuids(seed, 4), "NVIDIA A100-SXM4-40GB", 40960, "pcie")
+    gpus = []
+    for index, gpu in enumerate(hardware.gpus):
+        gpus.append(
+            replace(
+                gpu,
+                nvlink_peers=tuple((peer, 4) for peer in range(4) if peer != index),
+                nvlink_max=12,
+                mig_capable=True,
+                mig_enabled=index < 2,
+            )
+        )
+    return replace(hardware, gpus=tuple(gpus))
+
+
+def _missing_library(seed: str) -> FakeHardware:
+    return FakeHardware(gpus=(), library_missing=True)
+
+
+PROFILES = {
+    "dgx-h100-8": _dgx_h100_8,
+    "a100-4-nvlink-pairs": _a100_4_nvlink_pairs,
+    "t4-4-pcie": _t4_4_pcie,
+    "a100-mig": _a100_mig,
+    "missing-library": _missing_library,
+}
+FROM_FILE = "from-file"
+
+
+def profile_names() -> list[str]:
+    return [*PROFILES, FROM_FILE + ":PATH"]
+
+
+def load_profile(name: str, seed: str) -> FakeHardware:
+    """A named profile (UUIDs derived from `seed`, normally the node name) or `from-file:PATH` (JSON)."""
+    if name.startswith(FROM_FILE + ":"):
+        return hardware_from_file(Path(name[len(FROM_FILE) + 1 :]), seed)
+    try:
+        return PROFILES[name](seed)
+    except KeyError:
+        raise ValueError(f"unknown fake NVML profile {name!r}; choose one of {', '.join(profile_names())}") from None
+
+
+def hardware_from_file(path: Path, seed: str) -> FakeHardware:
+    """Hardware from JSON. Either a synthetic layout:
+
+        {"layout": {"gpus": 4, "model": "Tesla T4", "memoryMiB": 15360, "topology": "pcie"}}
+
+    or explicit GPUs (omitted uuid/pciBusId are derived; pciePath defaults to the layout's):
+
+        {"driverVersion": "535.104.05", "missingFunctions": ["nvmlDeviceGetNumaNodeId"],
+         "gpus": [{"name": "NVIDIA L4", "memoryMiB": 23034, "numa": 0,
+                   "pciePath": ["numa:0", "hostbridge:0", "switch:0"],
+                   "nvlinkPeers": {"1": 4}, "nvswitchLanes": 0, "nvlinkMax": 0,
+                   "migEnabled": false, "lost": false, "unsupported": ["nvmlDeviceGetTopologyCommonAncestor"],
+                   "failing": {"nvmlDeviceGetPciInfo": "GpuIsLost"}}]}
+
+    ("failing" error names: the keys of ERRORS.)
+    """
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"fake NVML file {path}: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"fake NVML file {path}: must be a JSON object")
+    common: dict[str, Any] = {
+        "driver_version": str(doc.get("driverVersion", "550.54.15")),
+        "missing_functions": frozenset(doc.get("missingFunctions", ())),
+        "library_missing": bool(doc.get("libraryMissing", False)),
+    }
+    if "layout" in doc:
+        layout = doc["layout"]
+        count = int(layout["gpus"])
+        hardware = layout_hardware(
+            _uuids(seed, count), str(layout["model"]), int(layout["memoryMiB"]), str(layout.get("topology", "pcie"))
+        )
+        return replace(hardware, **common)
+    raw_gpus = doc.get("gpus")
+    if not isinstance(raw_gpus, list):
+        raise ValueError(f"fake NVML file {path}: needs 'layout' or a 'gpus' list")
+    defaults = layout_hardware(_uuids(seed, len(raw_gpus)), "GPU", 1, "pcie").gpus
+    gpus = []
+    for index, raw in enumerate(raw_gpus):
+        where = f"fake NVML file {path} gpus[{index}]"
+        try:
+            base = defaults[index]
+            gpus.append(
+                FakeGpu(
+                    uuid=str(raw.get("uuid", base.uuid)),
+                    name=str(raw["name"]),
+                    memory_mib=int(raw["memoryMiB"]),
+                    bus_id=str(raw.get("pciBusId", base.bus_id)),
+                    pcie_path=tuple(raw.get("pciePath", base.pcie_path)),
+                    numa_node=raw.get("numa", base.numa_node),
+                    nvlink_peers=tuple(
+                        sorted((int(peer), int(lanes)) for peer, lanes in raw.get("nvlinkPeers", {}).items())
+                    ),
+                    nvswitch_lanes=int(raw.get("nvswitchLanes", 0)),
+                    nvlink_max=raw.get("nvlinkMax"),
+                    mig_capable=bool(raw.get("migCapable", raw.get("migEnabled", False))),
+                    mig_enabled=bool(raw.get("migEnabled", False)),
+                    lost=bool(raw.get("lost", False)),
+                    unsupported=frozenset(raw.get("unsupported", ())),
+                    failing=tuple(sorted((str(fn), str(err)) for fn, err in raw.get("failing", {}).items())),
+                )
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{where}: {exc!r}") from None
+        unknown = [err for _, err in gpus[-1].failing if err not in ERRORS]
+        if unknown:
+            raise ValueError(f"{where}: unknown error names {unknown}; choose from {', '.join(ERRORS)}")
+    return FakeHardware(gpus=tuple(gpus), **common)
+
+
+# --- the pynvml look-alike --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class FakeHandle:
+    """What nvmlDeviceGetHandleByIndex returns (pynvml: a c_nvmlDevice_t pointer; opaque either way)."""
+
+    position: int
+
+
+@dataclass(frozen=True, slots=True)
+class FakeMemory:  # pynvml.c_nvmlMemory_t
+    total: int
+    free: int
+    used: int
+
+
+@dataclass(frozen=True, slots=True)
+class FakePciInfo:  # pynvml.nvmlPciInfo_t (string fields come back as str)
+    busId: str
+    busIdLegacy: str
+
+
+@dataclass(frozen=True, slots=True)
+class FakeEventData:  # pynvml.c_nvmlEventData_t
+    device: FakeHandle
+    eventType: int
+    eventData: int
+    gpuInstanceId: int = 0xFFFFFFFF
+    computeInstanceId: int = 0xFFFFFFFF
+
+
+@dataclass(slots=True)
+class FakeEventSet:
+    registered: dict[int, int] = field(default_factory=dict)  # position -> event type mask
+    pending: deque[FakeEventData] = field(default_factory=deque)
+    freed: bool = False
+
+
+def _error(code: int) -> pynvml.NVMLError:
+    # pynvml.NVMLError(code) returns the matching subclass (NVMLError_NotSupported, ...)
+    return pynvml.NVMLError(code)
+
+
+class FakeNvml:
+    """Module-like object with pynvml's names. Constants and exception classes are pynvml's own."""
+
+    def __init__(self, hardware: FakeHardware) -> None:
+        self.hardware = hardware
+        self._lock = threading.Condition()
+        self._initialized = 0
+        self._lost: set[int] = {position for position, gpu in enumerate(hardware.gpus) if gpu.lost}
+        self._event_sets: list[FakeEventSet] = []
+        self._link_tables = [self._links(gpu) for gpu in hardware.gpus]  # discovery asks per link: build once
+        self.calls: dict[str, int] = {}  # function name -> call count (tests look at what was queried)
+
+    # Constants, error classes (NVMLError_*), event masks: exactly pynvml's, so `except` clauses and
+    # comparisons written against pynvml work against the fake. Unimplemented nvml* functions are an
+    # AttributeError, never a silent call into the real library.
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith(("NVML_", "NVMLError", "nvmlEventType")):
+            return getattr(pynvml, name)
+        raise AttributeError(f"fake NVML does not implement {name}")
+
+    # -- test controls (not part of pynvml) ---------------------------------------------------------------------
+
+    def inject_xid(self, position: int, xid: int) -> None:
+        """Queue an XID critical-error event for the GPU at `position` on every set registered for it."""
+        with self._lock:
+            for event_set in self._event_sets:
+                mask = event_set.registered.get(position, 0)
+                if mask & pynvml.nvmlEventTypeXidCriticalError and not event_set.freed:
+                    event_set.pending.append(
+                        FakeEventData(FakeHandle(position), pynvml.nvmlEventTypeXidCriticalError, xid)
+                    )
+            self._lock.notify_all()
+
+    def lose_gpu(self, position: int) -> None:
+        """The GPU falls off the bus: every later query about it answers GpuIsLost."""
+        with self._lock:
+            self._lost.add(position)
+            self._lock.notify_all()
+
+    # -- helpers ------------------------------------------------------------------------------------------------
+
+    def _enter(self, name: str, handle: FakeHandle | None = None) -> FakeGpu | None:
+        self.calls[name] = self.calls.get(name, 0) + 1
+        if self.hardware.library_missing:
+            # pynvml without a loaded library: nvmlInit raises LibraryNotFound, the rest Uninitialized
+            raise _error(pynvml.NVML_ERROR_UNINITIALIZED)
+        if name in self.hardware.missing_functions:
+            raise _error(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+        if not self._initialized:
+            raise _error(pynvml.NVML_ERROR_UNINITIALIZED)
+        if handle is None:
+            return None
+        if not isinstance(handle, FakeHandle) or not 0 <= handle.position < len(self.hardware.gpus):
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if handle.position in self._lost:
+            raise _error(pynvml.NVML_ERROR_GPU_IS_LOST)
+        gpu = self.hardware.gpus[handle.position]
+        if name in gpu.unsupported:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        for function, error in gpu.failing:
+            if function == name:
+                raise _error(ERRORS[error])
+        return gpu
+
+    def _gpu(self, name: str, handle: FakeHandle) -> FakeGpu:
+        gpu = self._enter(name, handle)
+        assert gpu is not None
+        return gpu
+
+    # -- library ------------------------------------------------------------------------------------------------
+
+    def nvmlInit(self) -> None:
+        self.calls["nvmlInit"] = self.calls.get("nvmlInit", 0) + 1
+        if self.hardware.library_missing:
+            raise _error(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+        self._initialized += 1
+
+    def nvmlShutdown(self) -> None:
+        self._enter("nvmlShutdown")
+        self._initialized -= 1
+
+    def nvmlSystemGetDriverVersion(self) -> bytes:
+        self._enter("nvmlSystemGetDriverVersion")
+        return self.hardware.driver_version.encode()
+
+    def nvmlDeviceGetCount(self) -> int:
+        self._enter("nvmlDeviceGetCount")
+        return len(self.hardware.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> FakeHandle:
+        self._enter("nvmlDeviceGetHandleByIndex")
+        if not 0 <= index < len(self.hardware.gpus):
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if index in self._lost:
+            raise _error(pynvml.NVML_ERROR_GPU_IS_LOST)
+        return FakeHandle(index)
+
+    # -- per device ---------------------------------------------------------------------------------------------
+
+    def nvmlDeviceGetUUID(self, handle: FakeHandle) -> str:
+        return self._gpu("nvmlDeviceGetUUID", handle).uuid
+
+    def nvmlDeviceGetName(self, handle: FakeHandle) -> str:
+        return self._gpu("nvmlDeviceGetName", handle).name
+
+    def nvmlDeviceGetIndex(self, handle: FakeHandle) -> int:
+        self._gpu("nvmlDeviceGetIndex", handle)
+        return handle.position
+
+    def nvmlDeviceGetMemoryInfo(self, handle: FakeHandle, version: int | None = None) -> FakeMemory:
+        total = self._gpu("nvmlDeviceGetMemoryInfo", handle).memory_mib * BYTES_PER_MIB
+        return FakeMemory(total=total, free=total, used=0)
+
+    def nvmlDeviceGetPciInfo(self, handle: FakeHandle) -> FakePciInfo:
+        gpu = self._gpu("nvmlDeviceGetPciInfo", handle)
+        return FakePciInfo(busId=gpu.bus_id, busIdLegacy=gpu.bus_id[-12:])
+
+    def nvmlDeviceGetNumaNodeId(self, handle: FakeHandle) -> int:
+        gpu = self._gpu("nvmlDeviceGetNumaNodeId", handle)
+        return -1 if gpu.numa_node is None else gpu.numa_node
+
+    def nvmlDeviceGetMigMode(self, handle: FakeHandle) -> list[int]:
+        gpu = self._gpu("nvmlDeviceGetMigMode", handle)
+        if not gpu.mig_capable:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        mode = pynvml.NVML_DEVICE_MIG_ENABLE if gpu.mig_enabled else pynvml.NVML_DEVICE_MIG_DISABLE
+        return [mode, mode]
+
+    def nvmlDeviceGetTopologyCommonAncestor(self, device1: FakeHandle, device2: FakeHandle) -> int:
+        first = self._gpu("nvmlDeviceGetTopologyCommonAncestor", device1)
+        second = self._gpu("nvmlDeviceGetTopologyCommonAncestor", device2)
+        return _common_ancestor(first.pcie_path, second.pcie_path)
+
+    # NVLink: links are numbered peers first (in peer order), then the fabric lanes; a GPU without NVLink
+    # answers NotSupported, a link number past the GPU's links InvalidArgument (as the real library does).
+
+    def _links(self, gpu: FakeGpu) -> list[tuple[str, int | None]]:
+        links: list[tuple[str, int | None]] = []
+        for peer, lanes in gpu.nvlink_peers:
+            links.extend([("gpu", peer)] * lanes)
+        links.extend([("switch", None)] * gpu.nvswitch_lanes)
+        return links
+
+    def _link(self, name: str, handle: FakeHandle, link: int) -> tuple[str, int | None] | None:
+        gpu = self._gpu(name, handle)
+        links = self._link_tables[handle.position]
+        link_count = len(links) if gpu.nvlink_max is None else max(gpu.nvlink_max, len(links))
+        if link_count == 0:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if not 0 <= link < link_count:
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return links[link] if link < len(links) else None  # None: a link the GPU has but is not trained
+
+    def nvmlDeviceGetNvLinkState(self, device: FakeHandle, link: int) -> int:
+        active = self._link("nvmlDeviceGetNvLinkState", device, link) is not None
+        return pynvml.NVML_FEATURE_ENABLED if active else pynvml.NVML_FEATURE_DISABLED
+
+    def nvmlDeviceGetNvLinkRemotePciInfo(self, device: FakeHandle, link: int) -> FakePciInfo:
+        target = self._link("nvmlDeviceGetNvLinkRemotePciInfo", device, link)
+        if target is None:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        kind, peer = target
+        if kind == "gpu" and peer is not None:
+            bus_id = self.hardware.gpus[peer].bus_id
+        else:
+            bus_id = "00000000:E0:00.0"  # an NVSwitch's PCI address
+        return FakePciInfo(busId=bus_id, busIdLegacy=bus_id[-12:])
+
+    def nvmlDeviceGetNvLinkRemoteDeviceType(self, handle: FakeHandle, link: int) -> int:
+        target = self._link("nvmlDeviceGetNvLinkRemoteDeviceType", handle, link)
+        if target is None:
+            return pynvml.NVML_NVLINK_DEVICE_TYPE_UNKNOWN
+        return pynvml.NVML_NVLINK_DEVICE_TYPE_GPU if target[0] == "gpu" else pynvml.NVML_NVLINK_DEVICE_TYPE_SWITCH
+
+    # -- events -------------------------------------------------------------------------------------------------
+
+    def nvmlEventSetCreate(self) -> FakeEventSet:
+        self._enter("nvmlEventSetCreate")
+        event_set = FakeEventSet()
+        with self._lock:
+            self._event_sets.append(event_set)
+        return event_set
+
+    def nvmlDeviceRegisterEvents(self, handle: FakeHandle, eventTypes: int, eventSet: FakeEventSet) -> None:
+        self._gpu("nvmlDeviceRegisterEvents", handle)
+        with self._lock:
+            eventSet.registered[handle.position] = eventSet.registered.get(handle.position, 0) | eventTypes
+
+    def nvmlDeviceGetSupportedEventTypes(self, handle: FakeHandle) -> int:
+        self._gpu("nvmlDeviceGetSupportedEventTypes", handle)
+        return int(pynvml.nvmlEventTypeXidCriticalError)
+
+    def nvmlEventSetWait_v2(self, eventSet: FakeEventSet, timeoutms: int) -> FakeEventData:
+        self._enter("nvmlEventSetWait_v2")
+        with self._lock:
+            # the real call blocks in the driver for up to timeoutms; here a condition variable does
+            self._lock.wait_for(lambda: bool(eventSet.pending) or eventSet.freed, timeout=timeoutms / 1000)
+            if not eventSet.pending:
+                raise _error(pynvml.NVML_ERROR_TIMEOUT)
+            return eventSet.pending.popleft()
+
+    def nvmlEventSetWait(self, eventSet: FakeEventSet, timeoutms: int) -> FakeEventData:
+        return self.nvmlEventSetWait_v2(eventSet, timeoutms)
+
+    def nvmlEventSetFree(self, eventSet: FakeEventSet) -> None:
+        self._enter("nvmlEventSetFree")
+        with self._lock:
+            eventSet.freed = True
+            if eventSet in self._event_sets:
+                self._event_sets.remove(eventSet)
+            self._lock.notify_all()
+
+
+def _common_ancestor(first: tuple[str, ...], second: tuple[str, ...]) -> int:
+    """NVML's nvmlDeviceGetTopologyCommonAncestor level for two PCIe paths."""
+    depth = 0
+    while depth < min(len(first), len(second)) and first[depth] == second[depth]:
+        depth += 1
+    if depth == 0:
+        return int(pynvml.NVML_TOPOLOGY_SYSTEM)  # different NUMA nodes: across the CPU interconnect
+    kind = first[depth - 1].split(":", 1)[0]
+    if kind == "board":
+        return int(pynvml.NVML_TOPOLOGY_INTERNAL)
+    if kind == "switch":
+        # both directly under the shared switch: one switch traversed; otherwise several
+        directly = depth == len(first) == len(second)
+        return int(pynvml.NVML_TOPOLOGY_SINGLE if directly else pynvml.NVML_TOPOLOGY_MULTIPLE)
+    if kind == "hostbridge":
+        return int(pynvml.NVML_TOPOLOGY_HOSTBRIDGE)
+    return int(pynvml.NVML_TOPOLOGY_NODE)

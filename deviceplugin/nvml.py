@@ -1,0 +1,148 @@
+"""The thin interface the device plugin uses to talk to NVML.
+
+`Nvml` wraps a pynvml-shaped object: the real `pynvml` module (distribution nvidia-ml-py) or
+`deviceplugin.fakenvml.FakeNvml`. Each method is one pynvml call plus normalisation of its result (str vs bytes,
+bus-id spelling); NVML errors propagate as pynvml's own exception classes, re-exported here, so the callers
+(discovery, health) handle them identically for either backend.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from typing import Any
+
+import pynvml
+
+log = logging.getLogger(__name__)
+
+# pynvml's exception classes (the fake raises these same classes)
+NVMLError = pynvml.NVMLError
+NotSupported: type[pynvml.NVMLError] = pynvml.NVMLError_NotSupported
+FunctionNotFound: type[pynvml.NVMLError] = pynvml.NVMLError_FunctionNotFound
+GpuIsLost: type[pynvml.NVMLError] = pynvml.NVMLError_GpuIsLost
+LibraryNotFound: type[pynvml.NVMLError] = pynvml.NVMLError_LibraryNotFound
+Timeout: type[pynvml.NVMLError] = pynvml.NVMLError_Timeout
+InvalidArgument: type[pynvml.NVMLError] = pynvml.NVMLError_InvalidArgument
+#: errors meaning "this query is not available here"; callers degrade instead of failing
+UNAVAILABLE: tuple[type[pynvml.NVMLError], ...] = (NotSupported, FunctionNotFound)
+
+TOPOLOGY_INTERNAL = pynvml.NVML_TOPOLOGY_INTERNAL
+TOPOLOGY_SINGLE = pynvml.NVML_TOPOLOGY_SINGLE
+TOPOLOGY_MULTIPLE = pynvml.NVML_TOPOLOGY_MULTIPLE
+TOPOLOGY_HOSTBRIDGE = pynvml.NVML_TOPOLOGY_HOSTBRIDGE
+TOPOLOGY_NODE = pynvml.NVML_TOPOLOGY_NODE
+TOPOLOGY_SYSTEM = pynvml.NVML_TOPOLOGY_SYSTEM
+NVLINK_MAX_LINKS = pynvml.NVML_NVLINK_MAX_LINKS
+NVLINK_DEVICE_TYPE_GPU = pynvml.NVML_NVLINK_DEVICE_TYPE_GPU
+NVLINK_DEVICE_TYPE_SWITCH = pynvml.NVML_NVLINK_DEVICE_TYPE_SWITCH
+EVENT_XID_CRITICAL_ERROR = pynvml.nvmlEventTypeXidCriticalError
+
+
+def _text(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def normalize_bus_id(bus_id: str) -> str:
+    """NVML writes "00000000:17:00.0" (8-digit domain, upper case), sysfs "0000:17:00.0": compare and look up
+    with the sysfs spelling."""
+    text = _text(bus_id).strip().lower()
+    parts = text.split(":")
+    if len(parts) == 3:
+        try:
+            return f"{int(parts[0], 16):04x}:{parts[1]}:{parts[2]}"
+        except ValueError:
+            return text
+    if len(parts) == 2:  # no domain
+        return f"0000:{text}"
+    return text
+
+
+class Nvml:
+    """NVML calls the device plugin makes. `lib` is the pynvml module or a FakeNvml."""
+
+    def __init__(self, lib: Any = pynvml) -> None:
+        self.lib = lib
+
+    @property
+    def is_fake(self) -> bool:
+        return self.lib is not pynvml
+
+    def init(self) -> None:
+        self.lib.nvmlInit()
+
+    def shutdown(self) -> None:
+        self.lib.nvmlShutdown()
+
+    def driver_version(self) -> str:
+        return _text(self.lib.nvmlSystemGetDriverVersion())
+
+    def device_count(self) -> int:
+        return int(self.lib.nvmlDeviceGetCount())
+
+    def handle(self, index: int) -> Any:
+        return self.lib.nvmlDeviceGetHandleByIndex(index)
+
+    def handle_key(self, handle: Any) -> Any:
+        """A hashable identity for a handle: pynvml's are ctypes pointers (compared by address)."""
+        try:
+            return ctypes.cast(handle, ctypes.c_void_p).value
+        except (ctypes.ArgumentError, TypeError):
+            return handle
+
+    def uuid(self, handle: Any) -> str:
+        return _text(self.lib.nvmlDeviceGetUUID(handle))
+
+    def name(self, handle: Any) -> str:
+        return _text(self.lib.nvmlDeviceGetName(handle))
+
+    def memory_total_mib(self, handle: Any) -> int:
+        return int(self.lib.nvmlDeviceGetMemoryInfo(handle).total) // (1024 * 1024)
+
+    def pci_bus_id(self, handle: Any) -> str:
+        """NVML's spelling, e.g. "00000000:17:00.0" (what goes into the inventory)."""
+        return _text(self.lib.nvmlDeviceGetPciInfo(handle).busId)
+
+    def numa_node(self, handle: Any) -> int | None:
+        node = int(self.lib.nvmlDeviceGetNumaNodeId(handle))
+        return node if node >= 0 else None
+
+    def mig_enabled(self, handle: Any) -> bool:
+        current, _pending = self.lib.nvmlDeviceGetMigMode(handle)
+        return bool(current == pynvml.NVML_DEVICE_MIG_ENABLE)
+
+    def nvlink_active(self, handle: Any, link: int) -> bool:
+        return bool(self.lib.nvmlDeviceGetNvLinkState(handle, link) == pynvml.NVML_FEATURE_ENABLED)
+
+    def nvlink_remote_bus_id(self, handle: Any, link: int) -> str:
+        return _text(self.lib.nvmlDeviceGetNvLinkRemotePciInfo(handle, link).busId)
+
+    def nvlink_remote_type(self, handle: Any, link: int) -> int:
+        return int(self.lib.nvmlDeviceGetNvLinkRemoteDeviceType(handle, link))
+
+    def common_ancestor(self, first: Any, second: Any) -> int:
+        return int(self.lib.nvmlDeviceGetTopologyCommonAncestor(first, second))
+
+    # events (health)
+
+    def event_set_create(self) -> Any:
+        return self.lib.nvmlEventSetCreate()
+
+    def register_events(self, handle: Any, event_types: int, event_set: Any) -> None:
+        self.lib.nvmlDeviceRegisterEvents(handle, event_types, event_set)
+
+    def event_wait(self, event_set: Any, timeout_ms: int) -> Any:
+        """The next event (`.device`, `.eventType`, `.eventData`); raises Timeout when none came."""
+        return self.lib.nvmlEventSetWait_v2(event_set, timeout_ms)
+
+    def event_set_free(self, event_set: Any) -> None:
+        self.lib.nvmlEventSetFree(event_set)
+
+
+def open_nvml(fake_profile: str | None, seed: str) -> Nvml:
+    """The real NVML, or fake hardware from a profile (UUIDs derived from `seed`, the node name)."""
+    if not fake_profile:
+        return Nvml(pynvml)
+    from .fakenvml import FakeNvml, load_profile
+
+    return Nvml(FakeNvml(load_profile(fake_profile, seed)))
