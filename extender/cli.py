@@ -81,7 +81,7 @@ def build(args: argparse.Namespace) -> Extender:
         try:
             from .quota.gate import build_gate
         except ImportError:  # the quota gate is optional while it is being built
-            build_gate = None
+            build_gate = None  # type: ignore[assignment]
         if build_gate is not None:
             gate = build_gate(state, quota_config=quota_config, api_client=api_client,
                               unqueued=getattr(args, "quota_unqueued", "admit"))
@@ -90,10 +90,14 @@ def build(args: argparse.Namespace) -> Extender:
         elif quota_config:
             raise SystemExit("kube-vgpu extender: --quota-config given but the quota gate is not available")
     scheduler = Scheduler(state, binder, node_policy=args.policy, gpu_policy=args.gpu_policy, gates=gates)
-    app = create_app(scheduler, on_startup=getattr(source, "start", None))
-    for gate in gates:  # a gate with a watch of its own (quota: Kueue objects in live mode) starts with the app
-        if getattr(gate, "start", None) is not None:
-            app.add_event_handler("startup", gate.start)
+    # the source's watches and those of gates that have their own (quota: Kueue objects in live mode) start with the app
+    starters = [s for s in (getattr(source, "start", None), *(getattr(g, "start", None) for g in gates)) if s]
+
+    def start_all() -> None:
+        for start in starters:
+            start()
+
+    app = create_app(scheduler, on_startup=start_all)
     app.state.gates = gates
     return Extender(state, scheduler, app, source)
 

@@ -75,7 +75,7 @@ def render(doc: dict[str, Any]) -> str:
     notes.extend(f"warning: {warning}" for warning in doc.get("warnings", []))
     if not doc.get("clusterQueues"):
         notes.insert(0, "no ClusterQueue configured: quota is not enforced")
-    return "\n".join(lines + ([""] + notes if notes else []))
+    return "\n".join(lines + (["", *notes] if notes else []))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,6 +133,21 @@ def assignment_usage(assignment: PodAssignment) -> dict[str, int]:
     return totals
 
 
+def request_usage_fixed(request: PodGpuRequest) -> dict[str, int] | None:
+    """What the pod will hold on any node, when that does not depend on the node's GPUs (every container names
+    its MiB per vGPU); None otherwise. Cores: what the engine assigns on a GPU of 100 compute units (for
+    exclusive use it assigns the GPU's units, never more than the 100 requested)."""
+    if any(c.memory_mib is None for c in request.containers):
+        return None
+    totals = {r: 0 for r in GPU_RESOURCES}
+    for phase in [request.app_containers] + [(c,) for c in request.init_containers]:
+        values = (sum(c.count for c in phase), sum(c.count * (c.memory_mib or 0) for c in phase),
+                  sum(c.count * c.cores for c in phase))
+        for resource, value in zip(GPU_RESOURCES, values, strict=True):
+            totals[resource] = max(totals[resource], value)
+    return totals
+
+
 def request_usage_on(request: PodGpuRequest, node: NodeState) -> dict[str, int]:
     """What the pod will hold if placed on `node`, before the GPUs are chosen. Exact when the node's eligible GPUs
     are alike (the usual case); otherwise an upper bound (the largest eligible GPU), so the assignment that is
@@ -206,6 +221,31 @@ class Admission:
     local_queue: LocalQueue
     tolerations: tuple[Toleration, ...]
     info: PodInfo
+    covered: frozenset[str]  # the queue's covered resources
+    host_needs: tuple[tuple[str, int], ...]  # cpu / memory / pods, when covered (node-independent)
+    label_keys: tuple[str, ...]  # every node label key the queue's flavors select on
+
+
+@dataclass(slots=True)
+class _DecisionCache:
+    """filter asks once per node for the same pod. The answer depends on the node only through the values of the
+    labels the queue's flavors select on and (for requests in percent or whole GPUs) the sizes of its GPUs, so it
+    is computed once per distinct (label values, GPU signature) rather than once per node."""
+
+    pod: Mapping[str, Any]
+    version: int
+    result: Admission | Refusal | None
+    request: PodGpuRequest | None = None
+    label_keys: tuple[str, ...] = ()
+    single_key: str | None = None  # the one label key, when the flavors select on exactly one (the usual case)
+    fixed_needs: tuple[tuple[str, int], ...] | None = None  # when the needs do not depend on the node
+    plain: bool = True  # no GPU type / UUID selectors: GPU eligibility depends on GPU sizes only
+    needs_by_signature: dict[Any, tuple[tuple[str, int], ...]] = field(default_factory=dict)
+    fits: dict[Any, Refusal | None] = field(default_factory=dict)  # (label values, needs) -> answer
+    fast: dict[Any, Refusal | None] = field(default_factory=dict)  # label values [, GPU signature] -> answer
+
+
+_MISSING: Any = object()
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,7 +266,7 @@ class QuotaGate:
     def __init__(
         self,
         state: ClusterState,
-        file_documents: list[tuple[str, Mapping[str, Any]]] | None = None,
+        file_documents: Sequence[tuple[str, Mapping[str, Any]]] | None = None,
         *,
         unqueued: str = "admit",
         live: bool = False,
@@ -247,13 +287,20 @@ class QuotaGate:
         self.watcher: Any = None  # live.KueueWatcher in live mode
         self.config = QuotaConfig()
         self.tree = QuotaTree(())
+        self.tree_queues: list[str] = []  # the ClusterQueues the tree was built from
         self.charges: dict[str, Charge] = {}
         self.pending: dict[str, PendingPod] = {}
         self._pod_infos: dict[str, PodInfo] = {}
         self._unresolved: set[str] = set()
+        #: uid -> the ClusterQueue a counted pod was admitted to; survives config reloads (as a Kueue Workload's
+        #: status.admission does): deleting or re-pointing a LocalQueue does not move or drop running pods
+        self._admitted_to: dict[str, str] = {}
         self._round: dict[str, Refusal] = {}  # refusals of the filter call under way, per pod
         self._version = 0  # bumped on anything that can change a decision
-        self._decision: tuple[tuple[str, str, int], Admission | Refusal | None] | None = None
+        self._decision: _DecisionCache | None = None
+        #: inventory text -> id of its usable GPUs' (model, MiB, cores) set; see _signature
+        self._signatures: dict[str | None, int] = {}
+        self._signature_ids: dict[frozenset[tuple[str, int, int]], int] = {}
         self._last_expiry_s = 0.0
         with state.lock:
             state.usage_listeners.append(self._on_usage)
@@ -269,7 +316,9 @@ class QuotaGate:
             self.cluster_documents[kind] = dict(objects)
             if "cluster" not in self.sources:
                 self.sources.append("cluster")
-            self._reload()
+            # LocalQueues and priority classes do not change what admitted pods count (Kueue keeps a workload's
+            # queue and priority once admitted): only pods not counted yet need a look
+            self._reload(recount=kind not in ("LocalQueue", "WorkloadPriorityClass"))
 
     def set_namespaces(self, namespaces: Mapping[str, Mapping[str, str]]) -> None:
         """The cluster's namespaces and their labels (for namespaceSelectors); cheap, no re-count."""
@@ -284,7 +333,7 @@ class QuotaGate:
                 self.synced = True
                 self._version += 1
 
-    def _reload(self) -> None:
+    def _reload(self, recount: bool = True) -> None:
         docs: list[tuple[str, Mapping[str, Any]]] = list(self.file_documents)
         for kind in sorted(self.cluster_documents):
             docs.extend(("cluster", doc) for doc in self.cluster_documents[kind].values())
@@ -295,9 +344,17 @@ class QuotaGate:
         self._document_namespaces = dict(config.namespaces)
         config.namespaces.update(self.cluster_namespaces)
         self.config = config
+        if not recount and set(config.cluster_queues) == set(self.tree_queues):
+            for record in self.state.pods.values():
+                if record.uid not in self.charges:
+                    self._on_usage(record, 1)  # e.g. its LocalQueue appeared only now
+            self._version += 1
+            return
         self.tree = QuotaTree(config.cluster_queues.values(), config.cohorts.values())
-        # re-derive every charge from the pods that count now: queues or flavors may have changed
+        self.tree_queues = list(config.cluster_queues)
+        # re-derive every charge from the pods that count now: quotas, cohorts or flavors may have changed
         self.charges.clear()
+        self._admitted_to = {uid: name for uid, name in self._admitted_to.items() if uid in self.state.pods}
         self._unresolved.clear()
         for record in self.state.pods.values():
             self._on_usage(record, 1)
@@ -313,14 +370,19 @@ class QuotaGate:
                     self.tree.add(charge.cluster_queue, charge.amounts, -1)
                 self._unresolved.discard(uid)
                 self._version += 1
+            self._admitted_to.pop(uid, None)
             return
         if uid in self.charges:
             return  # already counted: +1 is idempotent
         if self.pending.pop(uid, None) is not None:
             self._version += 1
-        cluster_queue = self._queue_of(record.namespace, record.labels)
+        admitted_to = self._admitted_to.get(uid)
+        cluster_queue = self.config.cluster_queues.get(admitted_to) if admitted_to else None
+        if cluster_queue is None:
+            cluster_queue = self._queue_of(record.namespace, record.labels)
         if cluster_queue is None:
             return  # not managed by any ClusterQueue
+        self._admitted_to[uid] = cluster_queue.name
         info = self._pod_infos.get(uid)
         held = assignment_usage(record.assignment)
         covered = cluster_queue.covered_resources
@@ -355,7 +417,7 @@ class QuotaGate:
             charge.problem = f"node {charge.node_name} not known yet"
             self._unresolved.add(charge.uid)
             return
-        flavors = self._flavors(cluster_queue, node, charge.resources, info.tolerations if info else None)
+        flavors = self._flavors(cluster_queue, node.labels, charge.resources, info.tolerations if info else None)
         if isinstance(flavors, str):
             charge.problem = flavors  # admitted outside this queue's flavors (e.g. the queue changed since)
             self._unresolved.discard(charge.uid)
@@ -452,12 +514,13 @@ class QuotaGate:
     def _flavors(
         self,
         cluster_queue: ClusterQueue,
-        node: NodeState,
+        labels: Mapping[str, str],
         resources: Mapping[str, int],
         tolerations: tuple[Toleration, ...] | None,
     ) -> dict[str, str] | str:
-        """resource -> flavor on this node: per resource group, the first flavor whose nodeLabels the node
-        carries (and whose nodeTaints the pod tolerates); a reason if a needed group has none."""
+        """resource -> flavor on a node with these labels: per resource group, the first flavor whose nodeLabels
+        the node carries (and whose nodeTaints the pod tolerates); a reason if a needed group has none. The
+        reason does not name the node, so kube-scheduler's event can count the nodes that share it."""
         chosen: dict[str, str] = {}
         for group in cluster_queue.resource_groups:
             wanted = [r for r in group.covered_resources if resources.get(r, 0) > 0]
@@ -465,7 +528,7 @@ class QuotaGate:
                 continue
             for flavor_quotas in group.flavors:
                 flavor = self.config.flavors.get(flavor_quotas.name)
-                if flavor is None or not flavor.matches_node(node.labels):
+                if flavor is None or not flavor.matches_node(labels):
                     continue
                 if tolerations is not None and not flavor.tolerated_by(tolerations):
                     continue
@@ -477,23 +540,23 @@ class QuotaGate:
                     f"{fq.name}: {self.config.flavors[fq.name].describe_labels()}"
                     for fq in group.flavors if fq.name in self.config.flavors
                 )
-                return (f"quota: node {node.name} carries the nodeLabels of no flavor of ClusterQueue "
+                return (f"quota: the node carries the nodeLabels of no flavor of ClusterQueue "
                         f"{cluster_queue.name} for {', '.join(wanted)} ({options})")
         return chosen
 
     # --- decisions ------------------------------------------------------------------------------
-    def _decide(self, pod: Mapping[str, Any]) -> Admission | Refusal | None:
-        """Node-independent part: queue, namespace, stop policy, StrictFIFO. None: not managed (admit)."""
-        metadata = pod.get("metadata") or {}
-        uid = str(metadata.get("uid") or "")
-        # filter asks once per node; the answer only changes with the pod object or the gate's version
-        key = (uid, str(metadata.get("resourceVersion") or ""), self._version)
-        if self._decision is not None and uid and self._decision[0] == key:
-            return self._decision[1]
+    def _decide(self, pod: Mapping[str, Any]) -> _DecisionCache:
+        """Node-independent part: queue, namespace, stop policy, StrictFIFO (result None: not managed, admit).
+        Kept while the pod object and the gate's version stay the same (one filter call, all its nodes)."""
+        cache = self._decision
+        if cache is not None and cache.pod is pod and cache.version == self._version:
+            return cache
+        if self._unresolved:
+            self._resolve_unresolved()
+        uid = str((pod.get("metadata") or {}).get("uid") or "")
         result = self._decide_uncached(pod, uid)
-        if uid:
-            self._decision = (key, result)
-        return result
+        cache = self._decision = _DecisionCache(pod, self._version, result)
+        return cache
 
     def _decide_uncached(self, pod: Mapping[str, Any], uid: str) -> Admission | Refusal | None:
         if not self.synced:
@@ -549,19 +612,81 @@ class QuotaGate:
                 first = min(ahead, key=lambda p: p.order)
                 return Refusal(f"quota: {where} is StrictFIFO and pod {first.namespace}/{first.name} (priority "
                                f"{first.priority}) is ahead of this one, waiting for quota", waiting=True)
-        return Admission(uid, cluster_queue, local_queue, info.tolerations, info)
-
-    def _fit(self, admission: Admission, request: PodGpuRequest, node: NodeState) -> Refusal | None:
-        cluster_queue = admission.cluster_queue
         covered = cluster_queue.covered_resources
-        needs = {r: v for r, v in request_usage_on(request, node).items() if r in covered and v > 0}
-        info = admission.info
-        for resource, value in ((RESOURCE_CPU, info.cpu_milli), (RESOURCE_MEMORY, info.memory_bytes)):
-            if resource in covered and value > 0:
-                needs[resource] = value
-        if RESOURCE_PODS in covered:
-            needs[RESOURCE_PODS] = 1
-        flavors = self._flavors(cluster_queue, node, needs, admission.tolerations)
+        host_needs = tuple((r, v) for r, v in ((RESOURCE_CPU, info.cpu_milli), (RESOURCE_MEMORY, info.memory_bytes),
+                                               (RESOURCE_PODS, 1)) if r in covered and v > 0)
+        label_keys = tuple(sorted({key for name in cluster_queue.flavor_names() if name in self.config.flavors
+                                   for key, _ in self.config.flavors[name].node_labels}))
+        return Admission(uid, cluster_queue, local_queue, info.tolerations, info, covered, host_needs, label_keys)
+
+    def _prepare(self, cache: _DecisionCache, admission: Admission, request: PodGpuRequest) -> None:
+        cache.request = request
+        cache.label_keys = admission.label_keys
+        cache.single_key = admission.label_keys[0] if len(admission.label_keys) == 1 else None
+        cache.needs_by_signature = {}
+        cache.fits = {}
+        cache.fast = {}
+        fixed = request_usage_fixed(request)
+        cache.fixed_needs = None if fixed is None else self._covered_needs(admission, fixed)
+        cache.plain = request.selectors.empty
+
+    def _signature(self, node: NodeState) -> int:
+        """An id for the (model, MiB, cores) set of the node's usable GPUs: what request_usage_on reads when the
+        pod has no GPU selectors. Cached per inventory text (it changes only with the hardware or its health)."""
+        found = self._signatures.get(node.inventory_text)
+        if found is None:
+            if len(self._signatures) > 100_000:  # bounded: old inventories of replaced nodes
+                self._signatures.clear()
+            shape = frozenset((g.model_lower, g.memory_mib, g.cores) for g in node.gpus if g.schedulable)
+            found = self._signatures[node.inventory_text] = self._signature_ids.setdefault(
+                shape, len(self._signature_ids))
+        return found
+
+    def _node_key(self, cache: _DecisionCache, node: NodeState) -> Any:
+        """What the answer for this pod depends on, of the node."""
+        labels = node.labels
+        single = cache.single_key
+        values = labels.get(single) if single is not None else tuple(map(labels.get, cache.label_keys))
+        if cache.fixed_needs is not None:
+            return values
+        return (values, self._signature(node) if cache.plain else node.inventory_text)
+
+    def _needs_on(self, cache: _DecisionCache, admission: Admission, request: PodGpuRequest,
+                  node: NodeState) -> tuple[tuple[str, int], ...]:
+        """(resource, amount) the pod needs on this node, for the resources its queue covers."""
+        if cache.fixed_needs is not None:
+            return cache.fixed_needs
+        signature = self._signature(node) if cache.plain else node.inventory_text
+        needs = cache.needs_by_signature.get(signature)
+        if needs is None:
+            needs = cache.needs_by_signature[signature] = self._covered_needs(
+                admission, request_usage_on(request, node))
+        return needs
+
+    @staticmethod
+    def _covered_needs(admission: Admission, gpu_needs: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
+        covered = admission.covered
+        return tuple((r, v) for r, v in gpu_needs.items() if v > 0 and r in covered) + admission.host_needs
+
+    def _fit(self, cache: _DecisionCache, admission: Admission, request: PodGpuRequest,
+             node: NodeState) -> Refusal | None:
+        if cache.request is not request:
+            self._prepare(cache, admission, request)
+        key = self._node_key(cache, node)
+        found = cache.fast.get(key, _MISSING)
+        if found is _MISSING:
+            needs = self._needs_on(cache, admission, request, node)
+            labels = node.labels
+            full_key = (tuple(map(labels.get, cache.label_keys)), needs)
+            found = cache.fits.get(full_key, _MISSING)
+            if found is _MISSING:
+                found = cache.fits[full_key] = self._fit_uncached(admission, labels, dict(needs))
+            cache.fast[key] = found
+        return found
+
+    def _fit_uncached(self, admission: Admission, labels: Mapping[str, str], needs: dict[str, int]) -> Refusal | None:
+        cluster_queue = admission.cluster_queue
+        flavors = self._flavors(cluster_queue, labels, needs, admission.tolerations)
         if isinstance(flavors, str):
             return Refusal(flavors, waiting=False)
         shortfalls = self.tree.shortfalls(cluster_queue.name, {(flavors[r], r): v for r, v in needs.items()})
@@ -586,33 +711,39 @@ class QuotaGate:
 
     # --- the Gate protocol ----------------------------------------------------------------------
     def check(self, pod: Mapping[str, Any], request: PodGpuRequest, node: NodeState) -> str | None:
-        with self.state.lock:
-            if self._unresolved:
-                self._resolve_unresolved()
-            decision = self._decide(pod)
-            if decision is None:
-                return None
-            refusal = decision if isinstance(decision, Refusal) else self._fit(decision, request, node)
+        """Called by filter for every node that fits on GPUs, with state.lock held by the caller (so no lock is
+        taken here: this runs once per node and must cost next to nothing)."""
+        cache = self._decision
+        if cache is None or cache.pod is not pod or cache.version != self._version:
+            cache = self._decide(pod)
+        result = cache.result
+        if result is None:
+            return None
+        if isinstance(result, Admission):
+            # fast path: a node like one already answered for this pod (same flavor labels, same GPU sizes)
+            found = cache.fast.get(self._node_key(cache, node), _MISSING) if cache.request is request else _MISSING
+            refusal = found if found is not _MISSING else self._fit(cache, result, request, node)
             if refusal is None:
                 return None
-            uid = str((pod.get("metadata") or {}).get("uid") or "")
-            if uid and (uid not in self._round or refusal.waiting):
-                if len(self._round) > 10_000:  # observe_filter pops these; bounded in case a caller never does
-                    self._round.clear()
-                self._round[uid] = refusal
-            return refusal.reason
+        else:
+            refusal = result
+        uid = result.uid if isinstance(result, Admission) else str((pod.get("metadata") or {}).get("uid") or "")
+        if uid and (uid not in self._round or refusal.waiting):
+            if len(self._round) > 10_000:  # observe_filter pops these; bounded in case a caller never does
+                self._round.clear()
+            self._round[uid] = refusal
+        return refusal.reason
 
     def reserve(self, pod: Mapping[str, Any], request: PodGpuRequest, node: NodeState, uid: str) -> str | None:
         """Re-check on current usage; the usage listener's +1 (state.reserve, same lock) then counts it."""
         with self.state.lock:
-            if self._unresolved:
-                self._resolve_unresolved()
             self._pod_infos[uid] = pod_info(pod, self.state.clock())
             self._decision = None  # decide afresh: usage may have changed since filter
-            decision = self._decide(pod)
-            if decision is None:
+            cache = self._decide(pod)
+            result = cache.result
+            if result is None:
                 return None
-            refusal = decision if isinstance(decision, Refusal) else self._fit(decision, request, node)
+            refusal = self._fit(cache, result, request, node) if isinstance(result, Admission) else result
             return refusal.reason if refusal is not None else None
 
     def observe_filter(self, pod: Mapping[str, Any], request: PodGpuRequest, passed: list[str]) -> None:

@@ -53,10 +53,10 @@ OUTPUT_TAIL_LINES = 40
 VERSION_CHECK_TIMEOUT_S = 60.0
 
 _GO_INSTALL_HELP = (
-    "The Kubernetes binaries are built from source with Go >= {min_go}. Install Go from https://go.dev/doc/install "
-    "(e.g. `curl -fsSL https://go.dev/dl/go1.24.13.linux-amd64.tar.gz | sudo tar -C /usr/local -xz` and add "
-    "/usr/local/go/bin to PATH), or set {env} to a directory that already holds etcd, kube-apiserver, "
-    "kube-scheduler and kubectl."
+    "The Kubernetes binaries are built from source with Go >= {min_go}. Install it from https://go.dev/doc/install "
+    "(a tarball from https://go.dev/dl/ unpacked into /usr/local, then add /usr/local/go/bin to PATH; or the "
+    "distribution's golang package if it is new enough), or set {env} to a directory that already holds etcd, "
+    "kube-apiserver, kube-scheduler and kubectl."
 )
 
 # Template of the throw-away module for the Kubernetes binaries; {replaces} is filled from upstream's go.mod.
@@ -318,7 +318,10 @@ def _go_env() -> dict[str, str]:
 def _build_parallelism() -> int:
     configured = os.environ.get(BUILD_PARALLELISM_ENV)
     if configured:
-        return max(1, int(configured))
+        try:
+            return max(1, int(configured))
+        except ValueError:
+            raise BinariesError(f"{BUILD_PARALLELISM_ENV}={configured!r} is not a number of jobs") from None
     # Compiling the big Kubernetes packages takes ~1-2 GiB per job; more than 4 jobs buys little.
     return max(1, min(os.cpu_count() or 1, 4))
 

@@ -229,6 +229,9 @@ def fake_go(no_go_env: Path, tmp_path: Path) -> Path:
 
 
 def test_build_records_stamp_and_second_call_does_not_rebuild(fake_go: Path) -> None:
+    # Leftovers of a build that was killed: a half-written binary under its temporary name, a throw-away module.
+    _write_executable(binaries.bin_dir() / ".kube-apiserver.partial-99999", "half")
+    _write_executable(binaries.cache_dir() / "work" / "kubernetes-killed" / "go.mod", "module x\n")
     messages: list[str] = []
     paths = ensure_binaries(progress=messages.append)
     assert paths == {name: binaries.bin_dir() / name for name in BINARY_NAMES}

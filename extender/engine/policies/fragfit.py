@@ -9,6 +9,7 @@ online from the pods seen so far (no knowledge of the future).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -37,21 +38,48 @@ class FragFit(FragPolicyBase):
         cpu_weight: float = 0.5,
         learn: bool = True,
         quantize: bool = False,
+        step_milli: float = 0.0,
+        balance_weight: float = 0.0,
     ) -> None:
         # learn=True ignores given shapes: a live scheduler only knows the pods it has seen
         super().__init__(None if learn else shapes, coverage)
         self.fit_weight = fit_weight
         self.cpu_weight = cpu_weight
         self.quantize = quantize
+        self.step_milli = step_milli
+        self.balance_weight = balance_weight
+        self._cpu_seen = 0  # milli-CPU of GPU pods seen
+        self._gpu_seen = 0  # milli-GPU of GPU pods seen
+        self.cpu_per_gpu = 0.0  # learned milli-CPU a GPU pod brings per milli-GPU (updated with the epoch)
 
+    def observe(self, request: PlacementRequest) -> None:
+        milli, count = request_milli(request)
+        if count:
+            self._cpu_seen += request.cpu_milli
+            self._gpu_seen += milli * count
+        epoch = self._epoch
+        super().observe(request)
+        if self._epoch != epoch and self._gpu_seen:
+            self.cpu_per_gpu = self._cpu_seen / self._gpu_seen
+
+    def _stranded(self, cpu_free: int, free: Sequence[int]) -> float:
+        """Idle milli-GPU that the node's free CPU cannot feed at the learned CPU-per-GPU ratio."""
+        if not self.cpu_per_gpu:
+            return 0.0
+        return max(0.0, sum(free) - cpu_free / self.cpu_per_gpu)
     def _gain(self, node: NodeState, cpu_free: int, free_before: Sequence[int], cpu_after: int, free: Sequence[int]) -> float:
         before = self.node_frag(node, cpu_free, free_before)
         after = self.node_frag(node, cpu_after, free)
+        if self.balance_weight:
+            before += self.balance_weight * self._stranded(cpu_free, free_before)
+            after += self.balance_weight * self._stranded(cpu_after, free)
         gpus = len(free) or 1
         # best fit: fraction of this node's GPU and CPU left free after placing (less is better)
         left = sum(free) / (gpus * MILLI_PER_GPU) * (1 - self.cpu_weight) + self.cpu_weight * cpu_after / max(
             node.cpu_milli_total, 1
         )
+        if self.step_milli:
+            return math.floor((before - after) / self.step_milli) - self.fit_weight * left
         if self.quantize:
             return quantised_gain(before, after) - self.fit_weight * left
         return (before - after) / MILLI_PER_GPU - self.fit_weight * left

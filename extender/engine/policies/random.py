@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 @register
 class RandomPolicy(Policy):
     name = "random"
+    #: the choice among equal scores must be uniform (a simulator that breaks ties by node order must not)
+    random_tie_break = True
 
     def choose_gpus(
         self,

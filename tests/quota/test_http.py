@@ -1,0 +1,143 @@
+"""GET /quota, the gauges and `kube-vgpu quota status` over real HTTP, on the example manifests (issue 6 item 5)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from extender.cli import Extender, build
+from extender.quota import cli as quota_cli
+from kube_vgpu.cli import main as kube_vgpu_main
+from tests.quota.helpers import a100_node, queued_pod, v100_node
+from tests.servers import serve
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "manifests" / "examples" / "kueue"
+NAMES = ["a100-0", "a100-1", "v100-0"]
+
+
+def make_extender(tmp_path: Path, quota_config: str | None) -> Extender:
+    snapshot = tmp_path / "snapshot.json"
+    nodes = [a100_node("a100-0"), a100_node("a100-1"), v100_node("v100-0")]
+    snapshot.write_bytes(orjson.dumps({"apiVersion": "v1", "kind": "List", "items": nodes}))
+    args = argparse.Namespace(snapshot=str(snapshot), kubeconfig=None, policy="binpack", gpu_policy="topology",
+                              heartbeat_ttl_seconds=120.0, quota_config=quota_config, quota_unqueued="admit")
+    return build(args)
+
+
+@pytest.fixture(params=["quota.yaml", "quota-v1beta2.yaml"])
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    extender = make_extender(tmp_path, str(EXAMPLES / request.param))
+    with serve(extender.app) as base:
+        yield base
+
+
+def training_pod(namespace: str, **kwargs: Any) -> dict[str, Any]:
+    queue = {"research": "research-queue", "production": "production-queue"}[namespace]
+    return queued_pod(queue, namespace=namespace, **kwargs)
+
+
+def schedule(http: httpx.Client, pod: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    reply: dict[str, Any] = http.post("/filter", json={"Pod": pod, "NodeNames": names, "Nodes": None}).json()
+    if reply["NodeNames"]:
+        meta = pod["metadata"]
+        bound = http.post("/bind", json={"PodName": meta["name"], "PodNamespace": meta["namespace"],
+                                         "PodUID": meta["uid"], "Node": reply["NodeNames"][0]}).json()
+        assert bound == {"Error": ""}
+    return reply
+
+
+def test_quota_view_metrics_and_status_table(url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with httpx.Client(base_url=url, timeout=10) as http:
+        big = {"gpus": 4, "memory_mib": 40960, "cores": 50}  # 4 vGPUs, 163840 MiB, 200 cores
+        assert schedule(http, training_pod("research", **big), NAMES)["NodeNames"] == ["a100-0", "a100-1"]
+        assert schedule(http, training_pod("production", **big), NAMES)["NodeNames"]
+        # 8 of 8 A100 vGPUs used: the next 4 are borrowed from the inference queue (borrowingLimit 4)
+        assert schedule(http, training_pod("research", **big), NAMES)["NodeNames"]
+        small = training_pod("research", gpus=1, memory_mib=1000, cores=10, priority_class="normal")
+        reply = schedule(http, small, ["a100-0", "a100-1"])
+        assert reply["NodeNames"] == []
+        assert reply["FailedNodes"]["a100-0"].startswith("node a100-0: no GPU with 1000 MiB free")  # GPUs full
+        reason = reply["FailedNodes"]["a100-1"]  # GPUs to spare, quota none
+        assert reason.startswith("quota: ClusterQueue ai-training-queue (LocalQueue research/research-queue): "
+                                 "flavor a100, nvidia.com/gpu: needs 1, used 12/12 vGPUs (nominal 8, borrowing "
+                                 "limit 4), 0 available now")
+
+        quota = http.get("/quota").json()
+        assert quota["errors"] == [] and quota["synced"] is True
+        queues = {q["name"]: q for q in quota["clusterQueues"]}
+        training, inference = queues["ai-training-queue"], queues["inference-queue"]
+        a100 = {r["resource"]: r for r in training["flavors"][0]["resources"]}
+        assert training["flavors"][0]["flavor"] == "a100"
+        assert {k: a100["nvidia.com/gpu"][k] for k in ("nominal", "borrowingLimit", "used", "borrowed", "lent",
+                                                       "available", "limit")} == {
+            "nominal": 8, "borrowingLimit": 4, "used": 12, "borrowed": 4, "lent": 0, "available": 0, "limit": 12}
+        assert a100["nvidia.com/gpumem"]["used"] == 3 * 163840
+        assert a100["nvidia.com/gpucores"]["used"] == 600
+        assert (training["admittedPods"], training["pendingPods"], training["waitingForQuota"]) == (3, 1, 1)
+        assert training["pending"][0]["priority"] == 100  # the "normal" WorkloadPriorityClass
+        lender = {r["resource"]: r for r in inference["flavors"][0]["resources"]}["nvidia.com/gpu"]
+        assert (lender["used"], lender["lent"], lender["lendingLimit"], lender["available"]) == (0, 4, 4, 4)
+
+        metrics = http.get("/metrics").text
+        assert ('kube_vgpu_quota_used{cluster_queue="ai-training-queue",flavor="a100",resource="nvidia.com/gpu"} '
+                "12.0") in metrics
+        assert 'kube_vgpu_quota_lent{cluster_queue="inference-queue",flavor="a100",resource="nvidia.com/gpu"} 4.0' \
+            in metrics
+        assert 'kube_vgpu_quota_waiting_pods{cluster_queue="ai-training-queue"} 1.0' in metrics
+        assert 'kube_vgpu_extender_rejections_total{reason="quota"}' in metrics
+
+    assert kube_vgpu_main(["quota", "status", "--extender-url", url]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split() == ["CLUSTERQUEUE", "FLAVOR", "RESOURCE", "NOMINAL", "BORROWED", "LENT", "USED",
+                                "LIMIT", "AVAILABLE", "PENDING"]
+    assert table[1].split() == ["ai-training-queue", "a100", "nvidia.com/gpu", "(vGPUs)", "8", "4", "0", "12", "12",
+                                "0", "1"]
+    assert "ClusterQueue ai-training-queue: 1 pod(s) waiting for quota" in table
+
+
+def test_status_as_json(url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert kube_vgpu_main(["quota", "status", "--extender-url", url, "-o", "json"]) == 0
+    doc = orjson.loads(capsys.readouterr().out)
+    assert [q["name"] for q in doc["clusterQueues"]] == ["ai-training-queue", "inference-queue"]
+
+
+def test_without_a_quota_gate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    extender = make_extender(tmp_path, None)
+    with serve(extender.app) as base:
+        with httpx.Client(base_url=base, timeout=10) as http:
+            assert http.get("/quota").status_code == 404
+        assert kube_vgpu_main(["quota", "status", "--extender-url", base]) == 1
+    assert "answered 404" in capsys.readouterr().err
+
+
+def test_unreachable_extender(capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.servers import free_port
+
+    args = argparse.Namespace(extender_url=f"http://127.0.0.1:{free_port()}", output="table", timeout_seconds=5.0)
+    assert quota_cli.run(args) == 1
+    assert "cannot read" in capsys.readouterr().err
+
+
+def test_invalid_objects_are_shown(tmp_path: Path) -> None:
+    broken = tmp_path / "quota.yaml"
+    broken.write_text((EXAMPLES / "quota.yaml").read_text().replace("nominalQuota: 16", "nominalQuota: sixteen"))
+    extender = make_extender(tmp_path, str(broken))
+    with serve(extender.app) as base, httpx.Client(base_url=base, timeout=10) as http:
+        doc = http.get("/quota").json()
+    assert [q["name"] for q in doc["clusterQueues"]] == ["inference-queue"]
+    [error] = doc["errors"]
+    assert "ClusterQueue ai-training-queue: spec.resourceGroups[0].flavors[1].resources[0].nominalQuota" in error
+    assert "invalid (left out): " in quota_cli.render(doc)
+
+
+def test_unreadable_quota_file_stops_start_up(tmp_path: Path) -> None:
+    broken = tmp_path / "quota.yaml"
+    broken.write_text("kind: [unclosed\n")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        make_extender(tmp_path, str(broken))
