@@ -139,9 +139,14 @@ class Scheduler:
             outcome.error = f"invalid GPU request: {exc}"
             return outcome, placements
         uid = (pod.get("metadata") or {}).get("uid")
-        if uid:
-            self._recent_pods[uid] = pod
         placement_request = PlacementRequest(request)
+        if uid:
+            if uid not in self._recent_pods:
+                # a learning policy sees each pod once, in arrival order (kube-scheduler retries re-filter it)
+                node_policy.observe(placement_request)
+                if gpu_policy is not node_policy:
+                    gpu_policy.observe(placement_request)
+            self._recent_pods[uid] = pod
         cacheable = node_policy.cacheable and gpu_policy.cacheable
         key = self._cache_key(request, node_policy, gpu_policy)
         state = self.state

@@ -132,3 +132,25 @@ def test_invalid_inventory_reported_not_guessed() -> None:
     cluster = SnapshotCluster(state2, [node])
     outcome = Scheduler(state2, cluster).filter(pod(), ["bad"])
     assert "invalid GPU inventory" in outcome.unresolvable["bad"]
+
+
+def test_learning_policies_observe_each_pod_once_in_arrival_order() -> None:
+    from extender.engine.policies import register
+    from extender.engine.policies.binpack import Binpack
+
+    seen: list[int] = []
+
+    @register
+    class Recording(Binpack):
+        name = "test-recording"
+
+        def observe(self, request: object) -> None:
+            seen.append(request.gpu.containers[0].memory_mib)  # type: ignore[attr-defined]
+
+    state = ClusterState()
+    cluster = SnapshotCluster(state, [gpu_node("n1")])
+    scheduler = Scheduler(state, cluster, node_policy="test-recording")
+    first, second = pod(memory_mib=100), pod(memory_mib=200)
+    for p in (first, first, second, first):  # kube-scheduler retries re-filter the same pod
+        scheduler.filter(p, ["n1"])
+    assert seen == [100, 200]
