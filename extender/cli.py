@@ -25,6 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: the sidecar case)"
     )
     parser.add_argument("--port", type=int, default=8888)
+    parser.add_argument("--metrics-host", default="0.0.0.0",
+                        help="address of the separate /metrics, /healthz, /readyz listener")
+    parser.add_argument("--metrics-port", type=int, default=0,
+                        help="port of that listener (0 = off; the verbs' port serves them too)")
     parser.add_argument(
         "--policy", default=DEFAULT_NODE_POLICY, help="default node policy (hami.io/node-scheduler-policy)"
     )
@@ -115,5 +119,10 @@ def run(args: argparse.Namespace) -> int:
     log.info(
         "serving on %s:%d (%s, node policy %s, GPU policy %s)", args.host, args.port, mode, args.policy, args.gpu_policy
     )
+    if args.metrics_port:
+        from .server import serve_probes
+
+        serve_probes(extender.app.state.registry, extender.state, args.metrics_host, args.metrics_port)
+        log.info("metrics and probes on %s:%d", args.metrics_host, args.metrics_port)
     uvicorn.run(extender.app, host=args.host, port=args.port, log_level="warning", access_log=False)
     return 0

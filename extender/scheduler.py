@@ -23,12 +23,13 @@ from kube_vgpu.synth import assignment_from_placement
 
 from .engine.fit import place
 from .engine.model import FitFailure, NodeState, Placement, PlacementRequest
-from .engine.policies import DEFAULT_GPU_POLICY, DEFAULT_NODE_POLICY, Policy, make_policy, policy_names
+from .engine.policies import DEFAULT_GPU_POLICY, DEFAULT_NODE_POLICY, Policy, make_policy
 from .state import ClusterState
 
 log = logging.getLogger(__name__)
 
 MAX_EXTENDER_SCORE = 10  # kube-scheduler's extenderv1.MaxExtenderPriority
+NOT_SYNCED = "kube-vgpu extender is still loading the cluster state (initial sync); the pod will be retried"
 
 
 class BindError(Exception):
@@ -112,8 +113,8 @@ class Scheduler:
         try:
             node_policy = self.policy(request.node_policy) if request.node_policy else self.default_node_policy
             gpu_policy = self.policy(request.gpu_policy) if request.gpu_policy else self.default_gpu_policy
-        except ValueError as exc:
-            raise InvalidGpuRequest(f"{exc} (known: {', '.join(policy_names())})") from None
+        except ValueError as exc:  # the message lists the known policies
+            raise InvalidGpuRequest(str(exc)) from None
         return node_policy, gpu_policy
 
     def _cache_key(self, request: PodGpuRequest, node_policy: Policy, gpu_policy: Policy) -> Any:
@@ -132,6 +133,10 @@ class Scheduler:
     ) -> tuple[FilterOutcome, dict[str, Placement]]:
         outcome = FilterOutcome()
         placements: dict[str, Placement] = {}
+        if not self.state.synced.is_set():
+            # before the first full list, free-looking GPUs may be held by pods not seen yet: never guess
+            outcome.error = NOT_SYNCED
+            return outcome, placements
         try:
             request = protocol.parse_pod_gpu_request(pod)
             node_policy, gpu_policy = self._policies_for(request)
@@ -170,6 +175,7 @@ class Scheduler:
                 if node.heartbeat_s is None or now - node.heartbeat_s > ttl:
                     age = "never" if node.heartbeat_s is None else f"{now - node.heartbeat_s:.0f} s ago"
                     outcome.failed[name] = f"node {name}: GPU inventory stale (last heartbeat {age})"
+                    self.on_rejection("stale")
                     continue
                 result = node.fit_cache.get(key) if cacheable else None
                 if result is None:
@@ -238,6 +244,8 @@ class Scheduler:
 
     def _bind(self, namespace: str, name: str, uid: str, node_name: str) -> None:
         state = self.state
+        if not state.synced.is_set():
+            raise BindError(NOT_SYNCED)
         with state.lock:
             existing = state.pods.get(uid)
             if existing is not None and existing.node_name == node_name and existing.confirmed:

@@ -6,9 +6,11 @@ hand, so malformed input gets a 400 with a message and the service keeps serving
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import orjson
@@ -159,6 +161,7 @@ def create_app(scheduler: Scheduler, *, on_startup: Callable[[], None] | None = 
 
     app = FastAPI(title="kube-vgpu extender", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.scheduler = scheduler
+    app.state.registry = registry
 
     def bad(verb: str, message: str) -> Response:
         bad_requests.labels(verb).inc()
@@ -262,3 +265,35 @@ def create_app(scheduler: Scheduler, *, on_startup: Callable[[], None] | None = 
         return _json({"Error": "no quota gate: start the extender with --quota-config or in live mode"}, 404)
 
     return app
+
+
+def serve_probes(registry: CollectorRegistry, state: ClusterState, host: str, port: int) -> ThreadingHTTPServer:
+    """/metrics, /healthz and /readyz on their own listener (a thread), so the extender's verbs can stay on
+    loopback beside kube-scheduler while Prometheus and the kubelet's probes reach these from outside the Pod."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                status, content_type, body = 200, CONTENT_TYPE_LATEST, generate_latest(registry)
+            elif path == "/healthz":
+                status, content_type, body = 200, "text/plain", b"ok"
+            elif path == "/readyz":
+                ready = state.synced.is_set()
+                status, content_type = (200 if ready else 503), "text/plain"
+                body = b"ok" if ready else b"initial sync with the API server not finished"
+            else:
+                status, content_type, body = 404, "text/plain", b"not found"
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:  # probes every few seconds: keep logs quiet
+            return
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="probes", daemon=True).start()
+    return server

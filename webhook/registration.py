@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kube_vgpu.protocol import LABEL_WEBHOOK, LABEL_WEBHOOK_DISABLED
+from kube_vgpu.protocol import ANNOTATION_PREFIX, GPU_RESOURCES, LABEL_WEBHOOK, LABEL_WEBHOOK_DISABLED
 from webhook.config import DEFAULT_TRUSTED_USERNAMES
 
 CONFIGURATION_NAME = "kube-vgpu-webhook"
@@ -108,6 +108,10 @@ def mutating_webhook_configuration(
             "timeoutSeconds": timeout_seconds,
             "reinvocationPolicy": reinvocation,
         }
+        if operation == "CREATE":
+            # Only pods the webhook acts on are sent to it: with failurePolicy Fail, a webhook outage then
+            # refuses GPU pods (which must not escape their limits) and never blocks anything else.
+            entry["matchConditions"] = [{"name": "gpu-pods-and-internal-annotations", "expression": _CREATE_CONDITION}]
         if operation == "UPDATE" and trusted:
             listed = ", ".join(_cel_string(user) for user in trusted)
             entry["matchConditions"] = [
@@ -131,5 +135,24 @@ def mutating_webhook_configuration(
     }
 
 
+def _cel_container_asks_gpu(container: str) -> str:
+    names = ", ".join(_cel_string(name) for name in GPU_RESOURCES)
+    return (
+        f"has({container}.resources) && ("
+        f"(has({container}.resources.limits) && {container}.resources.limits.exists(k, k in [{names}])) || "
+        f"(has({container}.resources.requests) && {container}.resources.requests.exists(k, k in [{names}])))"
+    )
+
+
 def _cel_string(text: str) -> str:
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+#: CEL for the CREATE webhook: any container or init container names a GPU resource, or the pod carries one of
+#: our internal annotations (which the webhook must refuse).
+_CREATE_CONDITION = (
+    f"object.spec.containers.exists(c, {_cel_container_asks_gpu('c')}) || "
+    f"(has(object.spec.initContainers) && object.spec.initContainers.exists(c, {_cel_container_asks_gpu('c')})) || "
+    f"(has(object.metadata.annotations) && "
+    f"object.metadata.annotations.exists(k, k.startsWith({_cel_string(ANNOTATION_PREFIX)})))"
+)

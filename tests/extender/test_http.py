@@ -166,3 +166,19 @@ def test_health_ready_metrics_state(client: httpx.Client) -> None:
     assert 'kube_vgpu_gpu_memory_mib{gpu="0",model="Tesla-T4",node="t4-0"' in metrics
     state: dict[str, Any] = client.get("/state").json()
     assert {n["name"] for n in state["nodes"]} == set(NAMES)
+
+
+def test_separate_probe_listener_serves_metrics_and_health(extender: Extender) -> None:
+    from extender.server import serve_probes
+    from tests.servers import free_port
+
+    port = free_port()
+    server = serve_probes(extender.app.state.registry, extender.state, "127.0.0.1", port)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as probes:
+            assert probes.get("/healthz").text == "ok"
+            assert probes.get("/readyz").status_code == 200
+            assert "kube_vgpu_gpu_memory_mib" in probes.get("/metrics").text
+            assert probes.post("/bind", json={}).status_code == 501  # the verbs are not on this listener
+    finally:
+        server.shutdown()

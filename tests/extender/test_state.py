@@ -154,3 +154,20 @@ def test_learning_policies_observe_each_pod_once_in_arrival_order() -> None:
     for p in (first, first, second, first):  # kube-scheduler retries re-filter the same pod
         scheduler.filter(p, ["n1"])
     assert seen == [100, 200]
+
+
+def test_filter_and_bind_refuse_until_the_first_sync() -> None:
+    state = ClusterState()
+    state.upsert_node(gpu_node("n1"))  # nodes are in, but the pod list is not: GPUs may look free that are not
+    scheduler = Scheduler(state, SnapshotCluster(ClusterState(), []))
+    p = pod(memory_mib=100)
+    outcome = scheduler.filter(p, ["n1"])
+    assert outcome.passed == [] and "initial sync" in outcome.error
+    import pytest
+
+    from extender.scheduler import BindError
+
+    with pytest.raises(BindError, match="initial sync"):
+        scheduler.bind("default", p["metadata"]["name"], p["metadata"]["uid"], "n1")
+    state.mark_synced()
+    assert scheduler.filter(p, ["n1"]).passed == ["n1"]

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import re
 import sys
+import urllib.request
 from types import ModuleType
 from typing import Any
 
@@ -158,25 +158,31 @@ def test_the_extender_listens_on_loopback_where_the_scheduler_configuration_call
     [configured] = yaml.safe_load(SCHEDULER_CONFIG.read_text())["extenders"]
     assert configured["urlPrefix"] == f"http://{args.host}:{args.port}"
     assert configured["enableHTTPS"] is False and configured["ignorable"] is False
-    assert "ports" not in extender  # nothing to expose: /bind must stay inside the Pod
+    # only the probe/metrics listener is exposed; /bind stays on loopback inside the Pod
+    assert extender["ports"] == [{"name": "metrics", "containerPort": args.metrics_port}]
+    assert args.metrics_port and args.metrics_port != args.port
 
 
-def test_the_extender_probes_run_in_the_container_against_endpoints_it_serves() -> None:
+def test_the_extender_probes_hit_the_probe_listener_which_serves_them() -> None:
+    from extender.server import serve_probes
+    from tests.servers import free_port
+
     extender = scheduler_containers()["extender"]
-    args = parse_ours(extender)
-    state = ClusterState()
-    app = create_app(Scheduler(state, SnapshotCluster(state, [])))
-    served = {route.path for route in app.routes}  # type: ignore[attr-defined]
     probed = {}
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-        command = extender[probe]["exec"]["command"]
-        assert command[:2] == ["python", "-c"]
-        [url] = re.findall(r"'(http://[^']+)'", command[2])
-        base = f"http://{args.host}:{args.port}"
-        assert url.startswith(base + "/")
-        probed[probe] = url.removeprefix(base)
-        assert probed[probe] in served
+        assert extender[probe]["httpGet"]["port"] == "metrics"
+        probed[probe] = extender[probe]["httpGet"]["path"]
     assert probed["readinessProbe"] == "/readyz" and probed["livenessProbe"] == "/healthz"
+    state = ClusterState()
+    app = create_app(Scheduler(state, SnapshotCluster(state, [])))
+    port = free_port()
+    server = serve_probes(app.state.registry, state, "127.0.0.1", port)
+    try:
+        for path in set(probed.values()) | {"/metrics"}:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as reply:
+                assert reply.status == 200
+    finally:
+        server.shutdown()
 
 
 def test_kube_scheduler_probes_its_secure_port_and_reads_the_mounted_configuration() -> None:

@@ -49,7 +49,12 @@ def test_url_registration_for_the_dev_cluster() -> None:
         assert "objectSelector" not in hook  # a pod label must not be able to opt a GPU pod out
     assert create["rules"][0]["operations"] == ["CREATE"] and create["reinvocationPolicy"] == "IfNeeded"
     assert update["rules"][0]["operations"] == ["UPDATE"] and update["reinvocationPolicy"] == "Never"
-    assert "matchConditions" not in create
+    # only GPU pods and pods carrying internal annotations reach the CREATE webhook, so an outage blocks nothing else
+    (condition,) = create["matchConditions"]
+    assert condition["name"] == "gpu-pods-and-internal-annotations"
+    for needle in ("object.spec.containers.exists", "object.spec.initContainers", "'nvidia.com/gpucores'",
+                   "startsWith('kube-vgpu.io/')"):
+        assert needle in condition["expression"]
     assert update["matchConditions"] == [
         {
             "name": "not-from-kube-vgpu-components",
