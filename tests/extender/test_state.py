@@ -171,3 +171,11 @@ def test_filter_and_bind_refuse_until_the_first_sync() -> None:
         scheduler.bind("default", p["metadata"]["name"], p["metadata"]["uid"], "n1")
     state.mark_synced()
     assert scheduler.filter(p, ["n1"]).passed == ["n1"]
+
+
+def test_default_policies_put_a_multi_gpu_pod_on_the_best_connected_node() -> None:
+    state = ClusterState()
+    cluster = SnapshotCluster(state, [gpu_node("pcie", gpus=8, topology="pcie"),
+                                      gpu_node("nvswitch", gpus=8, topology="nvswitch")])
+    scores = dict(Scheduler(state, cluster).prioritize(pod(gpus=4, cores=100), ["pcie", "nvswitch"]))
+    assert scores["nvswitch"] > scores["pcie"]

@@ -10,7 +10,7 @@ from .base import Policy, Scratch, make_policy, policy_names, register
 __all__ = ["DEFAULT_GPU_POLICY", "DEFAULT_NODE_POLICY", "Policy", "Scratch", "make_policy", "policy_names", "register"]
 
 #: Cluster-wide defaults when neither the command line nor the pod names a policy.
-DEFAULT_NODE_POLICY = "binpack"
+DEFAULT_NODE_POLICY = "topology"  # binpack for 1-GPU pods, best-connected node for multi-GPU pods
 DEFAULT_GPU_POLICY = "topology"
 
 _loaded = False
