@@ -1,0 +1,111 @@
+"""`kube-vgpu simulate`: replay an openb-style trace through the placement engine (see docs/simulator.md)."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from pathlib import Path
+
+from extender.engine.policies import policy_names
+
+from .runner import DEFAULT_SEEDS, Job, PolicySummary, default_workers, resolve_policy_name, run_jobs, summarise
+from .trace import TraceError, trace_name
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--node-csv", required=True, help="cluster: CSV with sn,cpu_milli,memory_mib,gpu,model")
+    parser.add_argument(
+        "--pod-csv", required=True, help="tasks: CSV with name,cpu_milli,memory_mib,num_gpu,gpu_milli[,gpu_spec]"
+    )
+    parser.add_argument(
+        "--policy",
+        default="default",
+        help="placement policy, or several separated by commas; 'default' = the extender's default "
+        "(known: {known})".format(known=", ".join(["default", *policy_names()])),
+    )
+    parser.add_argument(
+        "--seed", type=int, nargs="+", default=list(DEFAULT_SEEDS), help="arrival seeds (default: 42..51)"
+    )
+    parser.add_argument(
+        "--inflate", type=float, default=1.3, help="arrivals stop at this multiple of GPU capacity (default 1.3)"
+    )
+    parser.add_argument(
+        "--tie-break",
+        choices=("order", "random"),
+        default="order",
+        help="among equally scored nodes: the first in a per-seed random node order, as the FGD reference "
+        "simulator does (default), or a uniformly random one (stock kube-scheduler)",
+    )
+    parser.add_argument("--output-json", type=Path, help="write the results (means over seeds) as JSON")
+    parser.add_argument("--curve-csv", type=Path, help="write allocated %% vs arrived %% per policy as CSV")
+    parser.add_argument("--plot", type=Path, help="write a PNG plot of allocated %% vs arrived %%")
+    parser.add_argument(
+        "--jobs", type=int, default=default_workers(), help="worker processes (default: min(2, CPUs))"
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress bar and no table")
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def print_table(summaries: list[PolicySummary]) -> None:
+    print(
+        f"{'trace':<12} {'policy':<12} {'seeds':>5} {'alloc@100':>10} {'alloc@130':>10} {'frag@100':>9} {'s/run':>7}"
+    )
+    for s in summaries:
+        print(
+            f"{s.trace:<12} {s.policy:<12} {len(s.seeds):>5} {_fmt(s.alloc_at_100):>10} {_fmt(s.alloc_at_130):>10} "
+            f"{_fmt(s.frag_at_100):>9} {s.seconds:>7.1f}"
+        )
+
+
+def write_curve_csv(summaries: list[PolicySummary], path: Path) -> None:
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["trace", "policy", "arrived_pct", "alloc_pct_mean", "alloc_pct_min", "alloc_pct_max"])
+        for s in summaries:
+            for arrived, alloc in s.curve:
+                values = [c[arrived] for c in s.per_seed_curves if arrived in c]
+                low, high = f"{min(values):.4f}", f"{max(values):.4f}"
+                writer.writerow([s.trace, s.policy, arrived, f"{alloc:.4f}", low, high])
+
+
+def run(args: argparse.Namespace) -> int:
+    policies = [name.strip() for name in args.policy.split(",") if name.strip()]
+    known = set(policy_names())
+    unknown = [name for name in policies if resolve_policy_name(name) not in known]
+    if unknown or not policies:
+        names = ", ".join(unknown) or "(none)"
+        print(f"unknown policy {names}; known: default, {', '.join(sorted(known))}", file=sys.stderr)
+        return 2
+    for path in (args.node_csv, args.pod_csv):
+        if not Path(path).is_file():
+            print(f"no such file: {path}", file=sys.stderr)
+            return 2
+    jobs = [
+        Job(str(args.node_csv), str(args.pod_csv), policy, seed, args.inflate, args.tie_break)
+        for policy in policies
+        for seed in args.seed
+    ]
+    try:
+        results = run_jobs(jobs, max(1, args.jobs), progress=False if args.quiet else None)
+    except TraceError as error:
+        print(f"bad trace: {error}", file=sys.stderr)
+        return 2
+    summaries = summarise(results)
+    if not args.quiet:
+        print_table(summaries)
+    if args.output_json:
+        documents = [s.to_json() for s in summaries]
+        args.output_json.write_text(json.dumps(documents[0] if len(documents) == 1 else documents, indent=1) + "\n")
+    if args.curve_csv:
+        write_curve_csv(summaries, args.curve_csv)
+    if args.plot:
+        from .plot import plot_curves
+
+        title = f"{trace_name(args.pod_csv)}: allocated vs arrived GPU ({len(args.seed)} seeds, mean)"
+        plot_curves(summaries, args.plot, title)
+    return 0

@@ -1,0 +1,253 @@
+"""Experiments (trace x policy x seed) run in worker processes, and their aggregation over seeds."""
+
+from __future__ import annotations
+
+import inspect
+import multiprocessing
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from extender.engine.fragmentation import WeightedShapes, typical_shapes
+from extender.engine.policies import DEFAULT_NODE_POLICY, Policy, make_policy
+
+from .engine import GPU_CORES, simulate
+from .metrics import curve, mean_curve
+from .trace import NodeSpec, Task, arrival_sequence, load_nodes, load_tasks, trace_name
+
+DEFAULT_SEEDS = tuple(range(42, 52))
+
+
+@dataclass(frozen=True)
+class Job:
+    node_csv: str
+    pod_csv: str
+    policy: str
+    seed: int
+    inflate: float = 1.3
+    tie_break: str = "order"
+
+
+@dataclass
+class ExperimentResult:
+    job: Job
+    curve: dict[int, float]
+    frag_at_100: float | None
+    seconds: float
+    tasks: int
+    placed: int
+    failed: int
+    engine_calls: int
+
+
+@dataclass
+class PolicySummary:
+    policy: str
+    trace: str
+    seeds: list[int]
+    alloc_at_100: float | None
+    alloc_at_130: float | None
+    alloc_at_100_per_seed: list[float | None]
+    alloc_at_130_per_seed: list[float | None]
+    frag_at_100: float | None
+    curve: list[tuple[int, float]]
+    seconds: float  # mean wall seconds per experiment
+    tie_break: str
+    inflate: float
+    per_seed_curves: list[dict[int, float]] = field(default_factory=list, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "trace": self.trace,
+            "seeds": self.seeds,
+            "alloc_at_100": self.alloc_at_100,
+            "alloc_at_130": self.alloc_at_130,
+            "alloc_at_130_per_seed": self.alloc_at_130_per_seed,
+            "alloc_at_100_per_seed": self.alloc_at_100_per_seed,
+            "frag_at_100": self.frag_at_100,
+            "curve": [[arrived, round(alloc, 4)] for arrived, alloc in self.curve],
+            "seconds": round(self.seconds, 3),
+            "tie_break": self.tie_break,
+            "inflate": self.inflate,
+        }
+
+
+def resolve_policy_name(name: str) -> str:
+    """`default` is whatever the extender uses by default."""
+    return DEFAULT_NODE_POLICY if name == "default" else name
+
+
+@lru_cache(maxsize=8)
+def _load(node_csv: str, pod_csv: str) -> tuple[list[NodeSpec], list[Task], WeightedShapes]:
+    tasks = load_tasks(pod_csv)
+    return load_nodes(node_csv), tasks, typical_shapes(task.shape for task in tasks)
+
+
+def build_policy(name: str, trace_shapes: WeightedShapes) -> Policy:
+    """A fresh policy. Policies that take a target workload (`shapes`) get the whole trace's typical shapes,
+    as the FGD paper gives its policy; policies that learn it online ignore them."""
+    probe = make_policy(name)
+    if "shapes" in inspect.signature(type(probe).__init__).parameters:
+        return make_policy(name, shapes=trace_shapes)
+    return probe
+
+
+# progress shared with worker processes (tasks done, all experiments together)
+_progress_counter: Any = None
+
+
+def _init_worker(counter: Any) -> None:
+    global _progress_counter
+    _progress_counter = counter
+
+
+def _bump(count: int) -> None:
+    if _progress_counter is not None and count:
+        with _progress_counter.get_lock():
+            _progress_counter.value += count
+
+
+def arrivals_for(job: Job) -> list[Task]:
+    nodes, tasks, _ = _load(job.node_csv, job.pod_csv)
+    capacity = sum(spec.gpu_count for spec in nodes) * GPU_CORES
+    return arrival_sequence(tasks, capacity, job.seed, job.inflate)
+
+
+def run_experiment(job: Job) -> ExperimentResult:
+    nodes, _, shapes = _load(job.node_csv, job.pod_csv)
+    arrivals = arrivals_for(job)
+    policy = build_policy(resolve_policy_name(job.policy), shapes)
+    result = simulate(
+        nodes, arrivals, policy, seed=job.seed, frag_shapes=shapes, progress=_bump, tie_break=job.tie_break
+    )
+    return ExperimentResult(
+        job=job,
+        curve=curve(result.arrived_milli, result.allocated_milli, result.capacity_milli),
+        frag_at_100=result.frag_at_100,
+        seconds=result.seconds,
+        tasks=len(arrivals),
+        placed=result.placed,
+        failed=result.failed,
+        engine_calls=result.engine_calls,
+    )
+
+
+class ProgressBar:
+    """A one-line progress bar on stderr, drawn only when stderr is a terminal."""
+
+    def __init__(self, total: int, label: str, enabled: bool | None = None) -> None:
+        self.total = max(total, 1)
+        self.label = label
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self.started = time.monotonic()
+
+    def draw(self, done: int, finished: int, experiments: int) -> None:
+        if not self.enabled:
+            return
+        fraction = min(done / self.total, 1.0)
+        width = 30
+        filled = int(fraction * width)
+        elapsed = time.monotonic() - self.started
+        eta = elapsed / fraction - elapsed if fraction > 0.01 else 0.0
+        sys.stderr.write(
+            f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {100 * fraction:5.1f}% "
+            f"{finished}/{experiments} runs, {elapsed:5.0f}s elapsed, ~{eta:4.0f}s left "
+        )
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def run_jobs(
+    jobs: Sequence[Job],
+    workers: int,
+    *,
+    progress: bool | None = None,
+    on_result: Callable[[ExperimentResult], None] | None = None,
+) -> list[ExperimentResult]:
+    """Run experiments, `workers` at a time in separate processes (1: in this process)."""
+    total_tasks = sum(len(arrivals_for(job)) for job in jobs)
+    label = f"simulating {len(jobs)} run{'s' if len(jobs) != 1 else ''}"
+    bar = ProgressBar(total_tasks, label, progress)
+    results: list[ExperimentResult] = []
+    context = multiprocessing.get_context("fork" if sys.platform != "win32" else "spawn")
+    counter = context.Value("q", 0)
+    if workers <= 1:
+        _init_worker(counter)
+        try:
+            for job in jobs:
+                result = run_experiment(job)
+                results.append(result)
+                if on_result:
+                    on_result(result)
+                bar.draw(counter.value, len(results), len(jobs))
+        finally:
+            _init_worker(None)
+        bar.close()
+        return results
+    pool_options: dict[str, Any] = {"mp_context": context, "initializer": _init_worker, "initargs": (counter,)}
+    with ProcessPoolExecutor(max_workers=workers, **pool_options) as pool:
+        pending: set[Future[ExperimentResult]] = {pool.submit(run_experiment, job) for job in jobs}
+        while pending:
+            done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+            for future in done:
+                result = future.result()
+                results.append(result)
+                if on_result:
+                    on_result(result)
+            bar.draw(counter.value, len(results), len(jobs))
+    bar.close()
+    order = {job: index for index, job in enumerate(jobs)}
+    results.sort(key=lambda r: order[r.job])
+    return results
+
+
+def summarise(results: Sequence[ExperimentResult]) -> list[PolicySummary]:
+    """One summary per (trace, policy), means over seeds."""
+    groups: dict[tuple[str, str], list[ExperimentResult]] = {}
+    for result in results:
+        groups.setdefault((result.job.pod_csv, result.job.policy), []).append(result)
+    summaries = []
+    for (pod_csv, policy), group in groups.items():
+        group.sort(key=lambda r: r.job.seed)
+        curves = [r.curve for r in group]
+        at100 = [c.get(100) for c in curves]
+        at130 = [c.get(130) for c in curves]
+        frags = [r.frag_at_100 for r in group if r.frag_at_100 is not None]
+        summaries.append(
+            PolicySummary(
+                policy=policy,
+                trace=trace_name(pod_csv),
+                seeds=[r.job.seed for r in group],
+                alloc_at_100=_mean(at100),
+                alloc_at_130=_mean(at130),
+                alloc_at_100_per_seed=at100,
+                alloc_at_130_per_seed=at130,
+                frag_at_100=sum(frags) / len(frags) if frags else None,
+                curve=sorted(mean_curve(curves).items()),
+                seconds=sum(r.seconds for r in group) / len(group),
+                tie_break=group[0].job.tie_break,
+                inflate=group[0].job.inflate,
+                per_seed_curves=curves,
+            )
+        )
+    return summaries
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    if not values or any(v is None for v in values):
+        return None
+    return sum(v for v in values if v is not None) / len(values)
+
+
+def default_workers() -> int:
+    return max(1, min(2, os.cpu_count() or 1))
