@@ -1,0 +1,129 @@
+"""The quota gate in the real control plane: Kueue objects served by the API server (CRDs installed here, with an
+open schema, since Kueue itself is not available offline), watched by the extender under its own RBAC; a team
+beyond its budget stays Pending with our reason and is scheduled once its earlier pods are deleted."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+from kube_vgpu import protocol
+from kube_vgpu.devcluster.cluster import DevCluster
+from kube_vgpu.devcluster.workload import create_pods, gpu_pod, wait_for_pods
+from tests.e2e.checks import assert_no_overcommit
+
+pytestmark = pytest.mark.e2e
+
+GROUP = protocol.KUEUE_API_GROUP
+KINDS = {  # kind -> (plural, namespaced)
+    "ResourceFlavor": ("resourceflavors", False),
+    "ClusterQueue": ("clusterqueues", False),
+    "LocalQueue": ("localqueues", True),
+    "Cohort": ("cohorts", False),
+    "WorkloadPriorityClass": ("workloadpriorityclasses", False),
+}
+
+
+def crd(kind: str, plural: str, namespaced: bool) -> dict[str, Any]:
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{plural}.{GROUP}"},
+        "spec": {
+            "group": GROUP,
+            "names": {"kind": kind, "plural": plural, "singular": kind.lower(), "listKind": f"{kind}List"},
+            "scope": "Namespaced" if namespaced else "Cluster",
+            "versions": [
+                {
+                    "name": "v1beta1",
+                    "served": True,
+                    "storage": True,
+                    "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+                }
+            ],
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def kueue_crds(dev_cluster: DevCluster) -> None:
+    extensions: Any = client.ApiextensionsV1Api(dev_cluster.api)
+    for kind, (plural, namespaced) in KINDS.items():
+        with contextlib.suppress(ApiException):  # already there from an earlier module
+            extensions.create_custom_resource_definition(crd(kind, plural, namespaced), _preload_content=False)
+    deadline = time.monotonic() + 60
+    for plural, _ in KINDS.values():
+        while True:
+            found = orjson.loads(
+                extensions.read_custom_resource_definition(f"{plural}.{GROUP}", _preload_content=False).data
+            )
+            conditions = {c["type"]: c["status"] for c in (found.get("status") or {}).get("conditions") or []}
+            if conditions.get("Established") == "True":
+                break
+            assert time.monotonic() < deadline, f"CRD {plural} not established: {conditions}"
+            time.sleep(0.2)
+    # the extender looks for Kueue's CRDs again only every minute: restart it to see them now
+    dev_cluster.restart_extender(crash=False)
+
+
+@pytest.fixture
+def team_budget(dev_cluster: DevCluster, kueue_crds: None, e2e_namespace: str, gpu_nodes: Any) -> Iterator[Any]:
+    nodes = gpu_nodes(1, gpus=4)
+    custom: Any = client.CustomObjectsApi(dev_cluster.api)
+    name = e2e_namespace
+    flavor = {"apiVersion": f"{GROUP}/v1beta1", "kind": "ResourceFlavor", "metadata": {"name": name},
+              "spec": {"nodeLabels": nodes.selector}}
+    queue = {
+        "apiVersion": f"{GROUP}/v1beta1", "kind": "ClusterQueue", "metadata": {"name": name},
+        "spec": {
+            "namespaceSelector": {"matchLabels": {protocol.LABEL_NAMESPACE_NAME: e2e_namespace}},
+            "resourceGroups": [{
+                "coveredResources": [protocol.RESOURCE_GPU],
+                "flavors": [{"name": name, "resources": [{"name": protocol.RESOURCE_GPU, "nominalQuota": 2}]}],
+            }],
+        },
+    }
+    local = {"apiVersion": f"{GROUP}/v1beta1", "kind": "LocalQueue", "metadata": {"name": "team"},
+             "spec": {"clusterQueue": name}}
+    custom.create_cluster_custom_object(GROUP, "v1beta1", "resourceflavors", flavor)
+    custom.create_cluster_custom_object(GROUP, "v1beta1", "clusterqueues", queue)
+    custom.create_namespaced_custom_object(GROUP, "v1beta1", e2e_namespace, "localqueues", local)
+    deadline = time.monotonic() + 30
+    while not any(q["name"] == name for q in httpx.get(f"{dev_cluster.extender_url}/quota").json()["clusterQueues"]):
+        assert time.monotonic() < deadline, "the extender never saw the ClusterQueue:\n" + dev_cluster.log_tail(
+            "extender")
+        time.sleep(0.2)
+    yield nodes
+    custom.delete_namespaced_custom_object(GROUP, "v1beta1", e2e_namespace, "localqueues", "team")
+    custom.delete_cluster_custom_object(GROUP, "v1beta1", "clusterqueues", name)
+    custom.delete_cluster_custom_object(GROUP, "v1beta1", "resourceflavors", name)
+
+
+def test_team_beyond_budget_waits_with_our_reason_then_runs(
+    dev_cluster: DevCluster, e2e_namespace: str, team_budget: Any
+) -> None:
+    labels = {protocol.LABEL_KUEUE_QUEUE_NAME: "team"}
+    pods = [gpu_pod(f"job-{i}", memory_mib=1000, labels=labels, node_selector=team_budget.selector) for i in range(3)]
+    create_pods(dev_cluster.api, e2e_namespace, pods[:2])
+    first = wait_for_pods(dev_cluster.api, e2e_namespace, ["job-0", "job-1"], timeout_s=60)
+    assert set(first.bound) == {"job-0", "job-1"}, first.describe()
+    create_pods(dev_cluster.api, e2e_namespace, pods[2:])
+    waiting = wait_for_pods(dev_cluster.api, e2e_namespace, ["job-2"], timeout_s=60, expect_refused=["job-2"])
+    reason = waiting.refused.get("job-2", "")
+    assert e2e_namespace in reason and protocol.RESOURCE_GPU in reason, waiting.describe()
+    quota = httpx.get(f"{dev_cluster.extender_url}/quota").json()
+    (mine,) = [q for q in quota["clusterQueues"] if q["name"] == e2e_namespace]
+    used = {r["resource"]: r["used"] for f in mine["flavors"] for r in f["resources"]}
+    assert used[protocol.RESOURCE_GPU] == 2 and mine["admittedPods"] == 2
+    dev_cluster.core.delete_namespaced_pod("job-0", e2e_namespace, grace_period_seconds=0, _preload_content=False)
+    after = wait_for_pods(dev_cluster.api, e2e_namespace, ["job-2"], timeout_s=90)
+    assert "job-2" in after.bound, after.describe()
+    assert_no_overcommit(dev_cluster)
