@@ -1,0 +1,101 @@
+"""`kube-vgpu dev-cluster up|down`: a local control plane with simulated GPU nodes.
+
+    kube-vgpu dev-cluster up [--nodes N] [--gpus-per-node G] [--gpu-model NAME] [--gpu-memory-mib M]
+                             [--topology nvswitch|nvlink-pairs|pcie] [--state-dir DIR]
+    kube-vgpu dev-cluster down [--state-dir DIR]
+
+`up` starts everything detached (each process in its own session), prints the kubeconfig path and an
+`export KUBECONFIG=...` line on stdout (progress goes to stderr) and returns. `down` stops exactly the processes
+`up` recorded in the state dir; files stay (logs in <state-dir>/logs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from kube_vgpu.synth import TOPOLOGIES
+
+from .cluster import (
+    DEFAULT_HEARTBEAT_INTERVAL_S,
+    ClusterOptions,
+    ComponentError,
+    DevClusterError,
+    NodeGroup,
+    default_state_dir,
+    down,
+    sigterm_as_interrupt,
+    up,
+)
+
+
+def _progress(message: str) -> None:
+    print(f">> {message}", file=sys.stderr, flush=True)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="dev_cluster_command", required=True, metavar="{up,down}")
+    start = sub.add_parser("up", help="start a dev cluster and return (processes keep running)")
+    start.add_argument("--nodes", type=int, default=4, help="GPU nodes to register (default: %(default)s)")
+    start.add_argument("--gpus-per-node", type=int, default=8, help="default: %(default)s")
+    start.add_argument("--gpu-model", default="NVIDIA A100-SXM4-80GB", help="default: %(default)s")
+    start.add_argument("--gpu-memory-mib", type=int, default=81920, help="default: %(default)s")
+    start.add_argument("--topology", choices=TOPOLOGIES, default="nvswitch", help="default: %(default)s")
+    start.add_argument("--no-webhook", action="store_true", help="do not run or register the admission webhook")
+    start.add_argument(
+        "--heartbeat-seconds", type=float, default=DEFAULT_HEARTBEAT_INTERVAL_S, help="default: %(default)s"
+    )
+    start.add_argument("--extender-arg", action="append", default=[], metavar="ARG",
+                       help="extra argument for `kube-vgpu extender` (repeatable), e.g. --extender-arg=--policy=spread")
+    stop = sub.add_parser("down", help="stop the dev cluster started from the state dir")
+    for command in (start, stop):
+        command.add_argument(
+            "--state-dir", type=Path, default=None, help=f"default: {default_state_dir()}"
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    state_dir = (args.state_dir or default_state_dir()).resolve()
+    if args.dev_cluster_command == "down":
+        stopped = down(state_dir)
+        if stopped:
+            print(f"stopped {', '.join(stopped)} (state and logs kept in {state_dir})")
+        else:
+            print(f"nothing was running from {state_dir}")
+        return 0
+    if args.nodes < 0 or args.gpus_per_node < 1 or args.gpu_memory_mib < 1:
+        print("kube-vgpu dev-cluster up: --nodes must be >= 0, --gpus-per-node and --gpu-memory-mib >= 1",
+              file=sys.stderr)
+        return 2
+    group = NodeGroup(
+        count=args.nodes,
+        gpus=args.gpus_per_node,
+        model=args.gpu_model,
+        memory_mib=args.gpu_memory_mib,
+        topology=args.topology,
+    )
+    options = ClusterOptions(
+        state_dir=state_dir,
+        node_groups=(group,),
+        webhook=not args.no_webhook,
+        extender_args=tuple(args.extender_arg),
+        heartbeat_interval_s=args.heartbeat_seconds,
+        progress=_progress,
+    )
+    try:
+        with sigterm_as_interrupt():
+            cluster = up(options)
+    except KeyboardInterrupt:
+        print("kube-vgpu dev-cluster up: interrupted; everything it had started was stopped again", file=sys.stderr)
+        return 130
+    except DevClusterError as exc:
+        print(f"kube-vgpu dev-cluster up failed: {exc}", file=sys.stderr)
+        if isinstance(exc, ComponentError):
+            print("(every process this start-up had started was stopped again)", file=sys.stderr)
+        return 1
+    print(f"kubeconfig: {cluster.kubeconfig}")
+    print(f"extender: {cluster.extender_url}   logs: {cluster.log_dir}")
+    print(f"stop it with: kube-vgpu dev-cluster down --state-dir {state_dir}")
+    print(f"export KUBECONFIG={cluster.kubeconfig}")
+    return 0

@@ -1,0 +1,170 @@
+"""The end-to-end tier: ONE real dev cluster for the whole session, shared by every e2e test.
+
+It is a real etcd, kube-apiserver (TLS, --authorization-mode=Node,RBAC, MutatingAdmissionWebhook), our webhook
+(registered by URL through a MutatingWebhookConfiguration with its CA bundle), our extender in live mode, and
+kube-scheduler running the manifests' KubeSchedulerConfiguration; see kube_vgpu/devcluster/cluster.py and
+docs/dev-cluster.md. Nodes are API objects carrying the device plugin's inventory annotation (no kubelet: pods are
+scheduled and bound, never run). The first run builds the Kubernetes binaries (cached afterwards).
+
+Fixtures (for everyone adding e2e tests here; mark tests with ``@pytest.mark.e2e``):
+
+``dev_cluster`` (session) -> kube_vgpu.devcluster.cluster.DevCluster
+    .kubeconfig          admin kubeconfig path (system:masters client cert)
+    .api / .core         shared admin kubernetes ApiClient / CoreV1Api (raw JSON: pass ``_preload_content=False``
+                         and orjson.loads(response.data) if you want plain dicts)
+    .api_client()        a fresh admin ApiClient (for threads of your own)
+    .server              https://127.0.0.1:<port> of kube-apiserver
+    .extender_url        http://127.0.0.1:<port> of the extender (/state, /metrics, /quota, /readyz)
+    .webhook_url         https://127.0.0.1:<port>/mutate; .webhook_ca_pem its CA
+    .extender_kubeconfig / .device_plugin_kubeconfig   token kubeconfigs of the two kube-vgpu ServiceAccounts
+                         (system:serviceaccount:kube-vgpu:kube-vgpu-extender / ...-device-plugin), with the RBAC
+                         of manifests/ (cluster.rbac_documents()) bound to them
+    .restart_extender(crash=True)        SIGKILL + start + wait for its first sync; same port and arguments
+    .stop_component(name, crash=False)   stop webhook / extender / kube-scheduler / heartbeat (crash: SIGKILL)
+    .start_component(name)               start it again with the same command line and wait until ready
+    .is_running(name)
+    .add_nodes(NodeGroup(...)) -> names; .delete_nodes(names)   (the heartbeat keeps added nodes fresh)
+    .log_tail(name)      the last lines of a component's log (put it in your assertion messages)
+    Leave the cluster as you found it: delete your pods and nodes, restart what you stopped (a component a test
+    leaves stopped is started again after it, and the test fails, so the next tests are not affected).
+
+``e2e_namespace`` -> str: a fresh namespace for this test; its pods are deleted afterwards (grace period 0).
+    Namespaces themselves stay: no kube-controller-manager runs, so a deleted namespace would never finish
+    terminating. The webhook mutates pods in every namespace but kube-system and kube-vgpu.
+
+``gpu_nodes`` -> factory ``gpu_nodes(count, gpus=8, model=..., memory_mib=..., topology=...) -> NodeSet``:
+    nodes only this test's pods can land on (a unique label; ``NodeSet.selector`` is the nodeSelector to put on
+    the pods), deleted after the test. Tests on shared nodes would see each other's pods.
+
+The cluster's own nodes (``BASE_NODE_GROUPS``) are there for tests that just need somewhere to schedule.
+Set KUBE_VGPU_E2E_KEEP=1 to leave the cluster running after the session (its state dir is printed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from kubernetes.client.rest import ApiException
+
+from kube_vgpu.devcluster.cluster import ClusterOptions, DevCluster, DevClusterError, NodeGroup, up
+from kube_vgpu.devcluster.workload import delete_pods, ensure_namespace, list_all, wait_until_gone
+
+NODE_GROUP_LABEL = "e2e.kube-vgpu.io/group"
+BASE_NODE_GROUPS = (
+    NodeGroup(
+        count=2, gpus=8, model="NVIDIA A100-SXM4-80GB", memory_mib=81920, topology="nvswitch", prefix="base-a100"
+    ),
+    NodeGroup(count=1, gpus=4, model="Tesla T4", memory_mib=15360, topology="pcie", prefix="base-t4"),
+)
+_counter = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def dev_cluster() -> Iterator[DevCluster]:
+    keep = os.environ.get("KUBE_VGPU_E2E_KEEP") == "1"
+    state_dir = Path(tempfile.mkdtemp(prefix="kube-vgpu-e2e-"))
+    options = ClusterOptions(
+        state_dir=state_dir,
+        node_groups=BASE_NODE_GROUPS,
+        die_with_parent=not keep,
+        progress=lambda message: print(f"[dev-cluster] {message}", file=sys.stderr, flush=True),
+    )
+    try:
+        cluster = up(options)
+    except DevClusterError as exc:
+        pytest.fail(f"the e2e dev cluster did not start (and was torn down): {exc}", pytrace=False)
+    try:
+        yield cluster
+    finally:
+        if keep:
+            print(f"\n[dev-cluster] kept running: export KUBECONFIG={cluster.kubeconfig}; "
+                  f"stop with kube-vgpu dev-cluster down --state-dir {state_dir}", file=sys.stderr)
+        else:
+            cluster.stop()
+
+
+def _slug(text: str, limit: int = 40) -> str:
+    return re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")[:limit].strip("-")
+
+
+@pytest.fixture
+def e2e_namespace(dev_cluster: DevCluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    name = f"e2e-{_slug(request.node.name)}-{next(_counter)}"
+    ensure_namespace(dev_cluster.api, name)
+    yield name
+    delete_pods(dev_cluster.api, name)
+    wait_until_gone(dev_cluster.api, name, timeout_s=30)
+
+
+@dataclass(frozen=True)
+class NodeSet:
+    names: list[str]
+    label_value: str
+
+    @property
+    def selector(self) -> dict[str, str]:
+        """nodeSelector that confines a pod to these nodes."""
+        return {NODE_GROUP_LABEL: self.label_value}
+
+
+@pytest.fixture
+def gpu_nodes(dev_cluster: DevCluster, request: pytest.FixtureRequest) -> Iterator[Callable[..., NodeSet]]:
+    created: list[str] = []
+
+    def make(
+        count: int,
+        gpus: int = 8,
+        model: str = "NVIDIA A100-SXM4-80GB",
+        memory_mib: int = 81920,
+        topology: str = "nvswitch",
+    ) -> NodeSet:
+        number = next(_counter)
+        value = f"{_slug(request.node.name, 30)}-{number}"
+        group = NodeGroup(
+            count=count,
+            gpus=gpus,
+            model=model,
+            memory_mib=memory_mib,
+            topology=topology,
+            prefix=f"e2e-{number}",
+            labels=((NODE_GROUP_LABEL, value),),
+        )
+        names = dev_cluster.add_nodes(group)
+        created.extend(names)
+        return NodeSet(names, value)
+
+    yield make
+    if created:
+        # pods first (grace period 0: no kubelet confirms), so no pod is left bound to a deleted node
+        for node in created:
+            for pod in list_all(dev_cluster.api, "pods", field_selector=f"spec.nodeName={node}"):
+                metadata = pod["metadata"]
+                with contextlib.suppress(ApiException):
+                    dev_cluster.core.delete_namespaced_pod(
+                        metadata["name"], metadata["namespace"], grace_period_seconds=0, _preload_content=False
+                    )
+        dev_cluster.delete_nodes(created)
+
+
+@pytest.fixture(autouse=True)
+def _components_left_running(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a test on the shared cluster: every component must be running again; restart any that is not (so the
+    following tests run on a whole cluster) and fail the test that left it down."""
+    yield
+    if "dev_cluster" not in request.fixturenames:
+        return
+    cluster: DevCluster = request.getfixturevalue("dev_cluster")
+    down = cluster.stopped_components()
+    for name in down:
+        cluster.start_component(name)  # raises for etcd / kube-apiserver: nothing after that can pass anyway
+    if down:
+        pytest.fail(f"the test left {', '.join(down)} stopped (started again for the next tests)", pytrace=False)
