@@ -24,11 +24,19 @@ from kube_vgpu.synth import assignment_from_placement
 from .engine.fit import place
 from .engine.model import FitFailure, NodeState, Placement, PlacementRequest
 from .engine.policies import DEFAULT_GPU_POLICY, DEFAULT_NODE_POLICY, Policy, make_policy
-from .state import ClusterState
+from .state import ClusterState, pod_cpu_request_milli
 
 log = logging.getLogger(__name__)
 
 MAX_EXTENDER_SCORE = 10  # kube-scheduler's extenderv1.MaxExtenderPriority
+#: When a learning policy's model changes (its epoch), every node's cached result for a request shape is
+#: outdated. Re-placing all nodes at once would cost one full scan (~200 ms on 5000 nodes) on that pod; instead
+#: each filter of the shape re-places this many of them (~0.7 ms) and the others answer with their previous
+#: result (the fit is the same; only the score is the previous model's) until their turn. Nodes that change are
+#: re-placed anyway. The per-node lookup stays one dict access.
+STALE_REFRESH_PER_CALL = 16
+#: request shapes whose outdated nodes are being worked through at once (a shape evicted starts over when seen)
+REFRESHING_SHAPES = 64
 NOT_SYNCED = "kube-vgpu extender is still loading the cluster state (initial sync); the pod will be retried"
 
 
@@ -45,11 +53,9 @@ class Binder(Protocol):
         """Called with the pod object kube-scheduler sent before it is bound (snapshot mode stores it)."""
         ...
 
-    def write_assignment(self, namespace: str, name: str, uid: str, annotations: dict[str, str]) -> None: ...
-
-    def clear_assignment(self, namespace: str, name: str, uid: str) -> None: ...
-
-    def bind(self, namespace: str, name: str, uid: str, node: str) -> None: ...
+    def bind(self, namespace: str, name: str, uid: str, node: str, annotations: dict[str, str]) -> None:
+        """Bind the pod (UID as precondition) and set these annotations on it, in one API call."""
+        ...
 
 
 class Gate(Protocol):
@@ -90,6 +96,11 @@ class Scheduler:
         self.gates = list(gates)
         # the request keys are interned so per-node caches are keyed by small ints
         self._request_keys: dict[Any, int] = {}
+        self._next_request_key = 0
+        # request key -> the policies' epochs its cached node results were computed under, and the nodes still
+        # holding results of an older model (see _outdated_nodes)
+        self._key_epochs: dict[int, tuple[int, int]] = {}
+        self._outdated: dict[int, list[str]] = {}
         # pods seen by filter, for bind (which only gets name / uid): uid -> pod object
         self._recent_pods: TTLCache[str, Mapping[str, Any]] = TTLCache(maxsize=50_000, ttl=600)
         self._binding: set[str] = set()
@@ -107,6 +118,10 @@ class Scheduler:
         if found is None:
             found = make_policy(name)
             self._policies[name] = found
+            if found.uses_host_cpu:
+                # from now on a node's CPU changes invalidate its cached results (see ClusterState)
+                with self.state.lock:
+                    self.state.touch_on_cpu_change = True
         return found
 
     def _policies_for(self, request: PodGpuRequest) -> tuple[Policy, Policy]:
@@ -117,19 +132,48 @@ class Scheduler:
             raise InvalidGpuRequest(str(exc)) from None
         return node_policy, gpu_policy
 
-    def _cache_key(self, request: PodGpuRequest, node_policy: Policy, gpu_policy: Policy) -> Any:
-        shape = (request.containers, request.selectors, node_policy.name, gpu_policy.name)
+    @staticmethod
+    def _placement_request(
+        pod: Mapping[str, Any], request: PodGpuRequest, node_policy: Policy, gpu_policy: Policy
+    ) -> PlacementRequest:
+        """The engine's request; the pod's CPU request only when a policy reads it (it is then part of the cache
+        key, so other policies keep sharing cache entries between pods of different CPU asks)."""
+        if node_policy.uses_host_cpu or gpu_policy.uses_host_cpu:
+            return PlacementRequest(request, cpu_milli=pod_cpu_request_milli(pod))
+        return PlacementRequest(request)
+
+    def _cache_key(self, request: PlacementRequest, node_policy: Policy, gpu_policy: Policy) -> int:
+        shape = (request.gpu.containers, request.gpu.selectors, request.cpu_milli, node_policy.name, gpu_policy.name)
         key = self._request_keys.get(shape)
         if key is None:
             if len(self._request_keys) > 100_000:  # bounded: a flood of unique shapes must not leak memory
                 self._request_keys.clear()
-            key = len(self._request_keys)
+                self._key_epochs.clear()
+            # never reuse a number: nodes may still cache results under the old ones
+            key = self._next_request_key
+            self._next_request_key += 1
             self._request_keys[shape] = key
-        return (key, node_policy.epoch(), gpu_policy.epoch())
+        return key
+
+    def _outdated_nodes(self, key: int, epochs: tuple[int, int]) -> list[str] | None:
+        """Nodes whose cached result for this request shape predates the policies' current model (caller holds
+        the state lock)."""
+        known = self._key_epochs.get(key)
+        if known != epochs:
+            self._key_epochs[key] = epochs
+            if known is not None or key in self._outdated:
+                # every node may hold a result of the older model: work through all of them, a few per filter
+                self._outdated.pop(key, None)
+                if len(self._outdated) >= REFRESHING_SHAPES:
+                    evicted = next(iter(self._outdated))
+                    del self._outdated[evicted]
+                    self._key_epochs[evicted] = (-1, -1)  # seen again: start over
+                self._outdated[key] = list(self.state.nodes)
+        return self._outdated.get(key)
 
     # --- filter / prioritize ----------------------------------------------------------------------
     def _evaluate(
-        self, pod: Mapping[str, Any], node_names: Iterable[str]
+        self, pod: Mapping[str, Any], node_names: Iterable[str], refresh_budget: int = 0
     ) -> tuple[FilterOutcome, dict[str, Placement]]:
         outcome = FilterOutcome()
         placements: dict[str, Placement] = {}
@@ -144,37 +188,48 @@ class Scheduler:
             outcome.error = f"invalid GPU request: {exc}"
             return outcome, placements
         uid = (pod.get("metadata") or {}).get("uid")
-        placement_request = PlacementRequest(request)
-        if uid:
-            if uid not in self._recent_pods:
-                # a learning policy sees each pod once, in arrival order (kube-scheduler retries re-filter it)
-                node_policy.observe(placement_request)
-                if gpu_policy is not node_policy:
-                    gpu_policy.observe(placement_request)
-            self._recent_pods[uid] = pod
+        placement_request = self._placement_request(pod, request, node_policy, gpu_policy)
         cacheable = node_policy.cacheable and gpu_policy.cacheable
-        key = self._cache_key(request, node_policy, gpu_policy)
+        key = self._cache_key(placement_request, node_policy, gpu_policy)
         state = self.state
         ttl = state.heartbeat_ttl_s
-        with state.lock:
+        with state.lock:  # observe under the lock: a model refresh must not interleave with a bind's place()
+            if uid:
+                if uid not in self._recent_pods:
+                    # a learning policy sees each pod once, in arrival order (kube-scheduler retries re-filter it)
+                    node_policy.observe(placement_request)
+                    if gpu_policy is not node_policy:
+                        gpu_policy.observe(placement_request)
+                self._recent_pods[uid] = pod
             now = state.clock()
             nodes = state.nodes
+            if cacheable:
+                outdated = self._outdated_nodes(key, (node_policy.epoch(), gpu_policy.epoch()))
+                budget_pops = refresh_budget * 4  # nodes without a result of this shape cost nothing to skip
+                while outdated and refresh_budget > 0 and budget_pops > 0:
+                    budget_pops -= 1
+                    node = nodes.get(outdated.pop())
+                    if node is not None and key in node.fit_cache:
+                        node.fit_cache[key] = place(node, placement_request, gpu_policy, node_policy)
+                        refresh_budget -= 1
+                if outdated is not None and not outdated:
+                    del self._outdated[key]
             for name in node_names:
                 node = nodes.get(name)
                 if node is None:
-                    outcome.failed[name] = f"node {name}: not known to kube-vgpu yet (no GPU inventory seen)"
+                    outcome.failed[name] = "not known to kube-vgpu yet (no GPU inventory seen)"
                     continue
                 if not node.gpus:
                     error = state.inventory_errors.get(name)
                     outcome.unresolvable[name] = (
-                        f"node {name}: invalid GPU inventory ({error})"
+                        f"invalid GPU inventory ({error})"
                         if error
-                        else f"node {name}: no GPUs (no kube-vgpu GPU inventory on this node)"
+                        else "no GPUs (no kube-vgpu GPU inventory on this node)"
                     )
                     continue
                 if node.heartbeat_s is None or now - node.heartbeat_s > ttl:
                     age = "never" if node.heartbeat_s is None else f"{now - node.heartbeat_s:.0f} s ago"
-                    outcome.failed[name] = f"node {name}: GPU inventory stale (last heartbeat {age})"
+                    outcome.failed[name] = f"GPU inventory stale (last heartbeat {age})"
                     self.on_rejection("stale")
                     continue
                 result = node.fit_cache.get(key) if cacheable else None
@@ -204,9 +259,10 @@ class Scheduler:
         return outcome, placements
 
     def filter(self, pod: Mapping[str, Any], node_names: Iterable[str]) -> FilterOutcome:
-        return self._evaluate(pod, node_names)[0]
+        return self._evaluate(pod, node_names, STALE_REFRESH_PER_CALL)[0]
 
     def prioritize(self, pod: Mapping[str, Any], node_names: Iterable[str]) -> list[tuple[str, int]]:
+        # no re-placing of outdated results here: filter just did it for this pod (prioritize is the slower verb)
         outcome, placements = self._evaluate(pod, node_names)
         if outcome.error:
             raise InvalidGpuRequest(outcome.error)
@@ -248,14 +304,8 @@ class Scheduler:
             raise BindError(NOT_SYNCED)
         with state.lock:
             existing = state.pods.get(uid)
-            if existing is not None and existing.node_name == node_name and existing.confirmed:
-                # a repeat: the assignment is already written; make sure the Binding exists too
-                reserved_here = False
-            else:
-                reserved_here = True
-        if not reserved_here:
-            self._create_binding(namespace, name, uid, node_name, rollback=False)
-            return
+            if existing is not None and existing.node_name == node_name and existing.confirmed and existing.bound:
+                return  # a repeat of a bind that took effect: same answer, nothing counted twice
 
         pod = self._recent_pods.get(uid) or self.binder.get_pod(namespace, name)
         if pod is None:
@@ -280,7 +330,8 @@ class Scheduler:
             if previous is not None and not previous.bound:
                 # an earlier attempt left a reservation (e.g. on another node); it is superseded
                 state.release(uid)
-            placement = place(node, PlacementRequest(request), gpu_policy, node_policy)
+            placement_request = self._placement_request(pod, request, node_policy, gpu_policy)
+            placement = place(node, placement_request, gpu_policy, node_policy)
             if isinstance(placement, FitFailure):
                 raise BindError(placement.reason)
             for gate in self.gates:
@@ -291,30 +342,32 @@ class Scheduler:
             labels = (pod.get("metadata") or {}).get("labels") or {}
             state.reserve(uid, namespace, name, assignment, labels)
 
-        # one patch: the device plugin orders a node's pending pods by bind time when kubelet calls Allocate
+        # The assignment travels in the Binding: the API server copies a Binding's annotations onto the pod as it
+        # sets spec.nodeName, so the pod is never bound without its assignment nor annotated without being bound.
+        # The bind time orders a node's pending pods for the device plugin's Allocate.
         annotations = {
             protocol.POD_ASSIGNMENT_ANNOTATION: protocol.encode_assignment(assignment),
             protocol.POD_BIND_TIME_ANNOTATION: protocol.format_bind_time(dt.datetime.now(dt.UTC)),
         }
         try:
-            self.binder.write_assignment(namespace, name, uid, annotations)
+            self.binder.bind(namespace, name, uid, node_name, annotations)
         except Exception as exc:
+            if self._bound_as_asked(namespace, name, uid, node_name, annotations):
+                return  # the call failed after the API server committed it (a timeout, a lost reply)
             state.release(uid, only_unconfirmed=True)
-            raise BindError(f"writing the GPU assignment of {namespace}/{name} failed: {exc}") from None
-        self._create_binding(namespace, name, uid, node_name, rollback=True)
-
-    def _create_binding(self, namespace: str, name: str, uid: str, node_name: str, *, rollback: bool) -> None:
-        try:
-            self.binder.bind(namespace, name, uid, node_name)
-        except Exception as exc:
-            if rollback:
-                try:
-                    self.binder.clear_assignment(namespace, name, uid)
-                except Exception as clear_exc:  # the pod keeps a stale annotation; the next bind supersedes it
-                    log.warning(
-                        "pod %s/%s: could not remove assignment after failed bind: %s", namespace, name, clear_exc
-                    )
-                    # keep the reservation: the annotation still exists, so the GPUs stay counted (never over-commit)
-                    raise BindError(f"binding {namespace}/{name} to {node_name} failed: {exc}") from None
-                self.state.release(uid)
             raise BindError(f"binding {namespace}/{name} to {node_name} failed: {exc}") from None
+
+    def _bound_as_asked(
+        self, namespace: str, name: str, uid: str, node_name: str, annotations: Mapping[str, str]
+    ) -> bool:
+        """After a failed Binding call: did it take effect anyway? (If the check fails too, assume not.)"""
+        try:
+            pod = self.binder.get_pod(namespace, name)
+        except Exception:
+            return False
+        if pod is None or (pod.get("metadata") or {}).get("uid") != uid:
+            return False
+        written = (pod.get("metadata") or {}).get("annotations") or {}
+        return (pod.get("spec") or {}).get("nodeName") == node_name and written.get(
+            protocol.POD_ASSIGNMENT_ANNOTATION
+        ) == annotations[protocol.POD_ASSIGNMENT_ANNOTATION]

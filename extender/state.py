@@ -9,11 +9,17 @@ Rules that keep GPUs from being over-committed or lost:
   * an in-flight reservation survives pod events that do not yet carry the annotation;
   * a pod whose node is not known yet keeps its record and is applied when the node arrives;
   * finished (Succeeded / Failed) and deleted pods release their GPUs.
+
+Host CPU (for policies that weigh it, e.g. bfgd; kube-scheduler still does the CPU fit): each node's
+allocatable CPU, and the CPU requests of every non-finished pod bound to it, GPU pods or not, are kept
+incrementally from the same events. A node's cached placements are dropped on a CPU change only when a
+CPU-aware policy is in use (`touch_on_cpu_change`), because any pod landing on a node changes its CPU.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -24,10 +30,60 @@ from kube_vgpu import protocol
 from kube_vgpu.protocol import PodAssignment, ProtocolError
 
 from .engine.model import GpuUsage, NodeState
+from .quota.objects import RESOURCE_CPU, pod_quantity
 
 log = logging.getLogger(__name__)
 
 FINISHED_PHASES = frozenset({"Succeeded", "Failed"})
+
+_cpu_text_milli: dict[str, int] = {}  # quantity text -> milli-CPU; pods repeat a handful of values
+
+
+def cpu_milli(value: Any) -> int:
+    """A CPU quantity ("500m", "2", "0.5", 2) in milli-CPU, rounded up; unreadable = 0."""
+    text = value if isinstance(value, str) else str(value)
+    milli = _cpu_text_milli.get(text)
+    if milli is None:
+        milli = pod_quantity(text, RESOURCE_CPU)
+        if len(_cpu_text_milli) < 10_000:  # bounded: odd values are parsed each time instead
+            _cpu_text_milli[text] = milli
+    return milli
+
+
+def _container_cpu_milli(container: Mapping[str, Any]) -> int:
+    resources = container.get("resources")
+    if not resources:
+        return 0
+    value = (resources.get("requests") or {}).get("cpu")
+    if value is None:  # an unset request defaults to the limit (the API server fills it in; snapshots may not)
+        value = (resources.get("limits") or {}).get("cpu")
+    return cpu_milli(value) if value is not None else 0
+
+
+def pod_cpu_request_milli(pod: Mapping[str, Any]) -> int:
+    """The pod's CPU request as kube-scheduler counts it: app containers (and sidecars) summed, init containers
+    at their peak (each runs alone beside the sidecars started before it), plus the pod overhead."""
+    spec = pod.get("spec") or {}
+    app = 0
+    for container in spec.get("containers") or ():
+        app += _container_cpu_milli(container)
+    init_peak = sidecars = 0
+    for container in spec.get("initContainers") or ():
+        cpu = _container_cpu_milli(container)
+        if container.get("restartPolicy") == "Always":  # a sidecar keeps running beside the app containers
+            sidecars += cpu
+            init_peak = max(init_peak, sidecars)
+        else:
+            init_peak = max(init_peak, sidecars + cpu)
+    total = max(app + sidecars, init_peak)
+    overhead = (spec.get("overhead") or {}).get("cpu")
+    return total + cpu_milli(overhead) if overhead is not None else total
+
+
+def node_allocatable_cpu_milli(obj: Mapping[str, Any]) -> int:
+    """status.allocatable.cpu in milli-CPU; 0 = unknown."""
+    value = ((obj.get("status") or {}).get("allocatable") or {}).get("cpu")
+    return cpu_milli(value) if value is not None else 0
 
 
 @dataclass(slots=True)
@@ -100,6 +156,12 @@ class ClusterState:
         #: state applies it (quota gate, issue 6: pending pods for StrictFIFO, priority of counted pods)
         self.pod_listeners: list[Callable[[str, Mapping[str, Any] | None], None]] = []
         self.inventory_errors: dict[str, str] = {}
+        # host CPU: uid -> (node, milli-CPU) of each non-finished bound pod asking CPU, and the sum per node (kept
+        # for nodes not known yet, applied when they arrive)
+        self.pod_cpu: dict[str, tuple[str, int]] = {}
+        self.cpu_used_by_node: dict[str, int] = {}
+        #: set by the scheduler when a policy reads host CPU: CPU changes then invalidate a node's cached results
+        self.touch_on_cpu_change = False
 
     # --- nodes ----------------------------------------------------------------------------------
     def upsert_node(self, obj: Mapping[str, Any]) -> None:
@@ -116,10 +178,16 @@ class ClusterState:
                 node = NodeState(name, None)
                 self.nodes[name] = node
                 self.pods_by_node.setdefault(name, set())
+                node.cpu_milli_used = self.cpu_used_by_node.get(name, 0)
                 changed_inventory = True
             else:
                 changed_inventory = node.inventory_text != inventory_text
             node.labels = dict(metadata.get("labels") or {})
+            allocatable_cpu = node_allocatable_cpu_milli(obj)
+            if allocatable_cpu != node.cpu_milli_total:
+                node.cpu_milli_total = allocatable_cpu
+                if self.touch_on_cpu_change:
+                    node.touch()
             if changed_inventory:
                 self._set_inventory(node, inventory_text)
             try:
@@ -170,6 +238,10 @@ class ClusterState:
         with self.lock:
             for pod_listener in self.pod_listeners:
                 pod_listener(uid, obj)
+            if node_name and phase not in FINISHED_PHASES:
+                self._set_pod_cpu(uid, node_name, pod_cpu_request_milli(obj))
+            elif uid in self.pod_cpu:
+                self._drop_pod_cpu(uid)
             record = self.pods.get(uid)
             if phase in FINISHED_PHASES:
                 if record is not None:
@@ -216,6 +288,8 @@ class ClusterState:
         with self.lock:
             for pod_listener in self.pod_listeners:
                 pod_listener(uid, None)
+            if uid in self.pod_cpu:
+                self._drop_pod_cpu(uid)
             if uid in self.pods:
                 self._remove(uid)
 
@@ -254,6 +328,8 @@ class ClusterState:
             for uid, record in list(self.pods.items()):
                 if uid not in seen and record.confirmed:
                     self._remove(uid)
+            for uid in [uid for uid in self.pod_cpu if uid not in seen]:
+                self._drop_pod_cpu(uid)
 
     # --- reservations (bind) ----------------------------------------------------------------------
     def reserve(
@@ -281,6 +357,37 @@ class ClusterState:
             record = self.pods.get(uid)
             if record is not None and not (only_unconfirmed and record.confirmed):
                 self._remove(uid)
+
+    # --- host CPU -------------------------------------------------------------------------------
+    def _set_pod_cpu(self, uid: str, node_name: str, cpu: int) -> None:
+        current = self.pod_cpu.get(uid)
+        if current is not None:
+            if current[1] == cpu and current[0] == node_name:
+                return  # the common case: a status update of a pod already counted
+            self._drop_pod_cpu(uid)
+        if not cpu:
+            return  # pods asking no CPU (BestEffort) need no record
+        node_name = sys.intern(node_name)  # one string per node, not one per pod
+        self.pod_cpu[uid] = (node_name, cpu)
+        self._add_node_cpu(node_name, cpu)
+
+    def _drop_pod_cpu(self, uid: str) -> None:
+        node_name, cpu = self.pod_cpu.pop(uid)
+        self._add_node_cpu(node_name, -cpu)
+
+    def _add_node_cpu(self, node_name: str, delta_milli: int) -> None:
+        if not delta_milli:
+            return
+        used = self.cpu_used_by_node.get(node_name, 0) + delta_milli
+        if used:
+            self.cpu_used_by_node[node_name] = used
+        else:
+            self.cpu_used_by_node.pop(node_name, None)
+        node = self.nodes.get(node_name)
+        if node is not None:
+            node.cpu_milli_used = used
+            if self.touch_on_cpu_change:
+                node.touch()
 
     # --- internals ------------------------------------------------------------------------------
     def _add(self, record: PodRecord) -> None:
@@ -336,6 +443,8 @@ class ClusterState:
                     {
                         "name": node.name,
                         "heartbeatAgeSeconds": None if age is None else round(age, 1),
+                        "cpuMilliAllocatable": node.cpu_milli_total,
+                        "cpuMilliRequested": node.cpu_milli_used,
                         "inventoryError": self.inventory_errors.get(node.name),
                         "gpus": [
                             {

@@ -83,7 +83,7 @@ def _place_container(
         candidates = _numa_group(candidates, container.count)
         if candidates is None:
             return FitFailure(
-                f"node {node.name}: container {container.name}: no NUMA node has {container.count} fitting GPUs "
+                f"container {container.name}: no NUMA node has {container.count} fitting GPUs "
                 f"(nvidia.com/numa-bind is set)",
                 code="numa",
             )
@@ -114,17 +114,17 @@ def place(
     the extender leaves it to kube-scheduler)."""
     if check_host:
         if node.cpu_milli_used + request.cpu_milli > node.cpu_milli_total:
-            return FitFailure(f"node {node.name}: not enough CPU", request.cpu_milli > node.cpu_milli_total, "host")
+            return FitFailure("not enough CPU", request.cpu_milli > node.cpu_milli_total, "host")
         if node.memory_mib_used + request.memory_mib > node.memory_mib_total:
             return FitFailure(
-                f"node {node.name}: not enough memory", request.memory_mib > node.memory_mib_total, "host"
+                "not enough memory", request.memory_mib > node.memory_mib_total, "host"
             )
     gpu_request = request.gpu
     if gpu_request.is_empty:
         placement = Placement(node.name, (), ())
         return Placement(node.name, (), (), node_policy.score(node, request, placement))
     if not node.gpus:
-        return FitFailure(f"node {node.name}: no GPUs (no kube-vgpu GPU inventory on this node)", True, "no-gpus")
+        return FitFailure("no GPUs (no kube-vgpu GPU inventory on this node)", True, "no-gpus")
     size = len(node.gpus)
     phases: list[tuple[ContainerGpuRequest, ...]] = []
     app = gpu_request.app_containers
@@ -175,7 +175,9 @@ def explain_failure(
     """A reason a person can act on, computed only when the pod does not fit (off the hot path)."""
     count = container.count
     plural = "GPU" if count == 1 else "GPUs"
-    prefix = f"node {node.name}: "
+    # no node name in reasons: kube-scheduler keys them by node already and groups identical ones
+    # ("3 node(s) ..."), which keeps FailedScheduling events short on large clusters
+    prefix = ""
     eligible = [g for g in node.gpus if gpu_eligible(g, request.gpu.selectors, request.gpu_spec)]
     if len(eligible) < count:
         return FitFailure(

@@ -4,9 +4,12 @@ A node's idle GPU capacity counts as fragmented for a task shape m when m cannot
 m's GPU model list excludes the node; the node lacks the CPU m needs; the node has fewer than m's GPU count of
 GPUs with m's per-GPU ask free (then all idle capacity counts); or, when m fits, the idle capacity on the GPUs
 whose free amount is below m's per-GPU ask. Node fragmentation = sum_m p_m * fragmented_m over a target
-workload {m: p_m}. Units: milli-GPU (1000 = one whole GPU), milli-CPU.
+workload {m: p_m}. Units: milli-GPU (1000 = one whole GPU; see engine.shares for GPUs with memory and compute),
+milli-CPU.
 
-Everything here is keyed by plain tuples so callers can memoise by node state (many nodes share one).
+A task's per-GPU ask depends on the GPU's memory size when it asks fixed MiB, so the measure is evaluated per GPU
+class (model, memory MiB). Everything here is keyed by plain tuples so callers can memoise by node state (many
+nodes share one).
 """
 
 from __future__ import annotations
@@ -16,34 +19,55 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .shares import MILLI_PER_GPU, ask_share_milli, free_share_milli
+
 if TYPE_CHECKING:
     from .model import NodeState, PlacementRequest
 
-MILLI_PER_GPU = 1000
+__all__ = ["MILLI_PER_GPU", "FragModel", "ShapeLearner", "TaskShape", "WeightedShapes", "task_shape"]
+
 #: the reference keeps the most frequent shapes until they cover this share of tasks
 DEFAULT_COVERAGE = 0.95
+#: FragModel memo bound (~250 bytes an entry). A live cluster's nodes rarely share a state (free CPU differs), so
+#: there the memo mostly serves one placement's before/after states and a large one only holds memory (5000 nodes
+#: filled it with ~12 MiB); clearing it more often costs the simulator nothing measurable (fgd, openb default).
+MEMO_ENTRIES = 1 << 13
 
 
 @dataclass(frozen=True, slots=True)
 class TaskShape:
-    """What fragmentation looks at in a task: CPU, milli-GPU per GPU, GPU count, allowed GPU models (memory is
-    ignored, as in the reference)."""
+    """What fragmentation looks at in a task: CPU, per-GPU ask, GPU count, allowed GPU models.
+
+    The per-GPU ask is GPU-independent: compute (`gpu_milli`) and memory as a fraction (`gpu_memory_milli`: a
+    percentage ask, or 1000 when the pod names no memory and so takes all of it) or in MiB (`gpu_memory_mib`);
+    share_on() turns it into milli-GPU of one GPU class. openb tasks ask compute only (both memory fields 0), as
+    in the reference."""
 
     cpu_milli: int
-    gpu_milli: int  # per GPU; 0 for CPU-only tasks; 1000 for whole GPUs
+    gpu_milli: int  # compute per GPU; 0 for CPU-only tasks (and for memory-only asks); 1000 for whole GPUs
     gpu_count: int
     gpu_spec: tuple[str, ...] = ()  # allowed models, empty = any
+    gpu_memory_mib: int = 0  # fixed memory per GPU
+    gpu_memory_milli: int = 0  # memory per GPU as a fraction of the GPU
 
-    @property
-    def total_gpu_milli(self) -> int:
-        return self.gpu_milli * self.gpu_count
+    def share_on(self, gpu_memory_mib: int) -> int | None:
+        """Milli-GPU per GPU on GPUs of this memory size (0 = unknown); None when it can never fit there."""
+        return ask_share_milli(self.gpu_milli, self.gpu_memory_milli, self.gpu_memory_mib, gpu_memory_mib)
 
     def accessible(self, model: str) -> bool:
         return not self.gpu_spec or model in self.gpu_spec
 
-    def sort_key(self) -> tuple[int, int, int, str]:
-        # the reference's PodResource.Less order (ties in frequency are broken by it, descending)
-        return (self.cpu_milli, self.gpu_milli, self.gpu_count, "|".join(self.gpu_spec))
+    def sort_key(self) -> tuple[int, int, int, str, int, int]:
+        # the reference's PodResource.Less order (ties in frequency are broken by it, descending); the memory
+        # fields (0 on openb) come last so openb shapes keep the reference's order
+        return (
+            self.cpu_milli,
+            self.gpu_milli,
+            self.gpu_count,
+            "|".join(self.gpu_spec),
+            self.gpu_memory_mib,
+            self.gpu_memory_milli,
+        )
 
 
 WeightedShapes = tuple[tuple[TaskShape, float], ...]
@@ -106,14 +130,28 @@ class ShapeLearner:
 
 
 def task_shape(request: PlacementRequest) -> TaskShape:
-    """The shape of an engine request (milli-GPU relative to a 1000-core GPU; whole-GPU asks become 1000)."""
+    """The shape of an engine request: its first GPU container's per-GPU ask (compute in milli of the request's
+    cores unit; exclusive = 1000; memory as asked, none = all of it), app containers' vGPUs as the count."""
     containers = request.gpu.containers
     if not containers:
         return TaskShape(request.cpu_milli, 0, 0, request.gpu_spec)
     container = containers[0]
-    milli = min(container.cores, MILLI_PER_GPU) if container.cores else MILLI_PER_GPU
+    unit = request.cores_per_gpu
+    if container.cores >= unit:
+        compute_milli = MILLI_PER_GPU
+    elif unit == MILLI_PER_GPU:
+        compute_milli = container.cores
+    else:
+        compute_milli = -(-container.cores * MILLI_PER_GPU // unit)
+    memory_mib = memory_milli = 0
+    if container.memory_mib is not None:
+        memory_mib = container.memory_mib  # openb asks 0 MiB: compute only
+    elif container.memory_percent is not None:
+        memory_milli = container.memory_percent * MILLI_PER_GPU // 100
+    else:
+        memory_milli = MILLI_PER_GPU  # no memory named: the whole GPU's memory
     count = sum(c.count for c in containers if not c.init) or container.count
-    return TaskShape(request.cpu_milli, milli, count, request.gpu_spec)
+    return TaskShape(request.cpu_milli, compute_milli, count, request.gpu_spec, memory_mib, memory_milli)
 
 
 class FragModel:
@@ -123,35 +161,37 @@ class FragModel:
     on GPU order, so sorting lets differently-ordered nodes share a memo entry.
     """
 
-    __slots__ = ("_by_model", "_memo", "shapes")
+    __slots__ = ("_by_class", "_memo", "shapes")
 
     def __init__(self, shapes: WeightedShapes) -> None:
         self.shapes = shapes
-        self._by_model: dict[str, tuple[float, tuple[tuple[int, int, int, float], ...]]] = {}
-        self._memo: dict[tuple[str, int, tuple[int, ...]], float] = {}
+        self._by_class: dict[tuple[str, int], tuple[float, tuple[tuple[int, int, int, float], ...]]] = {}
+        self._memo: dict[tuple[str, int, int, tuple[int, ...]], float] = {}
 
-    def _model_view(self, model: str) -> tuple[float, tuple[tuple[int, int, int, float], ...]]:
-        """(probability of shapes that can never use this model's GPUs, the others as (cpu, milli, count, p))."""
-        view = self._by_model.get(model)
+    def _class_view(self, model: str, gpu_memory_mib: int) -> tuple[float, tuple[tuple[int, int, int, float], ...]]:
+        """(probability of shapes that can never use this class's GPUs, the others as (cpu, milli, count, p))."""
+        view = self._by_class.get((model, gpu_memory_mib))
         if view is None:
             never = 0.0
             usable: list[tuple[int, int, int, float]] = []
             for shape, p in self.shapes:
-                if shape.gpu_milli == 0 or not shape.accessible(model):
+                share = shape.share_on(gpu_memory_mib) if shape.gpu_count else None
+                if share is None or not shape.accessible(model):
                     never += p
                 else:
-                    usable.append((shape.cpu_milli, shape.gpu_milli, shape.gpu_count, p))
+                    usable.append((shape.cpu_milli, share, shape.gpu_count, p))
             view = (never, tuple(usable))
-            self._by_model[model] = view
+            self._by_class[(model, gpu_memory_mib)] = view
         return view
 
-    def frag(self, model: str, cpu_free_milli: int, gpu_free_milli: tuple[int, ...]) -> float:
-        """Fragmented milli-GPU of a node; gpu_free_milli must be sorted descending."""
-        key = (model, cpu_free_milli, gpu_free_milli)
+    def frag(self, model: str, cpu_free_milli: int, gpu_free_milli: tuple[int, ...], gpu_memory_mib: int = 0) -> float:
+        """Fragmented milli-GPU of a node whose GPUs are `model` with `gpu_memory_mib` each (0: unknown, fixed MiB
+        asks are then judged by their other fractions); gpu_free_milli must be sorted descending."""
+        key = (model, gpu_memory_mib, cpu_free_milli, gpu_free_milli)
         value = self._memo.get(key)
         if value is None:
-            value = node_frag(self._model_view(model), cpu_free_milli, gpu_free_milli)
-            if len(self._memo) > 2_000_000:  # bound memory in very long runs
+            value = node_frag(self._class_view(model, gpu_memory_mib), cpu_free_milli, gpu_free_milli)
+            if len(self._memo) >= MEMO_ENTRIES:
                 self._memo.clear()
             self._memo[key] = value
         return value
@@ -191,18 +231,8 @@ def frag_of(model: str, cpu_free_milli: int, gpu_free_milli: Iterable[int], shap
 
 def node_view(node: NodeState) -> tuple[str, int, tuple[int, ...]]:
     """(model, free milli-CPU, free milli-GPU per GPU sorted descending) of an engine node."""
-    gpus = node.gpus
-    model = gpus[0].model if gpus else ""
-    free = []
-    for gpu in gpus:
-        if gpu.exclusive_holders or not gpu.healthy or gpu.mig_mode:
-            free.append(0)
-        elif gpu.cores == MILLI_PER_GPU:
-            free.append(gpu.cores - gpu.used_cores)
-        else:
-            free.append((gpu.cores - gpu.used_cores) * MILLI_PER_GPU // max(gpu.cores, 1))
-    free.sort(reverse=True)
-    return model, node.cpu_milli_total - node.cpu_milli_used, tuple(free)
+    free = sorted((free_share_milli(gpu) for gpu in node.gpus), reverse=True)
+    return node.gpu_model, node.cpu_milli_total - node.cpu_milli_used, tuple(free)
 
 
 def cluster_frag(nodes: Iterable[NodeState], model: FragModel) -> tuple[float, int]:
@@ -211,6 +241,6 @@ def cluster_frag(nodes: Iterable[NodeState], model: FragModel) -> tuple[float, i
     idle = 0
     for node in nodes:
         name, cpu_free, free = node_view(node)
-        frag += model.frag(name, cpu_free, free)
+        frag += model.frag(name, cpu_free, free, node.gpu_memory_mib)
         idle += sum(free)
     return frag, idle

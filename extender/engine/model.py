@@ -7,10 +7,15 @@ being recomputed per request.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
-from kube_vgpu.protocol import ContainerGpuRequest, GpuInfo, GpuLink, NodeInventory, PodGpuRequest
+from kube_vgpu.protocol import CORES_PER_GPU, ContainerGpuRequest, GpuInfo, GpuLink, NodeInventory, PodGpuRequest
+
+#: link matrix (as a tuple) -> small id; one entry per distinct hardware layout in the cluster
+_LINK_IDS: dict[tuple[tuple[int, ...], ...], int] = {}
+_LINK_IDS_LOCK = threading.Lock()
 
 
 def link_score(link: GpuLink | None) -> int:
@@ -130,6 +135,10 @@ class PlacementRequest:
     cpu_milli: int = 0
     memory_mib: int = 0
     gpu_spec: tuple[str, ...] = ()  # exact model names allowed (openb traces); empty = any
+    #: what the containers' `cores` are out of: percent for real pods (nvidia.com/gpucores); the simulator asks in
+    #: milli-GPU of GPUs modelled with 1000 cores. Only GPU-independent views (task shapes) need it; fit compares
+    #: cores with each GPU's own `cores`.
+    cores_per_gpu: int = CORES_PER_GPU
 
     @property
     def cpu_only(self) -> bool:
@@ -152,12 +161,17 @@ class NodeState:
         "cpu_milli_total",
         "cpu_milli_used",
         "fit_cache",
+        "free_milli_cache",
         "gpu_by_uuid",
+        "gpu_memory_mib",
+        "gpu_model",
         "gpus",
+        "has_links",
         "heartbeat_s",
         "inventory_external",
         "inventory_text",
         "labels",
+        "link_id",
         "link_matrix",
         "memory_mib_total",
         "memory_mib_used",
@@ -186,9 +200,11 @@ class NodeState:
         self.cpu_milli_used = 0
         self.memory_mib_used = 0
         self.version = 0
-        # (request key, policy key) -> Placement | FitFailure; valid for this node version only
+        # scheduler's request key -> Placement | FitFailure; valid for this node version only (after a learning
+        # policy's model changes, the scheduler re-places these a few nodes at a time)
         self.fit_cache: dict[Any, Any] = {}
         self.user_data: Any = None  # a policy may keep per-node derived data here (invalidated with version)
+        self.free_milli_cache: tuple[int, ...] | None = None  # engine.shares free share per GPU (policies._milli)
         # how many pods of each GPU kind ("share", "1-gpu", "2-gpu", ...) hold GPUs here (kept by apply_usage;
         # the gpu-clustering policy groups pods of one kind on the same nodes)
         self.pod_kinds: dict[str, int] = {}
@@ -220,6 +236,14 @@ class NodeState:
                 best = max(matrix[a][b], matrix[b][a])
                 matrix[a][b] = matrix[b][a] = best
         self.link_matrix = matrix
+        self.has_links = any(any(row) for row in matrix)
+        # nodes of one hardware type share link matrices: an id lets policies memoise topology choices across them
+        layout = tuple(tuple(row) for row in matrix)
+        with _LINK_IDS_LOCK:
+            self.link_id = _LINK_IDS.setdefault(layout, len(_LINK_IDS))
+        # the node's GPU class for GPU-independent measures (fragmentation): first GPU's model, smallest memory
+        self.gpu_model = self.gpus[0].model if self.gpus else ""
+        self.gpu_memory_mib = min((gpu.memory_mib for gpu in self.gpus), default=0)
         self.models_lower = frozenset(gpu.model_lower for gpu in self.gpus)
         self.inventory_external = {info.uuid: info.external_pods for info in gpus_info if info.external_pods}
         self.touch()
@@ -230,6 +254,7 @@ class NodeState:
         if self.fit_cache:
             self.fit_cache = {}
         self.user_data = None
+        self.free_milli_cache = None
 
     def apply_usage(self, usage: tuple[GpuUsage, ...], sign: int = 1) -> None:
         """Add (sign=1) or remove (sign=-1) a pod's usage."""

@@ -17,25 +17,29 @@ import orjson
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
-from kube_vgpu import protocol
-
 from ..state import ClusterState
 
 log = logging.getLogger(__name__)
 
 LIST_PAGE_SIZE = 500
+CONNECTION_POOL_SIZE = 64
 WATCH_TIMEOUT_S = 300
 
 
 def make_api_client(kubeconfig: str | None) -> client.ApiClient:
     """A client from --kubeconfig, else in-cluster config, else the default kubeconfig."""
     if kubeconfig:
-        return config.new_client_from_config(config_file=kubeconfig)
-    try:
-        config.load_incluster_config()
-        return client.ApiClient()
-    except config.ConfigException:
-        return config.new_client_from_config()
+        api_client = config.new_client_from_config(config_file=kubeconfig)
+    else:
+        try:
+            config.load_incluster_config()
+            api_client = client.ApiClient()
+        except config.ConfigException:
+            api_client = config.new_client_from_config()
+    # binds run concurrently (one per node at a time): keep enough kept-alive connections for them
+    api_client.configuration.connection_pool_maxsize = CONNECTION_POOL_SIZE
+    api_client.rest_client.pool_manager.connection_pool_kw["maxsize"] = CONNECTION_POOL_SIZE
+    return api_client
 
 
 class Gone(Exception):
@@ -185,6 +189,16 @@ class LiveSource:
         self._loop("pods", resync, apply_event, self.core.list_pod_for_all_namespaces)
 
 
+def _drain(response: Any) -> bytes:
+    """Read a raw response to the end and hand its connection back to the pool. Unread responses keep their
+    connection, so every later call would open (and TLS-handshake) a new one."""
+    try:
+        data: bytes = response.data
+        return data
+    finally:
+        response.release_conn()
+
+
 class LiveBinder:
     """Binder over the API server. The assignment patch carries the pod's UID, which the API server
     treats as a precondition: a recreated pod of the same name is never given another pod's GPUs."""
@@ -199,39 +213,23 @@ class LiveBinder:
             if exc.status == 404:
                 return None
             raise
-        pod: dict[str, Any] = orjson.loads(response.data)
+        pod: dict[str, Any] = orjson.loads(_drain(response))
         return pod
 
     def remember_pod(self, pod: Any) -> None:
         """The API server already has the pod."""
 
-    def write_assignment(self, namespace: str, name: str, uid: str, annotations: dict[str, str]) -> None:
-        body = {"metadata": {"uid": uid, "annotations": annotations}}
-        self.core.patch_namespaced_pod(name, namespace, body, _preload_content=False)
-
-    def clear_assignment(self, namespace: str, name: str, uid: str) -> None:
-        body = {
-            "metadata": {
-                "uid": uid,
-                "annotations": {protocol.POD_ASSIGNMENT_ANNOTATION: None, protocol.POD_BIND_TIME_ANNOTATION: None},
-            }
+    def bind(self, namespace: str, name: str, uid: str, node: str, annotations: dict[str, str]) -> None:
+        # A raw body (no generated model): the API server copies the Binding's annotations onto the pod together
+        # with spec.nodeName, and refuses it (409) if the pod's UID differs or the pod is already bound.
+        body: Any = {
+            "apiVersion": "v1",
+            "kind": "Binding",
+            "metadata": {"name": name, "namespace": namespace, "uid": uid, "annotations": annotations},
+            "target": {"apiVersion": "v1", "kind": "Node", "name": node},
         }
-        self.core.patch_namespaced_pod(name, namespace, body, _preload_content=False)
-
-    def bind(self, namespace: str, name: str, uid: str, node: str) -> None:
-        body = client.V1Binding(
-            metadata=client.V1ObjectMeta(name=name, namespace=namespace, uid=uid),
-            target=client.V1ObjectReference(api_version="v1", kind="Node", name=node),
-        )
-        try:
-            # _preload_content=False: the generated client cannot deserialise the Binding response
-            self.core.create_namespaced_pod_binding(name, namespace, body, _preload_content=False)
-        except ApiException as exc:
-            if exc.status == 409:
-                pod = self.get_pod(namespace, name)
-                if pod is not None and (pod.get("spec") or {}).get("nodeName") == node:
-                    return  # already bound there: a repeated bind is a success
-            raise
+        response = self.core.create_namespaced_pod_binding(name, namespace, body, _preload_content=False)
+        _drain(response)
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> bool:

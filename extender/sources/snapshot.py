@@ -92,28 +92,14 @@ class SnapshotCluster:
             raise LookupError(f"pod {namespace}/{name}: UID precondition failed")
         return pod
 
-    def write_assignment(self, namespace: str, name: str, uid: str, annotations: dict[str, str]) -> None:
-        with self._lock:
-            pod = self._pod(namespace, name, uid)
-            pod["metadata"].setdefault("annotations", {}).update(annotations)
-            event = copy.deepcopy(pod)
-        self.state.upsert_pod(event)
-
-    def clear_assignment(self, namespace: str, name: str, uid: str) -> None:
-        from kube_vgpu.protocol import POD_ASSIGNMENT_ANNOTATION
-
-        with self._lock:
-            pod = self._pod(namespace, name, uid)
-            (pod["metadata"].get("annotations") or {}).pop(POD_ASSIGNMENT_ANNOTATION, None)
-            event = copy.deepcopy(pod)
-        self.state.upsert_pod(event)
-
-    def bind(self, namespace: str, name: str, uid: str, node: str) -> None:
+    def bind(self, namespace: str, name: str, uid: str, node: str, annotations: dict[str, str]) -> None:
+        """As the API server's pods/binding: annotations and nodeName together, refused if already bound."""
         with self._lock:
             pod = self._pod(namespace, name, uid)
             current = pod.setdefault("spec", {}).get("nodeName")
-            if current and current != node:
+            if current:
                 raise LookupError(f"pod {namespace}/{name} is already assigned to node {current}")
+            pod["metadata"].setdefault("annotations", {}).update(annotations)
             pod["spec"]["nodeName"] = node
             event = copy.deepcopy(pod)
         self.state.upsert_pod(event)

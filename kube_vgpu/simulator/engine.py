@@ -67,6 +67,7 @@ def build_request(task: Task) -> PlacementRequest:
         cpu_milli=task.cpu_milli,
         memory_mib=task.memory_mib,
         gpu_spec=task.gpu_spec,
+        cores_per_gpu=GPU_CORES,  # cores are milli-GPU here, not percent
     )
 
 

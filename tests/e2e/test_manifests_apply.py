@@ -95,7 +95,8 @@ CERTS = "kube-vgpu-certs"
 ACCESS: list[tuple[str, str, str, str, str, bool]] = [
     # the extender
     *((EXTENDER, verb, "nodes", "", "", True) for verb in ("list", "watch")),
-    *((EXTENDER, verb, "pods", "team-a", "", True) for verb in ("get", "list", "watch", "patch")),
+    *((EXTENDER, verb, "pods", "team-a", "", True) for verb in ("get", "list", "watch")),
+    (EXTENDER, "patch", "pods", "team-a", "", False),  # its annotations travel in the Binding
     (EXTENDER, "create", "pods/binding", "team-a", "", True),
     *((EXTENDER, verb, "namespaces", "", "", True) for verb in ("list", "watch")),
     *((EXTENDER, verb, f"{plural}.kueue.x-k8s.io", "team-a" if plural == "localqueues" else "", "", True)

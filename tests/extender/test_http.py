@@ -58,7 +58,7 @@ def test_filter_node_names_mode(client: httpx.Client) -> None:
     assert reply["NodeNames"] == ["a100-0", "a100-1"]
     assert reply["Error"] == ""
     assert reply["FailedAndUnresolvableNodes"] == {
-        "t4-0": "node t4-0: needs 40000 MiB per GPU, largest GPU here has 15360 MiB"
+        "t4-0": "needs 40000 MiB per GPU, largest GPU here has 15360 MiB"
     }
 
 

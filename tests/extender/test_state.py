@@ -118,7 +118,7 @@ def test_stale_heartbeat_makes_node_unschedulable_with_reason() -> None:
     )
     outcome = Scheduler(state, cluster).filter(pod(memory_mib=100), ["fresh", "stale"])
     assert outcome.passed == ["fresh"]
-    assert outcome.failed == {"stale": "node stale: GPU inventory stale (last heartbeat 95 s ago)"}
+    assert outcome.failed == {"stale": "GPU inventory stale (last heartbeat 95 s ago)"}
 
 
 def test_invalid_inventory_reported_not_guessed() -> None:

@@ -24,7 +24,7 @@ KUEUE = ("clusterqueues", "localqueues", "resourceflavors", "cohorts", "workload
 INTENDED_ROLES: dict[tuple[str, str | None, str], dict[Grant, set[str]]] = {
     ("ClusterRole", None, "kube-vgpu-extender"): {
         ("", "nodes", ""): {"list", "watch"},
-        ("", "pods", ""): {"get", "list", "watch", "patch"},
+        ("", "pods", ""): {"get", "list", "watch"},
         ("", "pods/binding", ""): {"create"},
         ("", "namespaces", ""): {"list", "watch"},
         **{("kueue.x-k8s.io", plural, ""): {"list", "watch"} for plural in KUEUE},

@@ -62,7 +62,7 @@ def test_quota_view_metrics_and_status_table(url: str, capsys: pytest.CaptureFix
         small = training_pod("research", gpus=1, memory_mib=1000, cores=10, priority_class="normal")
         reply = schedule(http, small, ["a100-0", "a100-1"])
         assert reply["NodeNames"] == []
-        assert reply["FailedNodes"]["a100-0"].startswith("node a100-0: no GPU with 1000 MiB free")  # GPUs full
+        assert reply["FailedNodes"]["a100-0"].startswith("no GPU with 1000 MiB free")  # GPUs full
         reason = reply["FailedNodes"]["a100-1"]  # GPUs to spare, quota none
         assert reason.startswith("quota: ClusterQueue ai-training-queue (LocalQueue research/research-queue): "
                                  "flavor a100, nvidia.com/gpu: needs 1, used 12/12 vGPUs (nominal 8, borrowing "

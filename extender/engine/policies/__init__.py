@@ -10,8 +10,10 @@ from .base import Policy, Scratch, make_policy, policy_names, register
 __all__ = ["DEFAULT_GPU_POLICY", "DEFAULT_NODE_POLICY", "Policy", "Scratch", "make_policy", "policy_names", "register"]
 
 #: Cluster-wide defaults when neither the command line nor the pod names a policy.
-DEFAULT_NODE_POLICY = "topology"  # binpack for 1-GPU pods, best-connected node for multi-GPU pods
-DEFAULT_GPU_POLICY = "topology"
+# bfgd: fragmentation-aware (workload learned online, host CPU balance; docs/simulator.md), best-connected GPUs
+# and nodes for multi-GPU pods, fuller nodes on ties
+DEFAULT_NODE_POLICY = "bfgd"
+DEFAULT_GPU_POLICY = "bfgd"
 
 _loaded = False
 

@@ -1,8 +1,9 @@
 """Helpers shared by the trace-reference policies (random, dotprod, clustering, packing, bestfit, fgd) and ours.
 
 They see a node the way the FGD paper's simulator does: free milli-CPU, and free milli-GPU per GPU (1000 = one
-whole GPU; a GPU's `cores` maps to 1000). Integer score arithmetic follows the reference (Go int64 division
-truncates toward zero), because its 0..100 integer scores tie often and ties are broken at random.
+whole GPU; engine.shares defines it for GPUs with memory and compute: the smaller free fraction; an ask: the
+larger fraction, per GPU). Integer score arithmetic follows the reference (Go int64 division truncates toward
+zero), because its 0..100 integer scores tie often and ties are broken at random.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ..fragmentation import MILLI_PER_GPU
+from ..fragmentation import task_shape
+from ..shares import MILLI_PER_GPU, free_share_milli, request_share_milli
 
 if TYPE_CHECKING:
     from kube_vgpu.protocol import ContainerGpuRequest
@@ -22,57 +24,90 @@ if TYPE_CHECKING:
 MAX_SPEC_CPU_MILLI = 128_000
 MAX_SPEC_GPU_MILLI = 8_000
 MAX_NODE_SCORE = 100
+#: free CPU of a node whose allocatable CPU is unknown: large enough that no task's CPU ask is refused by it
+UNKNOWN_CPU_FREE_MILLI = 1 << 40
 
 
 def gpu_free_milli(gpu: GpuState) -> int:
     """Free milli-GPU of one GPU (0 when held exclusively or unusable)."""
-    if gpu.exclusive_holders or not gpu.healthy or gpu.mig_mode:
-        return 0
-    if gpu.cores == MILLI_PER_GPU:
-        return gpu.cores - gpu.used_cores
-    return (gpu.cores - gpu.used_cores) * MILLI_PER_GPU // max(gpu.cores, 1)
+    return free_share_milli(gpu)
 
 
 def free_milli_list(node: NodeState) -> list[int]:
-    """Free milli-GPU per GPU, by position."""
-    return [gpu_free_milli(gpu) for gpu in node.gpus]
+    """Free milli-GPU per GPU, by position (a fresh list; computed once per node version)."""
+    cached = node.free_milli_cache
+    if cached is None:
+        cached = node.free_milli_cache = tuple([free_share_milli(gpu) for gpu in node.gpus])
+    return list(cached)
 
 
-def request_milli(request: PlacementRequest) -> tuple[int, int]:
-    """(milli-GPU per GPU, GPU count) of a pod; (0, 0) for a CPU-only pod."""
+def free_with_scratch(node: NodeState, scratch: Scratch) -> list[int]:
+    """Free milli-GPU per GPU once the containers already placed in this phase (scratch) are counted."""
+    free = free_milli_list(node)
+    s_memory, s_cores, s_shares, s_exclusive = scratch.memory_mib, scratch.cores, scratch.shares, scratch.exclusive
+    for position, shares in enumerate(s_shares):
+        if shares:  # only GPUs this phase already uses differ from the node's own free share
+            free[position] = free_share_milli(
+                node.gpus[position], s_memory[position], s_cores[position], shares, s_exclusive[position]
+            )
+    return free
+
+
+def container_usage(container: ContainerGpuRequest, gpu: GpuState) -> tuple[int, int, bool]:
+    """(memory MiB, cores, exclusive) one vGPU of `container` takes on `gpu` (as engine.fit records it)."""
+    exclusive = container.cores >= gpu.cores
+    return container.memory_on(gpu.memory_mib), gpu.cores if exclusive else container.cores, exclusive
+
+
+def request_milli(request: PlacementRequest, node: NodeState | None = None) -> tuple[int, int]:
+    """(milli-GPU per GPU, GPU count) of a pod; (0, 0) for a CPU-only pod. The per-GPU share is taken on the
+    node's first GPU (it depends on the GPU's memory size); without a node, on a GPU of the request's cores unit
+    whose memory is all asked unless the pod names memory (the openb view)."""
     containers = request.gpu.containers
     if not containers:
         return 0, 0
     container = containers[0]
-    milli = min(container.cores, MILLI_PER_GPU) if container.cores else MILLI_PER_GPU
-    return milli, sum(c.count for c in containers if not c.init) or container.count
+    count = sum(c.count for c in containers if not c.init) or container.count
+    if node is not None and node.gpus:
+        return request_share_milli(container, node.gpus[0]), count
+    shape = task_shape(request)
+    return shape.share_on(0) or 0, count
 
 
 def usage_milli(node: NodeState, placement: Placement) -> dict[int, int]:
-    """Milli-GPU the placement takes per GPU position."""
-    taken: dict[int, int] = {}
+    """Milli-GPU the placement takes per GPU position (the drop of the GPU's free share)."""
     gpus = node.gpus
+    taken: dict[int, int] = {}
     for usage in placement.usage:
         gpu = gpus[usage.position]
-        if usage.exclusive or usage.cores >= gpu.cores:
-            taken[usage.position] = gpu_free_milli(gpu)
-        elif gpu.cores == MILLI_PER_GPU:
-            taken[usage.position] = usage.cores
-        else:
-            taken[usage.position] = usage.cores * MILLI_PER_GPU // max(gpu.cores, 1)
+        taken[usage.position] = free_share_milli(gpu) - free_share_milli(
+            gpu, usage.memory_mib, usage.cores, usage.shares, usage.exclusive
+        )
     return taken
 
 
 def free_after(node: NodeState, placement: Placement) -> list[int]:
     """Free milli-GPU per GPU once the placement is applied."""
     free = free_milli_list(node)
-    for position, milli in usage_milli(node, placement).items():
-        free[position] -= milli
+    gpus = node.gpus
+    for usage in placement.usage:
+        free[usage.position] = free_share_milli(
+            gpus[usage.position], usage.memory_mib, usage.cores, usage.shares, usage.exclusive
+        )
     return free
 
 
 def cpu_free_milli(node: NodeState) -> int:
     return node.cpu_milli_total - node.cpu_milli_used
+
+
+def frag_cpu_free_milli(node: NodeState) -> tuple[int, bool]:
+    """(free milli-CPU, known) for the fragmentation measure. A node whose allocatable CPU is unknown (the live
+    extender before a node reports it) counts as having CPU for every task rather than none, so the measure
+    falls back to GPU-only FGD there instead of calling every idle GPU stranded."""
+    if node.cpu_milli_total <= 0:
+        return UNKNOWN_CPU_FREE_MILLI, False
+    return node.cpu_milli_total - node.cpu_milli_used, True
 
 
 def go_div(a: int, b: int) -> int:

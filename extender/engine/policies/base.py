@@ -34,6 +34,9 @@ class Policy:
     name: ClassVar[str] = ""
     #: True when score/choice depend only on (node state, request): results may be cached per node version.
     cacheable: ClassVar[bool] = True
+    #: True when score/choice read the node's free host CPU (NodeState.cpu_milli_*) or the request's cpu_milli:
+    #: the extender then tracks every pod's CPU per node and drops a node's cached results when it changes.
+    uses_host_cpu: ClassVar[bool] = False
 
     def epoch(self) -> int:
         """Changes whenever the policy's learned model changes (cached results keyed by it)."""

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 @register
 class BestFit(Policy):
     name = "bestfit"
+    uses_host_cpu = True
 
     def choose_gpus(
         self,
@@ -42,7 +43,7 @@ class BestFit(Policy):
         return best_fit_gpus(container, candidates, scratch)
 
     def score(self, node: NodeState, request: PlacementRequest, placement: Placement) -> float:
-        milli, count = request_milli(request)
+        milli, count = request_milli(request, node)
         left = (cpu_free_milli(node) - request.cpu_milli) / MAX_SPEC_CPU_MILLI * 0.5
         left += (sum(free_milli_list(node)) - milli * count) / MAX_SPEC_GPU_MILLI * 0.5
         return float(int((1.0 - left) * MAX_NODE_SCORE))

@@ -11,9 +11,20 @@ and scores a placement like FGD, int(100 * sigmoid((F_before - F_after) / 1000))
 to nodes whose GPUs are already used (or to CPU-rich nodes), and GPUs of CPU-poor nodes stay usable.
 
 Everything it knows is learned online from the pods it has seen (fragmentation.ShapeLearner for the target
-workload, running sums for cpu_per_gpu), refreshed at doubling pod counts (the policy's epoch changes then, so
-per-node caches stay valid in between). A sharing pod takes the GPU with the best score (lowest index on ties);
-whole GPUs the lowest-index idle ones.
+workload, counts of GPU asks for cpu_per_gpu), refreshed at doubling pod counts; the policy's epoch changes then,
+and only if the model did, so per-node caches stay valid in between. cpu_per_gpu is per GPU memory size: a pod
+asking 8 GiB takes a tenth of an 80 GiB GPU but half of a 16 GiB one. A node whose allocatable CPU is unknown
+strands nothing (bfgd is FGD there).
+
+Topology (it is the extender's default, so multi-GPU pods must keep their NVLink): on nodes that report links,
+several GPUs for one container are the best-connected set (policies.topology), a whole single GPU is the one
+whose loss least breaks up well-connected idle GPUs, a sharing pod's ties go to a GPU already split (else the
+least damaging idle one), and the node score adds up to TOPOLOGY_WEIGHT for how well a multi-GPU placement is
+connected plus under one point (FILL_TIE_BREAK) for how full the node gets, so equal fragmentation scores go to
+the fuller node instead of a random one (kube-scheduler's tie-break; FGD depends on ties, docs/simulator.md).
+The openb simulator's nodes (GPUs modelled with 1000 cores, no links: `reference_node`) keep the reference's
+choices, so the published comparison stands: sharing pods take the best-scoring GPU, lowest index on ties; whole
+GPUs the lowest-index idle ones; no extra score terms.
 """
 
 from __future__ import annotations
@@ -21,10 +32,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ..fragmentation import MILLI_PER_GPU
-from ._milli import cpu_free_milli, free_after, free_milli_list, request_milli
-from .base import Scratch, register
-from .fgd import FragPolicyBase, quantised_gain
+from ..fragmentation import task_shape
+from ..shares import MILLI_PER_GPU, ask_share_milli
+from .base import Scratch, node_fill_after, register
+from .fgd import FragPolicyBase
+from .topology import best_connected_gpus, connectivity, least_damaging_gpu
 
 if TYPE_CHECKING:
     from kube_vgpu.protocol import ContainerGpuRequest
@@ -32,6 +44,22 @@ if TYPE_CHECKING:
     from ..model import GpuState, NodeState, Placement, PlacementRequest
 
 DEFAULT_BALANCE_WEIGHT = 1.0
+#: score points (the fragmentation score spans 0..100) for a perfectly connected multi-GPU placement: NVLink
+#: against PCIe (~0.9 of it) outweighs all but the largest fragmentation differences
+TOPOLOGY_WEIGHT = 100.0
+
+#: below one score point: only breaks ties of the integer fragmentation score, towards the fuller node
+FILL_TIE_BREAK = 0.5
+
+#: a GPU ask, GPU-independent: (compute milli, memory milli, memory MiB, GPU count)
+_Ask = tuple[int, int, int, int]
+
+
+def reference_node(node: NodeState) -> bool:
+    """GPUs modelled in milli-GPU (cores = 1000), the openb simulator's convention; real inventories count cores
+    in percent (protocol.CORES_PER_GPU). Such nodes get exactly the choices the simulated numbers were measured
+    with (lowest-index ties, no topology or fill terms)."""
+    return bool(node.gpus) and node.gpus[0].cores == MILLI_PER_GPU
 
 
 @register
@@ -41,64 +69,91 @@ class BalancedFGD(FragPolicyBase):
     def __init__(self, balance_weight: float = DEFAULT_BALANCE_WEIGHT, coverage: float = 0.95) -> None:
         super().__init__(None, coverage)  # no given workload: a live scheduler only knows the pods it has seen
         self.balance_weight = balance_weight
-        self._cpu_seen = 0  # milli-CPU of the GPU pods seen
-        self._gpu_seen = 0  # milli-GPU of the GPU pods seen
-        self.cpu_per_gpu = 0.0  # milli-CPU per milli-GPU of GPU pods, refreshed with the epoch
+        self._asks: dict[_Ask, list[int]] = {}  # GPU pods seen: ask -> [pods, milli-CPU summed]
+        self._asks_at_refresh: tuple[tuple[_Ask, int, int], ...] = ()
+        #: milli-CPU per milli-GPU of GPU pods, by GPU memory size, as of the last refresh (filled lazily)
+        self._ratio_by_memory: dict[int, float] = {}
 
     def observe(self, request: PlacementRequest) -> None:
-        milli, count = request_milli(request)
-        if count:
-            self._cpu_seen += request.cpu_milli
-            self._gpu_seen += milli * count
+        shape = task_shape(request)
+        if shape.gpu_count:
+            ask = (shape.gpu_milli, shape.gpu_memory_milli, shape.gpu_memory_mib, shape.gpu_count)
+            seen = self._asks.get(ask)
+            if seen is None:
+                self._asks[ask] = [1, request.cpu_milli]
+            else:
+                seen[0] += 1
+                seen[1] += request.cpu_milli
+        if self._learner.add(shape):
+            self.refresh()
+
+    def refresh(self) -> None:
         epoch = self._epoch
-        super().observe(request)
-        if self._epoch != epoch and self._gpu_seen:
-            self.cpu_per_gpu = self._cpu_seen / self._gpu_seen
+        super().refresh()
+        self._asks_at_refresh = tuple((ask, pods, cpu) for ask, (pods, cpu) in self._asks.items())
+        old = self._ratio_by_memory
+        self._ratio_by_memory = {}
+        # results cached for nodes of a memory size depend on its ratio: a changed ratio is a new model
+        if self._epoch == epoch and any(self.cpu_per_gpu_on(memory) != ratio for memory, ratio in old.items()):
+            self._epoch += 1
 
-    def stranded(self, cpu_free: int, free: Sequence[int]) -> float:
+    def cpu_per_gpu_on(self, gpu_memory_mib: int) -> float:
+        """Milli-CPU per milli-GPU of the GPU pods that fit GPUs of this memory size (0 = size unknown)."""
+        ratio = self._ratio_by_memory.get(gpu_memory_mib)
+        if ratio is None:
+            cpu = gpu = 0
+            for (compute, memory_milli, memory_mib, count), pods, cpu_sum in self._asks_at_refresh:
+                share = ask_share_milli(compute, memory_milli, memory_mib, gpu_memory_mib)
+                if share is not None:
+                    cpu += cpu_sum
+                    gpu += share * count * pods
+            ratio = cpu / gpu if gpu else 0.0
+            self._ratio_by_memory[gpu_memory_mib] = ratio
+        return ratio
+
+    @property
+    def cpu_per_gpu(self) -> float:
+        """The ratio ignoring fixed-MiB asks' size dependence (what openb tasks, which ask none, see)."""
+        return self.cpu_per_gpu_on(0)
+
+    def stranded(self, node: NodeState, cpu_free: int, cpu_known: bool, free: Sequence[int]) -> float:
         """Idle milli-GPU that the node's free CPU cannot feed at the learned CPU-per-GPU ratio."""
-        if not self.cpu_per_gpu:
+        if not cpu_known:
             return 0.0
-        return max(0.0, sum(free) - cpu_free / self.cpu_per_gpu)
+        ratio = self.cpu_per_gpu_on(node.gpu_memory_mib)
+        if not ratio:
+            return 0.0
+        return max(0.0, sum(free) - cpu_free / ratio)
 
-    def balanced_frag(self, node: NodeState, cpu_free: int, free: Sequence[int]) -> float:
-        return self.node_frag(node, cpu_free, free) + self.balance_weight * self.stranded(cpu_free, free)
+    def measure(self, node: NodeState, cpu_free: int, cpu_known: bool, free: Sequence[int]) -> float:
+        return self.node_frag(node, cpu_free, free) + self.balance_weight * self.stranded(
+            node, cpu_free, cpu_known, free
+        )
 
-    def choose_gpus(
-        self,
-        node: NodeState,
-        request: PlacementRequest,
-        container: ContainerGpuRequest,
-        candidates: Sequence[GpuState],
-        scratch: Scratch,
+    def choose_whole(
+        self, node: NodeState, container: ContainerGpuRequest, candidates: Sequence[GpuState], scratch: Scratch
     ) -> Sequence[GpuState]:
-        milli, count = request_milli(request)
-        if count != 1 or milli >= MILLI_PER_GPU or len(candidates) == 1:
+        if not node.has_links or reference_node(node):
             return list(candidates[: container.count])
-        free = free_milli_list(node)
-        for position, cores in enumerate(scratch.cores):
-            free[position] -= cores
-        cpu_free = cpu_free_milli(node)
-        cpu_after = cpu_free - request.cpu_milli
-        before = self.balanced_frag(node, cpu_free, free)
-        by_free: dict[int, int] = {}  # GPUs with the same free amount lead to the same node state
-        best: GpuState | None = None
-        best_score = -1
-        for gpu in candidates:
-            left = free[gpu.position]
-            score = by_free.get(left)
-            if score is None:
-                free[gpu.position] = left - milli
-                score = quantised_gain(before, self.balanced_frag(node, cpu_after, free))
-                free[gpu.position] = left
-                by_free[left] = score
-            if score > best_score:
-                best, best_score = gpu, score
-        assert best is not None
-        return [best]
+        if container.count == 1:
+            return [least_damaging_gpu(node, candidates, scratch)]
+        return best_connected_gpus(node, candidates, container.count)
+
+    def break_tie(self, node: NodeState, tied: list[GpuState], scratch: Scratch) -> GpuState:
+        if reference_node(node):
+            return tied[0]  # the reference: lowest index
+        # as policies.topology: a GPU already split first (fullest memory), else the least damaging idle one
+        shared = [gpu for gpu in tied if gpu.used_shares + scratch.shares[gpu.position] > 0]
+        if shared:
+            return min(shared, key=lambda g: (g.free_memory_mib - scratch.memory_mib[g.position], g.index))
+        return least_damaging_gpu(node, tied, scratch)
 
     def score(self, node: NodeState, request: PlacementRequest, placement: Placement) -> float:
-        cpu_free = cpu_free_milli(node)
-        before = self.balanced_frag(node, cpu_free, free_milli_list(node))
-        after = self.balanced_frag(node, cpu_free - request.cpu_milli, free_after(node, placement))
-        return float(quantised_gain(before, after))
+        score = super().score(node, request, placement)
+        if not reference_node(node):
+            quality = connectivity(node, placement)
+            if quality is not None:
+                score += TOPOLOGY_WEIGHT * quality
+            # ties of the integer score go to the fuller node (kube-scheduler would pick one at random)
+            score += FILL_TIE_BREAK * node_fill_after(node, placement)
+        return score

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 @register
 class DotProd(Policy):
     name = "dotprod"
+    uses_host_cpu = True
 
     def choose_gpus(
         self,
@@ -42,7 +43,7 @@ class DotProd(Policy):
         return best_fit_gpus(container, candidates, scratch)
 
     def score(self, node: NodeState, request: PlacementRequest, placement: Placement) -> float:
-        milli, count = request_milli(request)
+        milli, count = request_milli(request, node)
         node_cpu = cpu_free_milli(node) / MAX_SPEC_CPU_MILLI
         node_gpu = sum(free_milli_list(node)) / MAX_SPEC_GPU_MILLI
         pod_cpu = request.cpu_milli / MAX_SPEC_CPU_MILLI

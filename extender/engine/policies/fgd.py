@@ -7,6 +7,10 @@ GPU with the best score, lowest index on ties; whole GPUs: the lowest-index idle
 
 The target workload is given (`shapes=`, the whole trace's typical shapes, as the paper does) or, when not
 given, learned online from the pods seen so far (fragmentation.ShapeLearner).
+
+Units: milli-GPU per engine.shares (compute and memory, per GPU), so real HAMi pods (memory-only, cores-only,
+whole-GPU asks) are measured as well as openb tasks. A node with unknown allocatable CPU counts as having CPU for
+every task (CPU is then left out of the measure).
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ..fragmentation import MILLI_PER_GPU, FragModel, ShapeLearner, WeightedShapes, task_shape
-from ._milli import cpu_free_milli, free_after, free_milli_list, request_milli
+from ..fragmentation import FragModel, ShapeLearner, WeightedShapes, task_shape
+from ..shares import free_share_milli
+from ._milli import container_usage, frag_cpu_free_milli, free_after, free_milli_list, free_with_scratch
 from .base import Policy, Scratch, register
 
 if TYPE_CHECKING:
@@ -31,11 +36,15 @@ def sigmoid(x: float) -> float:
 
 def quantised_gain(frag_before: float, frag_after: float) -> int:
     """The reference's node score 0..100 for a change of fragmentation (milli-GPU)."""
-    return int(sigmoid((frag_before - frag_after) / MILLI_PER_GPU) * 100)
+    return int(sigmoid((frag_before - frag_after) / 1000) * 100)
 
 
 class FragPolicyBase(Policy):
-    """Holds the target workload (fixed or learned) and its memoised fragmentation model."""
+    """Holds the target workload (fixed or learned) and its memoised fragmentation model; places like FGD.
+
+    Subclasses change the node measure (`measure`) and the choice among equally good GPUs."""
+
+    uses_host_cpu = True
 
     def __init__(self, shapes: WeightedShapes | None = None, coverage: float = 0.95) -> None:
         self._fixed = shapes is not None
@@ -50,17 +59,31 @@ class FragPolicyBase(Policy):
         if self._fixed:
             return
         if self._learner.add(task_shape(request)):
-            self.frag_model = FragModel(self._learner.shapes())
+            self.refresh()
+
+    def refresh(self) -> None:
+        """Re-derive the learned model; the epoch (and so every cached result) changes only when it differs
+        (a live extender then avoids re-placing every node when the workload has not changed)."""
+        shapes = self._learner.shapes()
+        if shapes != self.frag_model.shapes:
+            self.frag_model = FragModel(shapes)
             self._epoch += 1
 
     def node_frag(self, node: NodeState, cpu_free: int, free: Sequence[int]) -> float:
-        model = node.gpus[0].model if node.gpus else ""
-        return self.frag_model.frag(model, cpu_free, tuple(sorted(free, reverse=True)))
+        return self.frag_model.frag(node.gpu_model, cpu_free, tuple(sorted(free, reverse=True)), node.gpu_memory_mib)
 
+    def measure(self, node: NodeState, cpu_free: int, cpu_known: bool, free: Sequence[int]) -> float:
+        """The node's fragmentation (milli-GPU) with this free CPU and free milli-GPU per GPU."""
+        return self.node_frag(node, cpu_free, free)
 
-@register
-class FGD(FragPolicyBase):
-    name = "fgd"
+    def choose_whole(
+        self, node: NodeState, container: ContainerGpuRequest, candidates: Sequence[GpuState], scratch: Scratch
+    ) -> Sequence[GpuState]:
+        """Whole GPUs (or several GPUs): the reference takes the lowest-index idle ones."""
+        return list(candidates[: container.count])
+
+    def break_tie(self, node: NodeState, tied: list[GpuState], scratch: Scratch) -> GpuState:
+        return tied[0]  # lowest index
 
     def choose_gpus(
         self,
@@ -70,33 +93,50 @@ class FGD(FragPolicyBase):
         candidates: Sequence[GpuState],
         scratch: Scratch,
     ) -> Sequence[GpuState]:
-        milli, count = request_milli(request)
-        if count != 1 or milli >= MILLI_PER_GPU or len(candidates) == 1:
-            return list(candidates[: container.count])
-        free = free_milli_list(node)
-        for position, cores in enumerate(scratch.cores):
-            free[position] -= cores
-        cpu_free = cpu_free_milli(node)
-        before = self.node_frag(node, cpu_free, free)
-        cpu_after = cpu_free - request.cpu_milli
-        by_free: dict[int, int] = {}  # GPUs with the same free amount lead to the same node state
-        best: GpuState | None = None
+        if container.count != 1 or container.cores >= candidates[0].cores:
+            return self.choose_whole(node, container, candidates, scratch)
+        if len(candidates) == 1:
+            return [candidates[0]]
+        free = free_with_scratch(node, scratch)
+        cpu_free, cpu_known = frag_cpu_free_milli(node)
+        cpu_after = cpu_free - request.cpu_milli if cpu_known else cpu_free
+        before = self.measure(node, cpu_free, cpu_known, free)
+        s_memory, s_cores, s_shares, s_exclusive = scratch.memory_mib, scratch.cores, scratch.shares, scratch.exclusive
+        # GPUs with the same free share before and after lead to the same node state
+        by_change: dict[tuple[int, int], int] = {}
+        tied: list[GpuState] = []
         best_score = -1
         for gpu in candidates:
-            left = free[gpu.position]
-            score = by_free.get(left)
+            position = gpu.position
+            left = free[position]
+            memory, cores, exclusive = container_usage(container, gpu)
+            taken = free_share_milli(
+                gpu,
+                s_memory[position] + memory,
+                s_cores[position] + cores,
+                s_shares[position] + 1,
+                s_exclusive[position] or exclusive,
+            )
+            score = by_change.get((left, taken))
             if score is None:
-                free[gpu.position] = left - milli
-                score = quantised_gain(before, self.node_frag(node, cpu_after, free))
-                free[gpu.position] = left
-                by_free[left] = score
+                free[position] = taken
+                score = quantised_gain(before, self.measure(node, cpu_after, cpu_known, free))
+                free[position] = left
+                by_change[(left, taken)] = score
             if score > best_score:
-                best, best_score = gpu, score
-        assert best is not None
-        return [best]
+                tied, best_score = [gpu], score
+            elif score == best_score:
+                tied.append(gpu)
+        return [tied[0] if len(tied) == 1 else self.break_tie(node, tied, scratch)]
 
     def score(self, node: NodeState, request: PlacementRequest, placement: Placement) -> float:
-        cpu_free = cpu_free_milli(node)
-        before = self.node_frag(node, cpu_free, free_milli_list(node))
-        after = self.node_frag(node, cpu_free - request.cpu_milli, free_after(node, placement))
+        cpu_free, cpu_known = frag_cpu_free_milli(node)
+        cpu_after = cpu_free - request.cpu_milli if cpu_known else cpu_free
+        before = self.measure(node, cpu_free, cpu_known, free_milli_list(node))
+        after = self.measure(node, cpu_after, cpu_known, free_after(node, placement))
         return float(quantised_gain(before, after))
+
+
+@register
+class FGD(FragPolicyBase):
+    name = "fgd"

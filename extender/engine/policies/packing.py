@@ -36,7 +36,7 @@ class Packing(Policy):
         return best_fit_gpus(container, candidates, scratch)
 
     def score(self, node: NodeState, request: PlacementRequest, placement: Placement) -> float:
-        milli, count = request_milli(request)
+        milli, count = request_milli(request, node)
         if count == 0:
             return 0.0
         free = free_milli_list(node)

@@ -60,6 +60,49 @@ def best_connected_set(matrix: list[list[int]], candidates: Sequence[int], count
     return best
 
 
+def least_damaging_gpu(node: NodeState, candidates: Sequence[GpuState], scratch: Scratch) -> GpuState:
+    """The candidate whose loss least breaks up well-connected idle GPUs (weakest best link to the other idle
+    GPUs, then least total link, then lowest index)."""
+    matrix = node.link_matrix
+    idle_positions = [g.position for g in node.gpus if g.schedulable and g.idle and not scratch.shares[g.position]]
+
+    def damage(gpu: GpuState) -> tuple[int, int, int]:
+        links = [matrix[gpu.position][p] for p in idle_positions if p != gpu.position]
+        return (max(links, default=0), sum(links), gpu.index)
+
+    return min(candidates, key=damage)
+
+
+#: (link matrix id, candidate positions, count) -> best_connected_set; nodes of one hardware type in one usage
+#: pattern share an entry, so a scan over thousands of alike nodes runs the greedy search a few times
+_BEST_SET_MEMO: dict[tuple[int, tuple[int, ...], int], list[int]] = {}
+
+
+def best_connected_gpus(node: NodeState, candidates: Sequence[GpuState], count: int) -> list[GpuState]:
+    """The best-connected `count` of the candidates (see best_connected_set)."""
+    by_position = {gpu.position: gpu for gpu in candidates}
+    positions = tuple(sorted(by_position))
+    key = (node.link_id, positions, count)
+    chosen = _BEST_SET_MEMO.get(key)
+    if chosen is None:
+        chosen = best_connected_set(node.link_matrix, positions, count)
+        if len(_BEST_SET_MEMO) > 100_000:  # bounded
+            _BEST_SET_MEMO.clear()
+        _BEST_SET_MEMO[key] = chosen
+    return [by_position[p] for p in chosen]
+
+
+def connectivity(node: NodeState, placement: Placement) -> float | None:
+    """How well the placement's multi-GPU containers are connected, 0..1 (weakest pairwise link against the best
+    link there is); None when no container has more than one GPU."""
+    quality: float | None = None
+    for container in placement.containers:
+        if len(container.devices) > 1:
+            weakest, _ = set_quality(node.link_matrix, [d[0] for d in container.devices])
+            quality = max(quality or 0.0, weakest / _BEST_LINK_SCORE)
+    return quality
+
+
 @register
 class Topology(Policy):
     name = "topology"
@@ -72,30 +115,14 @@ class Topology(Policy):
         candidates: Sequence[GpuState],
         scratch: Scratch,
     ) -> Sequence[GpuState]:
-        matrix = node.link_matrix
         if container.count == 1:
             shared = [g for g in candidates if g.used_shares + scratch.shares[g.position] > 0]
             if shared:  # binpack onto GPUs that are already split
                 return [min(shared, key=lambda g: (free_memory_after(g, container, scratch), g.index))]
-            idle_positions = [
-                g.position for g in node.gpus if g.schedulable and g.idle and not scratch.shares[g.position]
-            ]
-
-            def damage(gpu: GpuState) -> tuple[int, int, int]:
-                links = [matrix[gpu.position][p] for p in idle_positions if p != gpu.position]
-                return (max(links, default=0), sum(links), gpu.index)
-
-            return [min(candidates, key=damage)]
-        by_position = {gpu.position: gpu for gpu in candidates}
-        chosen = best_connected_set(matrix, sorted(by_position), container.count)
-        return [by_position[p] for p in chosen]
+            return [least_damaging_gpu(node, candidates, scratch)]
+        return best_connected_gpus(node, candidates, container.count)
 
     def score(self, node: NodeState, request: PlacementRequest, placement: Placement) -> float:
         fill = node_fill_after(node, placement)
-        quality = 0.0
-        for container in placement.containers:
-            if len(container.devices) > 1:
-                weakest, _ = set_quality(node.link_matrix, [d[0] for d in container.devices])
-                quality = max(quality, weakest / _BEST_LINK_SCORE)
-        multi = any(len(c.devices) > 1 for c in placement.containers)
-        return 0.7 * quality + 0.3 * fill if multi else fill
+        quality = connectivity(node, placement)
+        return 0.7 * quality + 0.3 * fill if quality is not None else fill
