@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from ..fragmentation import task_shape
 from ..shares import MILLI_PER_GPU, free_share_milli, request_share_milli
+from .base import Policy
 
 if TYPE_CHECKING:
     from kube_vgpu.protocol import ContainerGpuRequest
@@ -138,3 +139,17 @@ def pod_kind(request: PlacementRequest) -> str | None:
     if count == 1 and milli < MILLI_PER_GPU:
         return "share"
     return f"{count}-gpu"
+
+
+class BestFitGpuChoice(Policy):
+    """The reference simulator's GPU choice, shared by the baseline policies: best fit (see best_fit_gpus)."""
+
+    def choose_gpus(
+        self,
+        node: NodeState,
+        request: PlacementRequest,
+        container: ContainerGpuRequest,
+        candidates: Sequence[GpuState],
+        scratch: Scratch,
+    ) -> Sequence[GpuState]:
+        return best_fit_gpus(container, candidates, scratch)

@@ -7,40 +7,29 @@ then min-max normalises the scores, which keeps the set of best nodes, so it is 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ._milli import (
     MAX_NODE_SCORE,
     MAX_SPEC_CPU_MILLI,
     MAX_SPEC_GPU_MILLI,
-    best_fit_gpus,
+    BestFitGpuChoice,
     cpu_free_milli,
     free_milli_list,
     request_milli,
 )
-from .base import Policy, Scratch, register
+from .base import register
 
 if TYPE_CHECKING:
-    from kube_vgpu.protocol import ContainerGpuRequest
 
-    from ..model import GpuState, NodeState, Placement, PlacementRequest
+    from ..model import NodeState, Placement, PlacementRequest
 
 
 @register
-class BestFit(Policy):
+class BestFit(BestFitGpuChoice):
     name = "bestfit"
     uses_host_cpu = True
 
-    def choose_gpus(
-        self,
-        node: NodeState,
-        request: PlacementRequest,
-        container: ContainerGpuRequest,
-        candidates: Sequence[GpuState],
-        scratch: Scratch,
-    ) -> Sequence[GpuState]:
-        return best_fit_gpus(container, candidates, scratch)
 
     def score(self, node: NodeState, request: PlacementRequest, placement: Placement) -> float:
         milli, count = request_milli(request, node)

@@ -7,33 +7,29 @@ CPU-only pods score 0 everywhere (random node). GPUs by best fit.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ._milli import MAX_NODE_SCORE, MAX_SPEC_GPU_MILLI, best_fit_gpus, free_milli_list, go_div, pod_kind
-from .base import Policy, Scratch, register
+from ._milli import (
+    MAX_NODE_SCORE,
+    MAX_SPEC_GPU_MILLI,
+    BestFitGpuChoice,
+    free_milli_list,
+    go_div,
+    pod_kind,
+)
+from .base import register
 
 if TYPE_CHECKING:
-    from kube_vgpu.protocol import ContainerGpuRequest
 
-    from ..model import GpuState, NodeState, Placement, PlacementRequest
+    from ..model import NodeState, Placement, PlacementRequest
 
 
 @register
-class Clustering(Policy):
+class Clustering(BestFitGpuChoice):
     name = "clustering"
     #: the score reads NodeState.pod_kinds besides GPU usage (state-keyed memos must include it)
     uses_pod_kinds = True
 
-    def choose_gpus(
-        self,
-        node: NodeState,
-        request: PlacementRequest,
-        container: ContainerGpuRequest,
-        candidates: Sequence[GpuState],
-        scratch: Scratch,
-    ) -> Sequence[GpuState]:
-        return best_fit_gpus(container, candidates, scratch)
 
     def score(self, node: NodeState, request: PlacementRequest, placement: Placement) -> float:
         kind = pod_kind(request)

@@ -7,33 +7,22 @@ Bands: sharing GPUs already in use 50..100 (fuller GPU scores higher), idle GPUs
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ._milli import MAX_NODE_SCORE, best_fit_gpus, free_milli_list, request_milli
-from .base import Policy, Scratch, register
+from ._milli import MAX_NODE_SCORE, BestFitGpuChoice, free_milli_list, request_milli
+from .base import register
 
 if TYPE_CHECKING:
-    from kube_vgpu.protocol import ContainerGpuRequest
 
-    from ..model import GpuState, NodeState, Placement, PlacementRequest
+    from ..model import NodeState, Placement, PlacementRequest
 
 _MILLI = 1000
 
 
 @register
-class Packing(Policy):
+class Packing(BestFitGpuChoice):
     name = "packing"
 
-    def choose_gpus(
-        self,
-        node: NodeState,
-        request: PlacementRequest,
-        container: ContainerGpuRequest,
-        candidates: Sequence[GpuState],
-        scratch: Scratch,
-    ) -> Sequence[GpuState]:
-        return best_fit_gpus(container, candidates, scratch)
 
     def score(self, node: NodeState, request: PlacementRequest, placement: Placement) -> float:
         milli, count = request_milli(request, node)
