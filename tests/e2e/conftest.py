@@ -46,6 +46,7 @@ import contextlib
 import itertools
 import os
 import re
+import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -90,6 +91,7 @@ def dev_cluster() -> Iterator[DevCluster]:
                   f"stop with kube-vgpu dev-cluster down --state-dir {state_dir}", file=sys.stderr)
         else:
             cluster.stop()
+            shutil.rmtree(state_dir, ignore_errors=True)  # logs and certs of a finished session
 
 
 def _slug(text: str, limit: int = 40) -> str:
