@@ -19,10 +19,9 @@ from cachetools import TTLCache
 
 from kube_vgpu import protocol
 from kube_vgpu.protocol import InvalidGpuRequest, PodGpuRequest
-from kube_vgpu.synth import assignment_from_placement
 
 from .engine.fit import place
-from .engine.model import FitFailure, NodeState, Placement, PlacementRequest
+from .engine.model import FitFailure, NodeState, Placement, PlacementRequest, assignment_from_placement
 from .engine.policies import DEFAULT_GPU_POLICY, DEFAULT_NODE_POLICY, Policy, make_policy
 from .state import ClusterState, pod_cpu_request_milli
 

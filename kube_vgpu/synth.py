@@ -141,7 +141,7 @@ def synth_cluster(
     """A snapshot List. With pods_per_node > 0, each node gets that many bound fractional pods,
     placed by the engine's binpack policy so their assignments are valid."""
     from extender.engine.fit import place
-    from extender.engine.model import NodeState, Placement, PlacementRequest
+    from extender.engine.model import NodeState, Placement, PlacementRequest, assignment_from_placement
     from extender.engine.policies import make_policy
 
     rng = random.Random(seed)
@@ -169,24 +169,6 @@ def synth_cluster(
                 gpu_pod_object(pod_name, memory_mib=memory, cores=cores, node_name=name, assignment=assignment)
             )
     return {"apiVersion": "v1", "kind": "List", "items": items}
-
-
-def assignment_from_placement(node: Any, placement: Any) -> protocol.PodAssignment:
-    """The wire assignment for an engine placement (GPU positions -> UUIDs)."""
-    return protocol.PodAssignment(
-        node=placement.node_name,
-        containers=tuple(
-            protocol.ContainerAssignment(
-                name=container.request.name,
-                init=container.request.init,
-                devices=tuple(
-                    protocol.DeviceShare(node.gpus[position].uuid, memory, cores)
-                    for position, memory, cores in container.devices
-                ),
-            )
-            for container in placement.containers
-        ),
-    )
 
 
 # --- CLI: kube-vgpu cluster synth ---------------------------------------------------------------

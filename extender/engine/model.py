@@ -11,7 +11,17 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from kube_vgpu.protocol import CORES_PER_GPU, ContainerGpuRequest, GpuInfo, GpuLink, NodeInventory, PodGpuRequest
+from kube_vgpu.protocol import (
+    CORES_PER_GPU,
+    ContainerAssignment,
+    ContainerGpuRequest,
+    DeviceShare,
+    GpuInfo,
+    GpuLink,
+    NodeInventory,
+    PodAssignment,
+    PodGpuRequest,
+)
 
 #: link matrix (as a tuple) -> small id; one entry per distinct hardware layout in the cluster
 _LINK_IDS: dict[tuple[tuple[int, ...], ...], int] = {}
@@ -291,3 +301,21 @@ class NodeState:
     @property
     def used_cores(self) -> int:
         return sum(gpu.used_cores for gpu in self.gpus)
+
+
+def assignment_from_placement(node: NodeState, placement: Placement) -> PodAssignment:
+    """The wire assignment for an engine placement (GPU positions on `node` -> UUIDs)."""
+    return PodAssignment(
+        node=placement.node_name,
+        containers=tuple(
+            ContainerAssignment(
+                name=container.request.name,
+                init=container.request.init,
+                devices=tuple(
+                    DeviceShare(node.gpus[position].uuid, memory, cores)
+                    for position, memory, cores in container.devices
+                ),
+            )
+            for container in placement.containers
+        ),
+    )
