@@ -160,13 +160,14 @@ def _cpu_snapshot(cluster: DevCluster) -> dict[str, tuple[int, int]]:
 
 
 def _start_profiler(cluster: DevCluster, profile_dir: Path | None, label: str) -> subprocess.Popen[bytes] | None:
-    """py-spy on the extender during the trial (collapsed stacks: one line per stack, sample count last)."""
+    """py-spy on the extender during the trial (collapsed stacks: one line per stack, sample count last). Only the
+    thread holding the GIL is sampled, so the profile says where the extender's CPU goes, not where it waits."""
     if profile_dir is None or "extender" not in cluster.records:
         return None
     profile_dir.mkdir(parents=True, exist_ok=True)
     py_spy = Path(sys.executable).parent / "py-spy"
     command = [str(py_spy), "record", "--pid", str(cluster.records["extender"].pid), "--rate", "250", "--format",
-               "raw", "--output", str(profile_dir / f"{label}.txt"), "--threads", "--nonblocking"]
+               "raw", "--output", str(profile_dir / f"{label}.txt"), "--threads", "--gil", "--nonblocking"]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(1.0)  # py-spy attaches before the burst
     return process

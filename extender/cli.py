@@ -13,6 +13,8 @@ from .scheduler import Scheduler
 from .state import ClusterState
 
 log = logging.getLogger("kube_vgpu.extender")
+#: see run(): how long a thread may hold the GIL while another waits for it (CPython's default is 5 ms)
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -124,5 +126,9 @@ def run(args: argparse.Namespace) -> int:
 
         serve_probes(extender.app.state.registry, extender.state, args.metrics_host, args.metrics_port)
         log.info("metrics and probes on %s:%d", args.metrics_host, args.metrics_port)
+    # Binds finish their API call in worker threads while the event loop answers filter and prioritize. With the
+    # default 5 ms switch interval a thread whose reply has arrived waits up to 5 ms for the GIL, and binds to one
+    # node run one after another: a burst onto one node measured 105 pods/s with 5 ms, 136 with 0.5 ms.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     uvicorn.run(extender.app, host=args.host, port=args.port, log_level="warning", access_log=False)
     return 0

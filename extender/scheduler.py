@@ -69,6 +69,17 @@ class Gate(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class PreparedBind:
+    """A bind decided and reserved in memory, not yet written (Scheduler.prepare_bind -> commit_bind)."""
+
+    namespace: str
+    name: str
+    uid: str
+    node_name: str
+    assignment: str  # the encoded assignment annotation
+
+
 @dataclass(slots=True)
 class FilterOutcome:
     passed: list[str] = field(default_factory=list)
@@ -102,11 +113,10 @@ class Scheduler:
         self._outdated: dict[int, list[str]] = {}
         # pods seen by filter, for bind (which only gets name / uid): uid -> pod object
         self._recent_pods: TTLCache[str, Mapping[str, Any]] = TTLCache(maxsize=50_000, ttl=600)
+        # pods between prepare_bind and the end of commit_bind
         self._binding: set[str] = set()
         self._binding_lock = threading.Lock()
-        # Binds to one node run one at a time from decision to Binding: kubelet admits a node's pods in
-        # Binding order, and the device plugin matches Allocate calls to pods by bind time, so the two orders
-        # must agree. Binds to different nodes stay concurrent; nothing waits on kubelet.
+        # see node_lock(); binds to different nodes stay concurrent, and nothing waits on kubelet
         self._node_locks: dict[str, threading.Lock] = {}
         #: hooks for metrics: called with (verb outcome, FitFailure code)
         self.on_rejection: Callable[[str], None] = lambda code: None
@@ -276,7 +286,7 @@ class Scheduler:
             if raw is None:
                 result.append((name, 0))
             elif spread <= 1e-12:
-                result.append((name, MAX_EXTENDER_SCORE))
+                result.append((name, 0))  # all equal: nothing to prefer (the same to kube-scheduler as all 10)
             else:
                 result.append((name, round((raw - low) / spread * MAX_EXTENDER_SCORE)))
         return result
@@ -284,29 +294,56 @@ class Scheduler:
     # --- bind -----------------------------------------------------------------------------------
     def bind(self, namespace: str, name: str, uid: str, node_name: str) -> None:
         """Decide the exact GPUs and commit. Raises BindError with a reason; idempotent for a repeat."""
+        prepared = self.prepare_bind(namespace, name, uid, node_name)
+        if prepared is not None:
+            self.commit_bind(prepared)
+
+    def node_lock(self, node_name: str) -> threading.Lock:
+        """Held from the bind time to the Binding's reply: binds to one node commit one at a time, in the order
+        of their bind times. kubelet admits a node's pods in the order the Bindings reach it and the device
+        plugin matches Allocate calls to pods by bind time, so the two orders must agree."""
+        with self._binding_lock:
+            return self._node_locks.setdefault(node_name, threading.Lock())
+
+    def knows_pod(self, uid: str) -> bool:
+        """Whether filter saw this pod recently: prepare_bind then needs no API call and may run on an event loop."""
+        with self.state.lock:
+            return uid in self._recent_pods
+
+    def prepare_bind(self, namespace: str, name: str, uid: str, node_name: str) -> PreparedBind | None:
+        """Decide the exact GPUs and reserve them in memory, at once: filter and prioritize of the next pods
+        already see them while this bind waits for its turn on the node. None if the pod is already bound as
+        asked (a repeat). Raises BindError. Needs no node lock; does not block unless the pod must be read."""
         with self._binding_lock:
             if uid in self._binding:
                 raise BindError(f"pod {namespace}/{name} is already being bound")
             self._binding.add(uid)
         try:
-            with self._binding_lock:
-                node_lock = self._node_locks.setdefault(node_name, threading.Lock())
-            with node_lock:
-                self._bind(namespace, name, uid, node_name)
-        finally:
-            with self._binding_lock:
-                self._binding.discard(uid)
+            prepared = self._prepare(namespace, name, uid, node_name)
+        except BaseException:
+            self._done_binding(uid)
+            raise
+        if prepared is None:
+            self._done_binding(uid)
+        return prepared
 
-    def _bind(self, namespace: str, name: str, uid: str, node_name: str) -> None:
+    def _done_binding(self, uid: str) -> None:
+        with self._binding_lock:
+            self._binding.discard(uid)
+
+    def _prepare(self, namespace: str, name: str, uid: str, node_name: str) -> PreparedBind | None:
         state = self.state
         if not state.synced.is_set():
             raise BindError(NOT_SYNCED)
         with state.lock:
             existing = state.pods.get(uid)
             if existing is not None and existing.node_name == node_name and existing.confirmed and existing.bound:
-                return  # a repeat of a bind that took effect: same answer, nothing counted twice
+                return None  # a repeat of a bind that took effect: same answer, nothing counted twice
 
-        pod = self._recent_pods.get(uid) or self.binder.get_pod(namespace, name)
+        with state.lock:  # filter writes the TTL cache under the state lock, and a read may expire entries
+            pod = self._recent_pods.get(uid)
+        if pod is None:
+            pod = self.binder.get_pod(namespace, name)
         if pod is None:
             raise BindError(f"pod {namespace}/{name} not found")
         if (pod.get("metadata") or {}).get("uid") not in (None, uid):
@@ -340,12 +377,29 @@ class Scheduler:
             assignment = assignment_from_placement(node, placement)
             labels = (pod.get("metadata") or {}).get("labels") or {}
             state.reserve(uid, namespace, name, assignment, labels)
+        return PreparedBind(namespace, name, uid, node_name, protocol.encode_assignment(assignment))
 
-        # The assignment travels in the Binding: the API server copies a Binding's annotations onto the pod as it
-        # sets spec.nodeName, so the pod is never bound without its assignment nor annotated without being bound.
-        # The bind time orders a node's pending pods for the device plugin's Allocate.
+    def commit_bind(self, prepared: PreparedBind) -> None:
+        """Write the prepared decision, in turn on its node; on failure the reservation is released and
+        BindError raised."""
+        try:
+            with self.node_lock(prepared.node_name):
+                self._commit(prepared)
+        finally:
+            self._done_binding(prepared.uid)
+
+    def _commit(self, prepared: PreparedBind) -> None:
+        namespace, name, uid, node_name = prepared.namespace, prepared.name, prepared.uid, prepared.node_name
+        with self.state.lock:
+            record = self.state.pods.get(uid)
+            if record is None or record.node_name != node_name:
+                # the pod was deleted while its bind waited for the node (the delete dropped the reservation)
+                raise BindError(f"pod {namespace}/{name} went away while waiting to be bound to {node_name}")
+        # The assignment travels in the Binding: the API server copies a Binding's annotations onto the pod as
+        # it sets spec.nodeName, so the pod is never bound without its assignment nor annotated without being
+        # bound. The bind time, taken under the node lock, orders a node's pending pods for Allocate.
         annotations = {
-            protocol.POD_ASSIGNMENT_ANNOTATION: protocol.encode_assignment(assignment),
+            protocol.POD_ASSIGNMENT_ANNOTATION: prepared.assignment,
             protocol.POD_BIND_TIME_ANNOTATION: protocol.format_bind_time(dt.datetime.now(dt.UTC)),
         }
         try:
@@ -353,8 +407,15 @@ class Scheduler:
         except Exception as exc:
             if self._bound_as_asked(namespace, name, uid, node_name, annotations):
                 return  # the call failed after the API server committed it (a timeout, a lost reply)
-            state.release(uid, only_unconfirmed=True)
+            self.state.release(uid, only_unconfirmed=True)
             raise BindError(f"binding {namespace}/{name} to {node_name} failed: {exc}") from None
+
+    def abandon_bind(self, prepared: PreparedBind) -> None:
+        """Give up a prepared bind that will not be committed (its caller went away)."""
+        try:
+            self.state.release(prepared.uid, only_unconfirmed=True)
+        finally:
+            self._done_binding(prepared.uid)
 
     def _bound_as_asked(
         self, namespace: str, name: str, uid: str, node_name: str, annotations: Mapping[str, str]

@@ -139,3 +139,69 @@ def test_uid_mismatch_refused() -> None:
     meta = add(cluster, memory_mib=1000)
     with pytest.raises(BindError):
         scheduler.bind("default", meta["name"], "another-uid", "n1")
+
+
+class GatedCluster(FlakyCluster):
+    """Binding calls wait until the test opens the gate: a bind stays in flight while others arrive."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.gate = threading.Event()
+        self.in_flight = threading.Event()
+        self.order: list[str] = []
+
+    def bind(self, namespace: str, name: str, uid: str, node: str, annotations: dict[str, str]) -> None:
+        self.in_flight.set()
+        assert self.gate.wait(10)
+        self.order.append(name)
+        super().bind(namespace, name, uid, node, annotations)
+
+
+def test_a_waiting_bind_is_reserved_at_once_so_filter_sees_it() -> None:
+    """kube-scheduler binds asynchronously: while one bind to a node is being written, the next pods are filtered.
+    A bind waiting for its turn must already hold its GPUs, or filter offers them again and the bind fails."""
+    state = ClusterState()
+    cluster = GatedCluster(state, [gpu_node("n1", gpus=1, memory_mib=10000)])
+    scheduler = Scheduler(state, cluster)
+    first, second, third = (add(cluster, memory_mib=4000) for _ in range(3))
+    writer = threading.Thread(target=scheduler.bind, args=("default", first["name"], first["uid"], "n1"))
+    writer.start()
+    assert cluster.in_flight.wait(10)  # the first bind holds n1 while its Binding is written
+    prepared = scheduler.prepare_bind("default", second["name"], second["uid"], "n1")
+    assert prepared is not None and used(state) == 8000  # reserved before its turn
+    outcome = scheduler.filter(cluster.pods[("default", third["name"])], ["n1"])
+    assert outcome.passed == [] and "n1" in outcome.failed  # 4000 MiB left for nobody but the waiting bind
+    cluster.gate.set()
+    writer.join(10)
+    scheduler.commit_bind(prepared)
+    assert cluster.order == [first["name"], second["name"]]  # written in arrival order, one at a time
+    annotations = [cluster.pods[("default", m["name"])]["metadata"]["annotations"] for m in (first, second)]
+    bind_times = [protocol.parse_bind_time(a[protocol.POD_BIND_TIME_ANNOTATION]) for a in annotations]
+    assert bind_times[0] <= bind_times[1]  # bind times follow the order of the writes (the device plugin's order)
+    assert used(state) == 8000
+
+
+def test_a_pod_deleted_while_its_bind_waits_is_not_bound_and_frees_its_reservation() -> None:
+    state, cluster, scheduler = setup(gpus=1, memory_mib=10000)
+    meta = add(cluster, memory_mib=4000)
+    prepared = scheduler.prepare_bind("default", meta["name"], meta["uid"], "n1")
+    assert prepared is not None and used(state) == 4000
+    state.delete_pod(meta["uid"])  # the watch delivers the pod's deletion before its turn comes
+    with pytest.raises(BindError, match="went away"):
+        scheduler.commit_bind(prepared)
+    assert used(state) == 0
+    assert not cluster.pods[("default", meta["name"])]["spec"].get("nodeName")  # no Binding was written
+    # nothing is left marked as being bound: a new pod of the same UID could be bound again
+    scheduler.bind("default", meta["name"], meta["uid"], "n1")
+    assert used(state) == 4000
+
+
+def test_an_abandoned_bind_gives_its_reservation_back() -> None:
+    state, cluster, scheduler = setup(gpus=1, memory_mib=10000)
+    meta = add(cluster, memory_mib=4000)
+    prepared = scheduler.prepare_bind("default", meta["name"], meta["uid"], "n1")
+    assert prepared is not None and used(state) == 4000
+    scheduler.abandon_bind(prepared)
+    assert used(state) == 0 and not state.pods
+    scheduler.bind("default", meta["name"], meta["uid"], "n1")
+    assert used(state) == 4000

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import socket
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -79,8 +80,9 @@ def test_prioritize_scores_in_range_and_binpacks(client: httpx.Client, extender:
     ).json() == {"Error": ""}
     scores = client.post("/prioritize", json={"Pod": pod(memory_mib=1000), "NodeNames": NAMES}).json()
     by_host = {entry["Host"]: entry["Score"] for entry in scores}
-    assert all(0 <= score <= 10 for score in by_host.values())
-    assert by_host["a100-1"] > by_host["a100-0"]  # binpack: the node already in use
+    assert all(0 < score <= 10 for score in by_host.values())  # a node left out scores 0 to kube-scheduler
+    assert set(by_host) <= set(NAMES)
+    assert by_host.get("a100-1", 0) > by_host.get("a100-0", 0)  # binpack: the node already in use
 
 
 def test_bind_writes_assignment_and_is_idempotent(client: httpx.Client, extender: Extender) -> None:
@@ -182,3 +184,30 @@ def test_separate_probe_listener_serves_metrics_and_health(extender: Extender) -
             assert probes.post("/bind", json={}).status_code == 501  # the verbs are not on this listener
     finally:
         server.shutdown()
+
+
+def test_concurrent_binds_to_one_node_over_http_never_over_commit(client: httpx.Client, extender: Extender) -> None:
+    """kube-scheduler binds every assumed pod at once; binds to one node queue in the extender's event loop.
+    Half the pods were filtered first (decided without a thread), half were not (read back from the API)."""
+    pods = [pod(memory_mib=30000) for _ in range(12)]  # two fit per 80 GiB GPU: 8 on a100-0's four GPUs
+    for number, p in enumerate(pods):
+        extender.source.add_pod(p)
+        if number % 2:
+            client.post("/filter", json={"Pod": p, "NodeNames": NAMES})
+
+    def bind(p: dict[str, Any]) -> str:
+        meta = p["metadata"]
+        args = {"PodName": meta["name"], "PodNamespace": "default", "PodUID": meta["uid"], "Node": "a100-0"}
+        reply = client.post("/bind", json=args)
+        assert reply.status_code == 200
+        error: str = reply.json()["Error"]
+        return error
+
+    with ThreadPoolExecutor(len(pods)) as pool:
+        errors = list(pool.map(bind, pods))
+    assert errors.count("") == 8
+    assert all("30000 MiB" in e for e in errors if e)
+    gpus = extender.state.nodes["a100-0"].gpus
+    assert [g.used_memory_mib for g in gpus] == [60000] * 4
+    bound = [extender.source.pods[("default", p["metadata"]["name"])] for p in pods]
+    assert sum(1 for b in bound if b["spec"].get("nodeName") == "a100-0") == 8

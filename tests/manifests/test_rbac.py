@@ -171,11 +171,21 @@ _VERBS = {"list": "list", "read": "get", "patch": "patch", "create": "create", "
           "delete": "delete"}
 
 
+# raw calls through ApiClient.param_serialize: the method, then the core API path
+_RAW_CALL = re.compile(
+    r'"(POST|PATCH|PUT|DELETE)",\s*"/api/v1/namespaces/\{namespace\}/([a-z]+)/\{name\}(?:/([a-z]+))?"'
+)
+_RAW_VERBS = {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}
+
+
 def api_calls(*paths: str) -> set[tuple[str, str, str]]:
     """(group, resource, verb) of every kubernetes-client call in these files; lists are watched too."""
     calls: set[tuple[str, str, str]] = set()
     for path in paths:
-        for verb, _, kind, _ in _CALL.findall((ROOT / path).read_text()):
+        text = (ROOT / path).read_text()
+        for method, resource, subresource in _RAW_CALL.findall(text):
+            calls.add(("", f"{resource}/{subresource}" if subresource else resource, _RAW_VERBS[method]))
+        for verb, _, kind, _ in _CALL.findall(text):
             if kind == "cluster_custom_object":  # Kueue's objects (extender/quota/live.py KINDS)
                 resources = [("kueue.x-k8s.io", plural) for plural in KUEUE]
             else:
