@@ -12,8 +12,8 @@ when each pod gets its nodeName. Reported per trial:
   pods/s      pods / (last bind - first create request): what a user submitting a burst experiences
   create s    how long creating the burst took (when it is close to the total, creation is the bottleneck)
   cpu s       CPU seconds each component spent during the trial (2 shared cores: where the time went)
-(a) pods: nvidia.com/gpu 1, nvidia.com/gpumem 4096, nvidia.com/gpucores 10; (b) pods: nvidia.com/gpu 1 only (no
-node advertises gpumem/gpucores, so without the extender those would never fit). No webhook in either (the pods
+(a) pods: nvidia.com/gpu 1, nvidia.com/gpumem 4096 (--gpumem-mib), nvidia.com/gpucores 10; (b) pods:
+nvidia.com/gpu 1 only (no node advertises gpumem/gpucores, so without the extender those would never fit). No webhook in either (the pods
 name the scheduler themselves): the comparison is the scheduler with and without the extender.
 Reference (published): a trivial Go HTTP extender on localhost ~111 pods/s at 500 nodes vs ~991 bare.
 """
@@ -69,6 +69,8 @@ class Trial:
     cpu_s: dict[str, float] = field(default_factory=dict)
     #: the extender's mean time per verb during the trial (its own histogram), milliseconds
     verb_ms: dict[str, float] = field(default_factory=dict)
+    #: binds the extender refused during the trial (kube-scheduler retried those pods)
+    failed_binds: int = 0
 
 
 # --- raw HTTPS to the API server --------------------------------------------------------------------------------
@@ -109,11 +111,11 @@ class ApiConnection:
         self.connection.close()
 
 
-def _bodies(mode: str, count: int, run_id: str) -> list[bytes]:
+def _bodies(mode: str, count: int, run_id: str, memory_mib: int = 4096) -> list[bytes]:
     bodies = []
     for index in range(count):
         if mode == "extender":
-            pod = gpu_pod(f"{run_id}-{index:05d}", memory_mib=4096, cores=10,
+            pod = gpu_pod(f"{run_id}-{index:05d}", memory_mib=memory_mib, cores=10,
                           scheduler_name=protocol.DEFAULT_SCHEDULER_NAME)
         else:
             pod = gpu_pod(f"{run_id}-{index:05d}", scheduler_name=protocol.DEFAULT_SCHEDULER_NAME)
@@ -123,7 +125,8 @@ def _bodies(mode: str, count: int, run_id: str) -> list[bytes]:
 
 
 def _verb_totals(cluster: DevCluster) -> dict[str, tuple[float, float]]:
-    """verb -> (sum of seconds, count) from the extender's kube_vgpu_extender_request_seconds histogram."""
+    """verb -> (sum of seconds, count) from the extender's kube_vgpu_extender_request_seconds histogram, and
+    "failed binds" -> (0, count) from kube_vgpu_extender_binds_total."""
     if "extender" not in cluster.records:
         return {}
     connection = http.client.HTTPConnection("127.0.0.1", cluster.ports["extender"], timeout=10)
@@ -134,6 +137,8 @@ def _verb_totals(cluster: DevCluster) -> dict[str, tuple[float, float]]:
         connection.close()
     totals: dict[str, list[float]] = {}
     for line in text.splitlines():
+        if line.startswith('kube_vgpu_extender_binds_total{outcome="failure"}'):
+            totals["failed binds"] = [0.0, float(line.rsplit(" ", 1)[1])]
         for suffix, position in (("_sum", 0), ("_count", 1)):
             prefix = f"kube_vgpu_extender_request_seconds{suffix}{{verb=\""
             if line.startswith(prefix):
@@ -189,10 +194,11 @@ def run_trial(
     profile_dir: Path | None = None,
     timeout_s: float = TRIAL_TIMEOUT_S,
     precreate: bool = False,
+    memory_mib: int = 4096,
 ) -> Trial:
     """One burst. With `precreate`, the pods are created while kube-scheduler is stopped and the rate is measured
     from its start to the last bind: scheduling alone, without the creation ramp."""
-    bodies = _bodies(mode, pods, run_id)
+    bodies = _bodies(mode, pods, run_id, memory_mib)
     names = {f"{run_id}-{index:05d}" for index in range(pods)}
     bound_at: dict[str, float] = {}
     watching = threading.Event()
@@ -290,11 +296,14 @@ def run_trial(
         # a process started during the trial (kube-scheduler with --precreate) counts from zero
         cpu[name] = (ticks - (before_ticks if before_pid == pid else 0)) / CLK_TCK
     verb_ms = {}
+    failed_binds = int(verbs_after.get("failed binds", (0.0, 0.0))[1] - verbs_before.get("failed binds", (0.0, 0.0))[1])
     for verb, (seconds, count) in verbs_after.items():
+        if verb == "failed binds":
+            continue
         before_seconds, before_count = verbs_before.get(verb, (0.0, 0.0))
         if count > before_count:
             verb_ms[verb] = 1000 * (seconds - before_seconds) / (count - before_count)
-    return Trial(nodes, mode, pods, pods / total_s, created_s - start_s, total_s, cpu, verb_ms)
+    return Trial(nodes, mode, pods, pods / total_s, created_s - start_s, total_s, cpu, verb_ms, failed_binds)
 
 
 def _reset(cluster: DevCluster) -> None:
@@ -309,6 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pods", type=int, default=1000)
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=1, help="trials per (nodes, mode); the median is reported")
+    parser.add_argument("--gpumem-mib", type=int, default=4096,
+                        help="nvidia.com/gpumem of the extender trial's pods (default %(default)s; 30000 puts two on "
+                             "an 80 GB GPU, far fewer than kube-scheduler's own slot count allows)")
     parser.add_argument("--creators", type=int, default=16, help="concurrent pod-creating connections")
     parser.add_argument("--modes", nargs="+", choices=("extender", "bare"), default=["extender", "bare"])
     parser.add_argument("--heartbeat-seconds", type=float, default=60.0,
@@ -355,14 +367,15 @@ def main(argv: list[str] | None = None) -> int:
                         cluster.restart_scheduler(with_extender=(mode == "extender"))
                     load = os.getloadavg()[0]
                     trial = run_trial(cluster, nodes, mode, args.pods, args.creators, f"r{run_number}",
-                                      args.profile, args.trial_timeout_seconds, args.precreate)
+                                      args.profile, args.trial_timeout_seconds, args.precreate, args.gpumem_mib)
                     trials.append(trial)
                     cpu = ", ".join(f"{name} {seconds:.1f}" for name, seconds in sorted(trial.cpu_s.items())
                                     if seconds >= 0.05)
                     verbs = ", ".join(f"{verb} {ms:.1f}" for verb, ms in sorted(trial.verb_ms.items()))
                     _progress(f"{nodes} nodes, {mode}: {trial.pods_per_s:.0f} pods/s ({trial.pods} pods in "
                               f"{trial.total_s:.2f} s, created in {trial.create_s:.2f} s; load before {load:.1f}; "
-                              f"cpu s: {cpu}" + (f"; extender mean ms: {verbs}" if verbs else "") + ")")
+                              f"cpu s: {cpu}" + (f"; extender mean ms: {verbs}" if verbs else "")
+                              + (f"; failed binds: {trial.failed_binds}" if mode == "extender" else "") + ")")
                     _reset(cluster)
     finally:
         if args.keep:

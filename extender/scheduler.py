@@ -2,8 +2,9 @@
 
 filter and prioritize never call the API server; per-node results are cached on the node keyed by
 (request shape, policies) and dropped whenever that node changes, so a burst of pods of few shapes
-costs one dict lookup per node per verb. bind re-checks on fresh state, reserves in memory, writes
-the assignment annotation, creates the Binding, and rolls everything back if either call fails.
+costs one dict lookup per node per verb. bind has two steps: prepare_bind re-checks on fresh state and
+reserves the GPUs in memory as soon as the bind arrives; commit_bind, one at a time per node, writes the
+Binding that carries the assignment, and rolls the reservation back if it fails.
 """
 
 from __future__ import annotations
