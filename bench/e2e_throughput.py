@@ -13,8 +13,9 @@ when each pod gets its nodeName. Reported per trial:
   create s    how long creating the burst took (when it is close to the total, creation is the bottleneck)
   cpu s       CPU seconds each component spent during the trial (2 shared cores: where the time went)
 (a) pods: nvidia.com/gpu 1, nvidia.com/gpumem 4096 (--gpumem-mib), nvidia.com/gpucores 10; (b) pods:
-nvidia.com/gpu 1 only (no node advertises gpumem/gpucores, so without the extender those would never fit). No webhook in either (the pods
-name the scheduler themselves): the comparison is the scheduler with and without the extender.
+nvidia.com/gpu 1 only (no node advertises gpumem/gpucores, so without the extender those would never fit). No
+webhook in either (the pods name the scheduler themselves): the comparison is the scheduler with and without the
+extender.
 Reference (published): a trivial Go HTTP extender on localhost ~111 pods/s at 500 nodes vs ~991 bare.
 """
 
