@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from extender.scheduler import BindError, Scheduler
+from extender.scheduler import BindError, PreparedBind, Scheduler
 from extender.sources.snapshot import SnapshotCluster
 from extender.state import ClusterState
 from kube_vgpu import protocol
@@ -181,11 +181,17 @@ def test_a_waiting_bind_is_reserved_at_once_so_filter_sees_it() -> None:
     assert used(state) == 8000
 
 
-def test_a_pod_deleted_while_its_bind_waits_is_not_bound_and_frees_its_reservation() -> None:
+def prepared_bind() -> tuple[ClusterState, FlakyCluster, Scheduler, dict[str, Any], PreparedBind]:
+    """A 4000 MiB pod whose bind is decided and reserved on a 10000 MiB GPU, not yet written."""
     state, cluster, scheduler = setup(gpus=1, memory_mib=10000)
     meta = add(cluster, memory_mib=4000)
     prepared = scheduler.prepare_bind("default", meta["name"], meta["uid"], "n1")
     assert prepared is not None and used(state) == 4000
+    return state, cluster, scheduler, meta, prepared
+
+
+def test_a_pod_deleted_while_its_bind_waits_is_not_bound_and_frees_its_reservation() -> None:
+    state, cluster, scheduler, meta, prepared = prepared_bind()
     state.delete_pod(meta["uid"])  # the watch delivers the pod's deletion before its turn comes
     with pytest.raises(BindError, match="went away"):
         scheduler.commit_bind(prepared)
@@ -197,10 +203,7 @@ def test_a_pod_deleted_while_its_bind_waits_is_not_bound_and_frees_its_reservati
 
 
 def test_an_abandoned_bind_gives_its_reservation_back() -> None:
-    state, cluster, scheduler = setup(gpus=1, memory_mib=10000)
-    meta = add(cluster, memory_mib=4000)
-    prepared = scheduler.prepare_bind("default", meta["name"], meta["uid"], "n1")
-    assert prepared is not None and used(state) == 4000
+    state, _, scheduler, meta, prepared = prepared_bind()
     scheduler.abandon_bind(prepared)
     assert used(state) == 0 and not state.pods
     scheduler.bind("default", meta["name"], meta["uid"], "n1")
