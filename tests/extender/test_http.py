@@ -211,3 +211,21 @@ def test_concurrent_binds_to_one_node_over_http_never_over_commit(client: httpx.
     assert [g.used_memory_mib for g in gpus] == [60000] * 4
     bound = [extender.source.pods[("default", p["metadata"]["name"])] for p in pods]
     assert sum(1 for b in bound if b["spec"].get("nodeName") == "a100-0") == 8
+
+
+def test_an_internal_error_answers_500_with_error_and_the_service_keeps_serving(
+    client: httpx.Client, extender: Extender, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*_: Any) -> None:
+        raise RuntimeError("engine bug")
+
+    monkeypatch.setattr(extender.scheduler, "filter", broken)
+    reply = client.post("/filter", json={"Pod": pod(), "NodeNames": NAMES})
+    assert reply.status_code == 500 and "engine bug" in reply.json()["Error"]
+    assert client.post("/prioritize", json={"Pod": pod(), "NodeNames": NAMES}).status_code == 200
+    assert client.get("/healthz").status_code == 200
+
+
+def test_verbs_only_answer_post(client: httpx.Client) -> None:
+    reply = client.get("/filter")
+    assert reply.status_code == 405 and reply.headers["allow"] == "POST" and reply.json()["Error"]
