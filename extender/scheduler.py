@@ -3,8 +3,9 @@
 filter and prioritize never call the API server; per-node results are cached on the node keyed by
 (request shape, policies) and dropped whenever that node changes, so a burst of pods of few shapes
 costs one dict lookup per node per verb. bind has two steps: prepare_bind re-checks on fresh state and
-reserves the GPUs in memory as soon as the bind arrives; commit_bind, one at a time per node, writes the
-Binding that carries the assignment, and rolls the reservation back if it fails.
+reserves the GPUs in memory as soon as the bind arrives; commit_bind, when the node's turn comes (one at a time
+per node, or together with identical assignments: extender/turns.py), writes the Binding that carries the
+assignment, and rolls the reservation back if it fails.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .engine.fit import place
 from .engine.model import FitFailure, NodeState, Placement, PlacementRequest, assignment_from_placement
 from .engine.policies import DEFAULT_GPU_POLICY, DEFAULT_NODE_POLICY, Policy, make_policy
 from .state import ClusterState, pod_cpu_request_milli
+from .turns import NodeTurns, Wake
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +119,9 @@ class Scheduler:
         # pods between prepare_bind and the end of commit_bind
         self._binding: set[str] = set()
         self._binding_lock = threading.Lock()
-        # see node_lock(); binds to different nodes stay concurrent, and nothing waits on kubelet
-        self._node_locks: dict[str, threading.Lock] = {}
+        # node name -> whose turn it is to write (extender/turns.py); binds to different nodes stay concurrent,
+        # and nothing waits on kubelet
+        self._turns: dict[str, NodeTurns] = {}
         #: hooks for metrics: called with (verb outcome, FitFailure code)
         self.on_rejection: Callable[[str], None] = lambda code: None
 
@@ -296,15 +299,38 @@ class Scheduler:
     def bind(self, namespace: str, name: str, uid: str, node_name: str) -> None:
         """Decide the exact GPUs and commit. Raises BindError with a reason; idempotent for a repeat."""
         prepared = self.prepare_bind(namespace, name, uid, node_name)
-        if prepared is not None:
+        if prepared is None:
+            return
+        turn = threading.Event()
+        if not self.request_turn(prepared, turn.set):
+            turn.wait()
+        try:
             self.commit_bind(prepared)
+        finally:
+            self.finish_turn(prepared)
 
-    def node_lock(self, node_name: str) -> threading.Lock:
-        """Held from the bind time to the Binding's reply: binds to one node commit one at a time, in the order
-        of their bind times. kubelet admits a node's pods in the order the Bindings reach it and the device
-        plugin matches Allocate calls to pods by bind time, so the two orders must agree."""
+    # Turns: which prepared binds of a node may write their Binding now (extender/turns.py says why). `wake` is
+    # called under the binding lock and must not block (an Event's set, an event loop's call_soon_threadsafe).
+    def request_turn(self, prepared: PreparedBind, wake: Wake) -> bool:
+        """True: commit now. False: `wake` is called when it is this bind's turn."""
         with self._binding_lock:
-            return self._node_locks.setdefault(node_name, threading.Lock())
+            turns = self._turns.get(prepared.node_name)
+            if turns is None:
+                turns = self._turns[prepared.node_name] = NodeTurns()
+            return turns.request(prepared.assignment, wake)
+
+    def withdraw_turn(self, prepared: PreparedBind, wake: Wake) -> bool:
+        """Stop waiting for a turn; False if it was granted meanwhile (then finish_turn() passes it on)."""
+        with self._binding_lock:
+            turns = self._turns.get(prepared.node_name)
+            return turns is not None and turns.withdraw(wake)
+
+    def finish_turn(self, prepared: PreparedBind) -> None:
+        with self._binding_lock:
+            turns = self._turns[prepared.node_name]
+            turns.finish()
+            if turns.idle:
+                del self._turns[prepared.node_name]
 
     def knows_pod(self, uid: str) -> bool:
         """Whether filter saw this pod recently: prepare_bind then needs no API call and may run on an event loop."""
@@ -381,11 +407,10 @@ class Scheduler:
         return PreparedBind(namespace, name, uid, node_name, protocol.encode_assignment(assignment))
 
     def commit_bind(self, prepared: PreparedBind) -> None:
-        """Write the prepared decision, in turn on its node; on failure the reservation is released and
-        BindError raised."""
+        """Write the prepared decision; the caller holds the node's turn (request_turn). On failure the
+        reservation is released and BindError raised."""
         try:
-            with self.node_lock(prepared.node_name):
-                self._commit(prepared)
+            self._commit(prepared)
         finally:
             self._done_binding(prepared.uid)
 
@@ -398,7 +423,7 @@ class Scheduler:
                 raise BindError(f"pod {namespace}/{name} went away while waiting to be bound to {node_name}")
         # The assignment travels in the Binding: the API server copies a Binding's annotations onto the pod as
         # it sets spec.nodeName, so the pod is never bound without its assignment nor annotated without being
-        # bound. The bind time, taken under the node lock, orders a node's pending pods for Allocate.
+        # bound. The bind time, taken once the node's turn came, orders a node's pending pods for Allocate.
         annotations = {
             protocol.POD_ASSIGNMENT_ANNOTATION: prepared.assignment,
             protocol.POD_BIND_TIME_ANNOTATION: protocol.format_bind_time(dt.datetime.now(dt.UTC)),

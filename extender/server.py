@@ -249,27 +249,30 @@ def create_app(scheduler: Scheduler, *, on_startup: Callable[[], None] | None = 
         return [{"Host": name, "Score": score} for name, score in scores if score]
 
     # A bind is decided and reserved as soon as it arrives (the next pods' filter sees it), then waits for its
-    # node's earlier binds to be written (Scheduler.node_lock). It waits here, in the event loop, rather than in a
-    # worker thread: node name -> (lock, binds using it).
-    node_queues: dict[str, tuple[asyncio.Lock, list[int]]] = {}
-
+    # node's turn (Scheduler.request_turn) here, in the event loop, rather than in a worker thread.
     async def commit_in_turn(prepared: PreparedBind) -> None:
-        node = prepared.node_name
-        queue = node_queues.get(node)
-        if queue is None:
-            queue = node_queues[node] = (asyncio.Lock(), [0])
-        queue[1][0] += 1
-        committing = False
-        try:
-            async with queue[0]:
-                committing = True
-                await run_in_threadpool(scheduler.commit_bind, prepared)
-        finally:
-            if not committing:  # cancelled while waiting (shutdown): give the reservation back
+        loop = asyncio.get_running_loop()
+        turn: asyncio.Future[None] = loop.create_future()
+
+        def grant() -> None:
+            if not turn.done():
+                turn.set_result(None)
+
+        def wake() -> None:  # called under the scheduler's lock, from whichever thread finished a turn
+            loop.call_soon_threadsafe(grant)
+
+        if not scheduler.request_turn(prepared, wake):
+            try:
+                await turn
+            except BaseException:  # cancelled while waiting (shutdown): give the reservation back
+                if not scheduler.withdraw_turn(prepared, wake):
+                    scheduler.finish_turn(prepared)  # granted meanwhile: pass it on
                 scheduler.abandon_bind(prepared)
-            queue[1][0] -= 1
-            if not queue[1][0]:
-                del node_queues[node]
+                raise
+        try:
+            await run_in_threadpool(scheduler.commit_bind, prepared)
+        finally:
+            scheduler.finish_turn(prepared)
 
     async def bind_verb(doc: Any) -> Any:
         if not isinstance(doc, dict):

@@ -117,6 +117,24 @@ def test_two_pending_pods_of_the_same_shape_are_matched_in_bind_order(
         allocator.allocate([ids(uuids[3], 2)])
 
 
+def test_pods_with_identical_assignments_get_identical_deliveries_whichever_is_claimed(
+    cluster: InMemoryCluster, allocator: Allocator, uuids: list[str]
+) -> None:
+    """The extender writes Bindings of identical assignments concurrently (extender/turns.py), so kubelet may admit
+    such pods in another order than their bind times. The plugin then claims the other pod, whose assignment is the
+    same: the container kubelet is admitting still runs exactly what its own annotation says."""
+    same = {"main": [(uuids[2], 4096, 10)]}
+    cluster.add_pod(gpu_pod("first", assignment=same, bound_at=10))
+    cluster.add_pod(gpu_pod("second", assignment=same, bound_at=11))
+    [one] = allocator.allocate([ids(uuids[0], 0)])
+    [two] = allocator.allocate([ids(uuids[0], 1)])
+    assert one.uuids == two.uuids == (uuids[2],) and one.envs == two.envs
+    assert {allocation_of(cluster.pod("default", n))["main"] for n in ("first", "second")} == {
+        tuple(ids(uuids[0], 0)),
+        tuple(ids(uuids[0], 1)),
+    }
+
+
 def test_the_request_size_selects_among_pods_of_different_shapes(
     cluster: InMemoryCluster, allocator: Allocator, uuids: list[str]
 ) -> None:

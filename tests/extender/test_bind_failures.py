@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -163,22 +164,75 @@ def test_a_waiting_bind_is_reserved_at_once_so_filter_sees_it() -> None:
     state = ClusterState()
     cluster = GatedCluster(state, [gpu_node("n1", gpus=1, memory_mib=10000)])
     scheduler = Scheduler(state, cluster)
-    first, second, third = (add(cluster, memory_mib=4000) for _ in range(3))
+    first, second, third = add(cluster, memory_mib=4000), add(cluster, memory_mib=3000), add(cluster, memory_mib=4000)
     writer = threading.Thread(target=scheduler.bind, args=("default", first["name"], first["uid"], "n1"))
     writer.start()
-    assert cluster.in_flight.wait(10)  # the first bind holds n1 while its Binding is written
+    assert cluster.in_flight.wait(10)  # the first bind's Binding is being written
     prepared = scheduler.prepare_bind("default", second["name"], second["uid"], "n1")
-    assert prepared is not None and used(state) == 8000  # reserved before its turn
+    assert prepared is not None and used(state) == 7000  # reserved before its turn
     outcome = scheduler.filter(cluster.pods[("default", third["name"])], ["n1"])
-    assert outcome.passed == [] and "n1" in outcome.failed  # 4000 MiB left for nobody but the waiting bind
+    assert outcome.passed == [] and "n1" in outcome.failed  # 3000 MiB left: not enough for the third pod
+    turn = threading.Event()
+    assert not scheduler.request_turn(prepared, turn.set)  # another assignment is being written: wait
     cluster.gate.set()
     writer.join(10)
+    assert turn.wait(10)  # the first bind's end handed the turn on
     scheduler.commit_bind(prepared)
-    assert cluster.order == [first["name"], second["name"]]  # written in arrival order, one at a time
+    scheduler.finish_turn(prepared)
+    assert cluster.order == [first["name"], second["name"]]
     annotations = [cluster.pods[("default", m["name"])]["metadata"]["annotations"] for m in (first, second)]
     bind_times = [protocol.parse_bind_time(a[protocol.POD_BIND_TIME_ANNOTATION]) for a in annotations]
     assert bind_times[0] <= bind_times[1]  # bind times follow the order of the writes (the device plugin's order)
-    assert used(state) == 8000
+    assert used(state) == 7000
+
+
+class ConcurrencyCluster(FlakyCluster):
+    """Records, for every Binding, which assignments were being written at the same moment."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lock = threading.Lock()
+        self.writing: list[str] = []
+        self.overlaps: list[tuple[str, ...]] = []
+
+    def bind(self, namespace: str, name: str, uid: str, node: str, annotations: dict[str, str]) -> None:
+        assignment = annotations[protocol.POD_ASSIGNMENT_ANNOTATION]
+        with self.lock:
+            self.writing.append(assignment)
+            self.overlaps.append(tuple(self.writing))
+        time.sleep(0.002)  # long enough for the other threads to pile up behind this write
+        super().bind(namespace, name, uid, node, annotations)
+        with self.lock:
+            self.writing.remove(assignment)
+
+
+def test_binds_to_one_node_overlap_only_with_identical_assignments() -> None:
+    """Different assignments are written one at a time (their order is the device plugin's order); identical ones
+    may be written together, which is what keeps a burst of identical pods onto one GPU fast."""
+    state = ClusterState()
+    cluster = ConcurrencyCluster(state, [gpu_node("n1", gpus=2, memory_mib=81920)])
+    scheduler = Scheduler(state, cluster, node_policy="binpack", gpu_policy="binpack")
+    metas = [add(cluster, memory_mib=4096, cores=10) for _ in range(12)] + [
+        add(cluster, memory_mib=8192, cores=10) for _ in range(6)
+    ]
+    barrier = threading.Barrier(len(metas))
+
+    def attempt(meta: dict[str, Any]) -> None:
+        barrier.wait()
+        scheduler.bind("default", meta["name"], meta["uid"], "n1")
+
+    threads = [threading.Thread(target=attempt, args=(m,)) for m in metas]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(cluster.overlaps) == len(metas)
+    assert all(len(set(seen)) == 1 for seen in cluster.overlaps)  # never two different assignments at once
+    assert max(len(seen) for seen in cluster.overlaps) > 1  # identical ones did overlap
+    assert not scheduler._turns and not scheduler._binding  # nothing left behind
+    gpus = state.nodes["n1"].gpus
+    assert sum(g.used_memory_mib for g in gpus) == 12 * 4096 + 6 * 8192
+    assert all(g.used_cores <= g.cores for g in gpus)
 
 
 def prepared_bind() -> tuple[ClusterState, FlakyCluster, Scheduler, dict[str, Any], PreparedBind]:
