@@ -125,11 +125,19 @@ def _bodies(mode: str, count: int, run_id: str, memory_mib: int = 4096) -> list[
     return bodies
 
 
-def _verb_totals(cluster: DevCluster) -> dict[str, tuple[float, float]]:
-    """verb -> (sum of seconds, count) from the extender's kube_vgpu_extender_request_seconds histogram, and
-    "failed binds" -> (0, count) from kube_vgpu_extender_binds_total."""
+@dataclass
+class ExtenderCounters:
+    """Read from the extender's /metrics: verb -> (sum of seconds, count) of kube_vgpu_extender_request_seconds,
+    and the binds it refused (kube_vgpu_extender_binds_total{outcome="failure"})."""
+
+    verbs: dict[str, tuple[float, float]] = field(default_factory=dict)
+    failed_binds: float = 0.0
+
+
+def _extender_counters(cluster: DevCluster) -> ExtenderCounters:
+    counters = ExtenderCounters()
     if "extender" not in cluster.records:
-        return {}
+        return counters
     connection = http.client.HTTPConnection("127.0.0.1", cluster.ports["extender"], timeout=10)
     try:
         connection.request("GET", "/metrics")
@@ -139,13 +147,14 @@ def _verb_totals(cluster: DevCluster) -> dict[str, tuple[float, float]]:
     totals: dict[str, list[float]] = {}
     for line in text.splitlines():
         if line.startswith('kube_vgpu_extender_binds_total{outcome="failure"}'):
-            totals["failed binds"] = [0.0, float(line.rsplit(" ", 1)[1])]
+            counters.failed_binds = float(line.rsplit(" ", 1)[1])
         for suffix, position in (("_sum", 0), ("_count", 1)):
             prefix = f"kube_vgpu_extender_request_seconds{suffix}{{verb=\""
             if line.startswith(prefix):
                 verb = line[len(prefix) :].split('"', 1)[0]
                 totals.setdefault(verb, [0.0, 0.0])[position] = float(line.rsplit(" ", 1)[1])
-    return {verb: (values[0], values[1]) for verb, values in totals.items()}
+    counters.verbs = {verb: (values[0], values[1]) for verb, values in totals.items()}
+    return counters
 
 
 def _cpu_ticks(record: ProcessRecord) -> int:
@@ -245,7 +254,7 @@ def run_trial(
 
     profiler = _start_profiler(cluster, profile_dir, f"extender-{nodes}-nodes-{run_id}") if mode == "extender" else None
     cpu_before = _cpu_snapshot(cluster)
-    verbs_before = _verb_totals(cluster) if mode == "extender" else {}
+    before = _extender_counters(cluster) if mode == "extender" else ExtenderCounters()
     next_index = iter(range(len(bodies)))
     lock = threading.Lock()
     failures: list[str] = []
@@ -287,7 +296,7 @@ def run_trial(
             f"kube-scheduler log:\n{cluster.log_tail('kube-scheduler')}\nextender log:\n{cluster.log_tail('extender')}"
         )
     cpu_after = _cpu_snapshot(cluster)
-    verbs_after = _verb_totals(cluster) if mode == "extender" else {}
+    after = _extender_counters(cluster) if mode == "extender" else ExtenderCounters()
     _stop_profiler(profiler)
     last_s = max(bound_at.values())
     total_s = last_s - start_s
@@ -297,14 +306,12 @@ def run_trial(
         # a process started during the trial (kube-scheduler with --precreate) counts from zero
         cpu[name] = (ticks - (before_ticks if before_pid == pid else 0)) / CLK_TCK
     verb_ms = {}
-    failed_binds = int(verbs_after.get("failed binds", (0.0, 0.0))[1] - verbs_before.get("failed binds", (0.0, 0.0))[1])
-    for verb, (seconds, count) in verbs_after.items():
-        if verb == "failed binds":
-            continue
-        before_seconds, before_count = verbs_before.get(verb, (0.0, 0.0))
+    for verb, (seconds, count) in after.verbs.items():
+        before_seconds, before_count = before.verbs.get(verb, (0.0, 0.0))
         if count > before_count:
             verb_ms[verb] = 1000 * (seconds - before_seconds) / (count - before_count)
-    return Trial(nodes, mode, pods, pods / total_s, created_s - start_s, total_s, cpu, verb_ms, failed_binds)
+    return Trial(nodes, mode, pods, pods / total_s, created_s - start_s, total_s, cpu, verb_ms,
+                 int(after.failed_binds - before.failed_binds))
 
 
 def _reset(cluster: DevCluster) -> None:

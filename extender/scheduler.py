@@ -332,21 +332,25 @@ class Scheduler:
             if turns.idle:
                 del self._turns[prepared.node_name]
 
-    def knows_pod(self, uid: str) -> bool:
-        """Whether filter saw this pod recently: prepare_bind then needs no API call and may run on an event loop."""
-        with self.state.lock:
-            return uid in self._recent_pods
+    def recent_pod(self, uid: str) -> Mapping[str, Any] | None:
+        """The pod as filter last saw it; given to prepare_bind, no API call is needed (it may run on an event
+        loop)."""
+        with self.state.lock:  # filter writes the TTL cache under the state lock, and a read may expire entries
+            return self._recent_pods.get(uid)
 
-    def prepare_bind(self, namespace: str, name: str, uid: str, node_name: str) -> PreparedBind | None:
+    def prepare_bind(
+        self, namespace: str, name: str, uid: str, node_name: str, pod: Mapping[str, Any] | None = None
+    ) -> PreparedBind | None:
         """Decide the exact GPUs and reserve them in memory, at once: filter and prioritize of the next pods
         already see them while this bind waits for its turn on the node. None if the pod is already bound as
-        asked (a repeat). Raises BindError. Needs no node lock; does not block unless the pod must be read."""
+        asked (a repeat). Raises BindError. Needs no node lock; reads the pod from the API only when it is neither
+        given nor recently seen by filter."""
         with self._binding_lock:
             if uid in self._binding:
                 raise BindError(f"pod {namespace}/{name} is already being bound")
             self._binding.add(uid)
         try:
-            prepared = self._prepare(namespace, name, uid, node_name)
+            prepared = self._prepare(namespace, name, uid, node_name, pod)
         except BaseException:
             self._done_binding(uid)
             raise
@@ -358,7 +362,9 @@ class Scheduler:
         with self._binding_lock:
             self._binding.discard(uid)
 
-    def _prepare(self, namespace: str, name: str, uid: str, node_name: str) -> PreparedBind | None:
+    def _prepare(
+        self, namespace: str, name: str, uid: str, node_name: str, pod: Mapping[str, Any] | None
+    ) -> PreparedBind | None:
         state = self.state
         if not state.synced.is_set():
             raise BindError(NOT_SYNCED)
@@ -366,9 +372,8 @@ class Scheduler:
             existing = state.pods.get(uid)
             if existing is not None and existing.node_name == node_name and existing.confirmed and existing.bound:
                 return None  # a repeat of a bind that took effect: same answer, nothing counted twice
-
-        with state.lock:  # filter writes the TTL cache under the state lock, and a read may expire entries
-            pod = self._recent_pods.get(uid)
+            if pod is None:
+                pod = self._recent_pods.get(uid)  # under the state lock: filter writes it, and a read may expire
         if pod is None:
             pod = self.binder.get_pod(namespace, name)
         if pod is None:

@@ -289,8 +289,9 @@ def create_app(scheduler: Scheduler, *, on_startup: Callable[[], None] | None = 
             raise BadRequest(f"ExtenderBindingArgs is missing {', '.join(missing)}")
         args = (fields["PodNamespace"], fields["PodName"], fields["PodUID"], fields["Node"])
         try:
-            if scheduler.knows_pod(fields["PodUID"]):
-                prepared = scheduler.prepare_bind(*args)  # no I/O: decide here, without a thread hop
+            pod = scheduler.recent_pod(fields["PodUID"])
+            if pod is not None:
+                prepared = scheduler.prepare_bind(*args, pod)  # no I/O: decide here, without a thread hop
             else:
                 prepared = await run_in_threadpool(scheduler.prepare_bind, *args)  # reads the pod from the API
             if prepared is not None:
