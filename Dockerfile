@@ -17,6 +17,7 @@ COPY kube_vgpu/ kube_vgpu/
 COPY extender/ extender/
 COPY webhook/ webhook/
 COPY deviceplugin/ deviceplugin/
+COPY manifests/ manifests/
 RUN pip wheel --no-deps --wheel-dir /wheels .
 
 # --- stage 2: the runtime --------------------------------------------------------------------------------------

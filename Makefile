@@ -11,4 +11,4 @@ test:
 	@venv=$$(scripts/bootstrap.sh) && scripts/test.sh "$$venv"
 
 lint:
-	@venv=$$(scripts/bootstrap.sh) && "$$venv/bin/ruff" check . && "$$venv/bin/mypy" kube_vgpu extender webhook deviceplugin
+	@venv=$$(scripts/bootstrap.sh) && "$$venv/bin/ruff" check . && "$$venv/bin/mypy"

@@ -5,7 +5,7 @@ kube-scheduler configuration minus its extenders block (nvidia.com/gpu as a plai
     python bench/e2e_throughput.py                        # 500 and 1000 nodes x 8 GPUs, 1000 pods
     python bench/e2e_throughput.py --nodes 500 --pods 1000 --repeat 3 --json out.json
 
-One dev cluster serves every trial (kube_vgpu.devcluster): nodes are added between node counts; before each trial
+One dev cluster serves every trial (kube_vgpu.dev.devcluster): nodes are added between node counts; before each trial
 kube-scheduler is restarted with or without the extender, so each starts from a synced, idle scheduler. The pods
 are created by --creators threads over kept-open HTTPS connections (pre-serialised bodies), and a watch records
 when each pod gets its nodeName. Reported per trial:
@@ -44,9 +44,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kube_vgpu import protocol  # noqa: E402
-from kube_vgpu.devcluster.cluster import ClusterOptions, DevCluster, NodeGroup, up  # noqa: E402
-from kube_vgpu.devcluster.processes import ProcessRecord  # noqa: E402
-from kube_vgpu.devcluster.workload import delete_pods, ensure_namespace, gpu_pod, wait_until_gone  # noqa: E402
+from kube_vgpu.dev.devcluster.cluster import ClusterOptions, DevCluster, NodeGroup, up  # noqa: E402
+from kube_vgpu.dev.devcluster.processes import ProcessRecord  # noqa: E402
+from kube_vgpu.dev.devcluster.workload import delete_pods, ensure_namespace, gpu_pod, wait_until_gone  # noqa: E402
 
 NAMESPACE = "bench"
 REFERENCE = {"go_extender_pods_per_s": 111.0, "bare_pods_per_s": 991.0, "nodes": 500}

@@ -28,14 +28,14 @@ import orjson
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from extender.engine.fit import place  # noqa: E402
-from extender.engine.model import NodeState, Placement, PlacementRequest, assignment_from_placement  # noqa: E402
-from extender.engine.policies import make_policy  # noqa: E402
-from extender.scheduler import Scheduler  # noqa: E402
-from extender.sources.snapshot import SnapshotCluster  # noqa: E402
-from extender.state import ClusterState  # noqa: E402
 from kube_vgpu import protocol  # noqa: E402
-from kube_vgpu.synth import gpu_pod_object, node_object, synth_inventory  # noqa: E402
+from kube_vgpu.dev.synth import gpu_pod_object, node_object, synth_inventory  # noqa: E402
+from kube_vgpu.extender.engine.fit import place  # noqa: E402
+from kube_vgpu.extender.engine.model import NodeState, Placement, PlacementRequest, assignment_from_placement  # noqa: E402
+from kube_vgpu.extender.engine.policies import make_policy  # noqa: E402
+from kube_vgpu.extender.scheduler import Scheduler  # noqa: E402
+from kube_vgpu.extender.sources.snapshot import SnapshotCluster  # noqa: E402
+from kube_vgpu.extender.state import ClusterState  # noqa: E402
 from tests.helpers import pod as make_pod  # noqa: E402
 
 GPU_MEMORY_MIB = 81920

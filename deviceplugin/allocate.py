@@ -30,10 +30,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kube_vgpu import protocol
+from kube_vgpu.deviceplugin.kube import ApiUnavailable, Conflict, NotFound, PodSource
+from kube_vgpu.deviceplugin.state import DeviceState, uuid_of_device_id
 from kube_vgpu.protocol import ContainerAssignment, PodAssignment
-
-from .kube import ApiUnavailable, Conflict, NotFound, PodSource
-from .state import DeviceState, uuid_of_device_id
 
 log = logging.getLogger(__name__)
 

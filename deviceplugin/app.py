@@ -14,16 +14,15 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kube_vgpu import protocol
-
-from .allocate import Allocator, DeliveryConfig
-from .discovery import Discovery, discover
-from .foreign import DeviceHolders, ForeignPodMonitor
-from .health import APPLICATION_XIDS, HealthMonitor
-from .kube import NodeClient, PodSource
-from .nvml import Nvml
-from .publisher import DEFAULT_HEARTBEAT_SECONDS, Publisher
-from .server import DEFAULT_KUBELET_DIR, DEFAULT_SOCKET_NAME, DevicePluginServicer, PluginServer
-from .state import DeviceState
+from kube_vgpu.deviceplugin.allocate import Allocator, DeliveryConfig
+from kube_vgpu.deviceplugin.discovery import Discovery, discover
+from kube_vgpu.deviceplugin.foreign import DeviceHolders, ForeignPodMonitor
+from kube_vgpu.deviceplugin.health import APPLICATION_XIDS, HealthMonitor
+from kube_vgpu.deviceplugin.kube import NodeClient, PodSource
+from kube_vgpu.deviceplugin.nvml import Nvml
+from kube_vgpu.deviceplugin.publisher import DEFAULT_HEARTBEAT_SECONDS, Publisher
+from kube_vgpu.deviceplugin.server import DEFAULT_KUBELET_DIR, DEFAULT_SOCKET_NAME, DevicePluginServicer, PluginServer
+from kube_vgpu.deviceplugin.state import DeviceState
 
 log = logging.getLogger(__name__)
 

@@ -11,13 +11,12 @@ import threading
 from typing import Any
 
 from kube_vgpu import protocol
-
-from .allocate import DEVICE_LIST_STRATEGIES, DeliveryConfig
-from .fakenvml import profile_names
-from .foreign import DEFAULT_POD_RESOURCES_SOCKET, PodResourcesClient
-from .health import APPLICATION_XIDS
-from .publisher import DEFAULT_HEARTBEAT_SECONDS
-from .server import DEFAULT_KUBELET_DIR
+from kube_vgpu.deviceplugin.allocate import DEVICE_LIST_STRATEGIES, DeliveryConfig
+from kube_vgpu.deviceplugin.fakenvml import profile_names
+from kube_vgpu.deviceplugin.foreign import DEFAULT_POD_RESOURCES_SOCKET, PodResourcesClient
+from kube_vgpu.deviceplugin.health import APPLICATION_XIDS
+from kube_vgpu.deviceplugin.publisher import DEFAULT_HEARTBEAT_SECONDS
+from kube_vgpu.deviceplugin.server import DEFAULT_KUBELET_DIR
 
 log = logging.getLogger("deviceplugin")
 
@@ -100,9 +99,9 @@ def run(args: argparse.Namespace) -> int:
         print("kube-vgpu device-plugin: --sharing-count must be >= 1 and --heartbeat-seconds > 0", file=sys.stderr)
         return 2
 
-    from .app import Cluster, DevicePluginApp, PluginConfig
-    from .kube import KubeClient, load_api_client
-    from .nvml import open_nvml
+    from kube_vgpu.deviceplugin.app import Cluster, DevicePluginApp, PluginConfig
+    from kube_vgpu.deviceplugin.kube import KubeClient, load_api_client
+    from kube_vgpu.deviceplugin.nvml import open_nvml
 
     try:
         nvml = open_nvml(args.fake_nvml, args.node_name)

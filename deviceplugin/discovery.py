@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from kube_vgpu import protocol
+from kube_vgpu.deviceplugin import nvml as nv
+from kube_vgpu.deviceplugin.nvml import Nvml, normalize_bus_id
 from kube_vgpu.protocol import GpuInfo, GpuLink, NodeInventory, PcieLevel
-
-from . import nvml as nv
-from .nvml import Nvml, normalize_bus_id
 
 log = logging.getLogger(__name__)
 

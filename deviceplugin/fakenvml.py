@@ -117,7 +117,7 @@ def layout_hardware(
 def profile_uuid(seed: str, index: int) -> str:
     """Stable GPU UUID for fake hardware; the same derivation as `cluster synth` so a node's UUIDs do not
     depend on which tool described it."""
-    from kube_vgpu.synth import synth_uuid
+    from kube_vgpu.dev.synth import synth_uuid
 
     return synth_uuid(seed, index)
 
@@ -455,7 +455,8 @@ class FakeNvml:
 
     def nvmlDeviceGetNvLinkState(self, device: FakeHandle, link: int) -> int:
         active = self._link("nvmlDeviceGetNvLinkState", device, link) is not None
-        return pynvml.NVML_FEATURE_ENABLED if active else pynvml.NVML_FEATURE_DISABLED
+        state: int = pynvml.NVML_FEATURE_ENABLED if active else pynvml.NVML_FEATURE_DISABLED
+        return state
 
     def nvmlDeviceGetNvLinkRemotePciInfo(self, device: FakeHandle, link: int) -> FakePciInfo:
         target = self._link("nvmlDeviceGetNvLinkRemotePciInfo", device, link)
@@ -470,9 +471,14 @@ class FakeNvml:
 
     def nvmlDeviceGetNvLinkRemoteDeviceType(self, handle: FakeHandle, link: int) -> int:
         target = self._link("nvmlDeviceGetNvLinkRemoteDeviceType", handle, link)
+        device_type: int
         if target is None:
-            return pynvml.NVML_NVLINK_DEVICE_TYPE_UNKNOWN
-        return pynvml.NVML_NVLINK_DEVICE_TYPE_GPU if target[0] == "gpu" else pynvml.NVML_NVLINK_DEVICE_TYPE_SWITCH
+            device_type = pynvml.NVML_NVLINK_DEVICE_TYPE_UNKNOWN
+        elif target[0] == "gpu":
+            device_type = pynvml.NVML_NVLINK_DEVICE_TYPE_GPU
+        else:
+            device_type = pynvml.NVML_NVLINK_DEVICE_TYPE_SWITCH
+        return device_type
 
     # -- events -------------------------------------------------------------------------------------------------
 

@@ -15,10 +15,9 @@ import re
 from typing import Any, Protocol
 
 from kube_vgpu import protocol
-
-from .allocate import read_node_pods
-from .kube import ApiUnavailable, PodSource
-from .state import DeviceState
+from kube_vgpu.deviceplugin.allocate import read_node_pods
+from kube_vgpu.deviceplugin.kube import ApiUnavailable, PodSource
+from kube_vgpu.deviceplugin.state import DeviceState
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +52,7 @@ class PodResourcesClient:
     def gpu_holders(self) -> dict[tuple[str, str], set[str]]:
         import grpc
 
-        from .api import podresources_pb2, podresources_pb2_grpc
+        from kube_vgpu.deviceplugin.api import podresources_pb2, podresources_pb2_grpc
 
         with grpc.insecure_channel(f"unix://{self.socket_path}") as channel:
             stub = podresources_pb2_grpc.PodResourcesListerStub(channel)

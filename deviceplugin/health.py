@@ -12,9 +12,9 @@ import threading
 import time
 from typing import Any
 
-from . import nvml as nv
-from .nvml import Nvml
-from .state import DeviceState
+from kube_vgpu.deviceplugin import nvml as nv
+from kube_vgpu.deviceplugin.nvml import Nvml
+from kube_vgpu.deviceplugin.state import DeviceState
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .kube import Conflict, NotFound
+from kube_vgpu.deviceplugin.kube import Conflict, NotFound
 
 
 @dataclass(frozen=True, slots=True)

@@ -143,6 +143,6 @@ def open_nvml(fake_profile: str | None, seed: str) -> Nvml:
     """The real NVML, or fake hardware from a profile (UUIDs derived from `seed`, the node name)."""
     if not fake_profile:
         return Nvml(pynvml)
-    from .fakenvml import FakeNvml, load_profile
+    from kube_vgpu.deviceplugin.fakenvml import FakeNvml, load_profile
 
     return Nvml(FakeNvml(load_profile(fake_profile, seed)))

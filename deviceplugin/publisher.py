@@ -13,10 +13,9 @@ import threading
 from collections.abc import Callable
 
 from kube_vgpu import protocol
+from kube_vgpu.deviceplugin.kube import ApiUnavailable, Conflict, NodeClient, NotFound
+from kube_vgpu.deviceplugin.state import DeviceState
 from kube_vgpu.protocol import NodeInventory
-
-from .kube import ApiUnavailable, Conflict, NodeClient, NotFound
-from .state import DeviceState
 
 log = logging.getLogger(__name__)
 

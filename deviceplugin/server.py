@@ -19,11 +19,10 @@ from typing import Any
 import grpc
 
 from kube_vgpu import protocol
-
-from .allocate import AllocationError, Allocator, ContainerDelivery
-from .api import deviceplugin_pb2 as pb
-from .api import deviceplugin_pb2_grpc as pb_grpc
-from .state import HEALTHY, UNHEALTHY, DeviceState
+from kube_vgpu.deviceplugin.allocate import AllocationError, Allocator, ContainerDelivery
+from kube_vgpu.deviceplugin.api import deviceplugin_pb2 as pb
+from kube_vgpu.deviceplugin.api import deviceplugin_pb2_grpc as pb_grpc
+from kube_vgpu.deviceplugin.state import HEALTHY, UNHEALTHY, DeviceState
 
 log = logging.getLogger(__name__)
 

@@ -8,9 +8,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from .engine.policies import DEFAULT_GPU_POLICY, DEFAULT_NODE_POLICY, policy_names
-from .scheduler import Scheduler
-from .state import ClusterState
+from kube_vgpu.extender.engine.policies import DEFAULT_GPU_POLICY, DEFAULT_NODE_POLICY, policy_names
+from kube_vgpu.extender.scheduler import Scheduler
+from kube_vgpu.extender.state import ClusterState
 
 log = logging.getLogger("kube_vgpu.extender")
 #: see run(): how long a thread may hold the GIL while another waits for it (CPython's default is 5 ms)
@@ -60,7 +60,7 @@ class Extender:
 
 def build(args: argparse.Namespace) -> Extender:
     """Everything but the HTTP listener; tests and the dev cluster build in-process through this."""
-    from .server import create_app
+    from kube_vgpu.extender.server import create_app
 
     known = policy_names()
     for name in (args.policy, args.gpu_policy):
@@ -72,20 +72,20 @@ def build(args: argparse.Namespace) -> Extender:
     gates: list[Any] = []
     quota_config = getattr(args, "quota_config", None)
     if args.snapshot:
-        from .sources.snapshot import SnapshotCluster, load_snapshot
+        from kube_vgpu.extender.sources.snapshot import SnapshotCluster, load_snapshot
 
         source: Any = SnapshotCluster(state, load_snapshot(args.snapshot))
         binder: Any = source
         api_client = None
     else:
-        from .sources.live import LiveBinder, LiveSource, make_api_client
+        from kube_vgpu.extender.sources.live import LiveBinder, LiveSource, make_api_client
 
         api_client = make_api_client(args.kubeconfig)
         source = LiveSource(state, api_client)
         binder = LiveBinder(api_client)
     if quota_config or api_client is not None:
         try:
-            from .quota.gate import build_gate
+            from kube_vgpu.extender.quota.gate import build_gate
         except ImportError:  # the quota gate is optional while it is being built
             build_gate = None  # type: ignore[assignment]
         if build_gate is not None:
@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         "serving on %s:%d (%s, node policy %s, GPU policy %s)", args.host, args.port, mode, args.policy, args.gpu_policy
     )
     if args.metrics_port:
-        from .server import serve_probes
+        from kube_vgpu.extender.server import serve_probes
 
         serve_probes(extender.app.state.registry, extender.state, args.metrics_host, args.metrics_port)
         log.info("metrics and probes on %s:%d", args.metrics_host, args.metrics_port)

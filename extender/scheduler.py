@@ -20,13 +20,18 @@ from typing import Any, Protocol
 from cachetools import TTLCache
 
 from kube_vgpu import protocol
+from kube_vgpu.extender.engine.fit import place
+from kube_vgpu.extender.engine.model import (
+    FitFailure,
+    NodeState,
+    Placement,
+    PlacementRequest,
+    assignment_from_placement,
+)
+from kube_vgpu.extender.engine.policies import DEFAULT_GPU_POLICY, DEFAULT_NODE_POLICY, Policy, make_policy
+from kube_vgpu.extender.state import ClusterState, pod_cpu_request_milli
+from kube_vgpu.extender.turns import NodeTurns, Wake
 from kube_vgpu.protocol import InvalidGpuRequest, PodGpuRequest
-
-from .engine.fit import place
-from .engine.model import FitFailure, NodeState, Placement, PlacementRequest, assignment_from_placement
-from .engine.policies import DEFAULT_GPU_POLICY, DEFAULT_NODE_POLICY, Policy, make_policy
-from .state import ClusterState, pod_cpu_request_milli
-from .turns import NodeTurns, Wake
 
 log = logging.getLogger(__name__)
 

@@ -25,10 +25,9 @@ from prometheus_client.registry import Collector
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
+from kube_vgpu.extender.scheduler import BindError, PreparedBind, Scheduler
+from kube_vgpu.extender.state import ClusterState
 from kube_vgpu.protocol import InvalidGpuRequest
-
-from .scheduler import BindError, PreparedBind, Scheduler
-from .state import ClusterState
 
 log = logging.getLogger(__name__)
 

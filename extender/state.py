@@ -27,10 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kube_vgpu import protocol
+from kube_vgpu.extender.engine.model import GpuUsage, NodeState
+from kube_vgpu.extender.quota.objects import RESOURCE_CPU, pod_quantity
 from kube_vgpu.protocol import PodAssignment, ProtocolError
-
-from .engine.model import GpuUsage, NodeState
-from .quota.objects import RESOURCE_CPU, pod_quantity
 
 log = logging.getLogger(__name__)
 

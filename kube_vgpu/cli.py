@@ -10,15 +10,15 @@ import sys
 
 # subcommand -> (module, one-line help). A module may itself add nested subcommands.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "extender": ("extender.cli", "run the scheduler extender (filter / prioritize / bind)"),
-    "webhook": ("webhook.cli", "run the mutating admission webhook"),
-    "device-plugin": ("deviceplugin.cli", "run the device plugin on a GPU node"),
-    "cluster": ("kube_vgpu.synth", "synthetic clusters (cluster synth)"),
-    "dev-cluster": ("kube_vgpu.devcluster.cli", "a local control plane with simulated GPU nodes"),
-    "demo": ("kube_vgpu.devcluster.demo", "dev cluster + sample workload + placement table"),
-    "simulate": ("kube_vgpu.simulator.cli", "trace-driven placement simulator (openb traces)"),
-    "quota": ("extender.quota.cli", "quota status"),
-    "certs": ("webhook.certs", "create a CA and serving certificate"),
+    "extender": ("kube_vgpu.extender.cli", "run the scheduler extender (filter / prioritize / bind)"),
+    "webhook": ("kube_vgpu.webhook.cli", "run the mutating admission webhook"),
+    "device-plugin": ("kube_vgpu.deviceplugin.cli", "run the device plugin on a GPU node"),
+    "cluster": ("kube_vgpu.dev.synth", "synthetic clusters (cluster synth)"),
+    "dev-cluster": ("kube_vgpu.dev.devcluster.cli", "a local control plane with simulated GPU nodes"),
+    "demo": ("kube_vgpu.dev.devcluster.demo", "dev cluster + sample workload + placement table"),
+    "simulate": ("kube_vgpu.dev.simulator.cli", "trace-driven placement simulator (openb traces)"),
+    "quota": ("kube_vgpu.extender.quota.cli", "quota status"),
+    "certs": ("kube_vgpu.webhook.certs", "create a CA and serving certificate"),
 }
 
 

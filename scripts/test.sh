@@ -7,6 +7,6 @@ cd "$root"
 echo ">> ruff"
 "$venv/bin/ruff" check .
 echo ">> mypy"
-"$venv/bin/mypy" kube_vgpu extender webhook deviceplugin
+"$venv/bin/mypy"
 echo ">> pytest"
 "$venv/bin/python" -m pytest -q -p no:cacheprovider "${@:2}"

@@ -6,7 +6,7 @@ import itertools
 from typing import Any
 
 from kube_vgpu import protocol
-from kube_vgpu.synth import node_object, synth_inventory
+from kube_vgpu.dev.synth import node_object, synth_inventory
 
 _counter = itertools.count()
 

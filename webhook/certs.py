@@ -343,7 +343,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
         import yaml
 
-        from webhook.registration import ServiceReference, mutating_webhook_configuration
+        from kube_vgpu.webhook.registration import ServiceReference, mutating_webhook_configuration
 
         document = mutating_webhook_configuration(
             paths.ca_pem, service=ServiceReference(namespace=args.namespace, name=args.service)

@@ -14,14 +14,14 @@ import ssl
 import sys
 
 from kube_vgpu.protocol import DEFAULT_LIMITER_LD_SO_PRELOAD_PATH, DEFAULT_LIMITER_LIBRARY_PATH, DEFAULT_SCHEDULER_NAME
-from webhook.config import (
+from kube_vgpu.webhook.config import (
     DEFAULT_CACHE_DIR,
     DEFAULT_MAX_GPUS_PER_POD,
     DEFAULT_TRUSTED_USERNAMES,
     LimiterMode,
     WebhookConfig,
 )
-from webhook.tls import DEFAULT_RELOAD_INTERVAL_S
+from kube_vgpu.webhook.tls import DEFAULT_RELOAD_INTERVAL_S
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         if args.tls_cert_file or args.tls_key_file:
             print("kube-vgpu webhook: give either --self-signed-dir or --tls-cert-file/--tls-key-file", file=sys.stderr)
             return 2
-        from webhook.certs import DEFAULT_HOSTNAMES, DEFAULT_IPS, ensure_ca_and_serving_cert
+        from kube_vgpu.webhook.certs import DEFAULT_HOSTNAMES, DEFAULT_IPS, ensure_ca_and_serving_cert
 
         paths = ensure_ca_and_serving_cert(
             args.self_signed_dir, [*DEFAULT_HOSTNAMES, *args.hostname], [*DEFAULT_IPS, *args.ip]
@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
 
-    from webhook.server import WebhookServer  # FastAPI and uvicorn load only when serving
+    from kube_vgpu.webhook.server import WebhookServer  # FastAPI and uvicorn load only when serving
 
     try:
         server = WebhookServer(

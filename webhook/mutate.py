@@ -36,7 +36,7 @@ from kube_vgpu.protocol import (
     parse_pod_gpu_request,
     pod_asks_for_gpu,
 )
-from webhook.config import LimiterMode, WebhookConfig
+from kube_vgpu.webhook.config import LimiterMode, WebhookConfig
 
 API_VERSION_V1 = "admission.k8s.io/v1"
 API_VERSION_V1BETA1 = "admission.k8s.io/v1beta1"

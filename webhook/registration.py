@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kube_vgpu.protocol import ANNOTATION_PREFIX, GPU_RESOURCES, LABEL_WEBHOOK, LABEL_WEBHOOK_DISABLED
-from webhook.config import DEFAULT_TRUSTED_USERNAMES
+from kube_vgpu.webhook.config import DEFAULT_TRUSTED_USERNAMES
 
 CONFIGURATION_NAME = "kube-vgpu-webhook"
 MUTATE_WEBHOOK_NAME = "pods.mutate.kube-vgpu.io"

@@ -22,11 +22,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
-from webhook.config import WebhookConfig
-from webhook.metrics import WebhookMetrics
-from webhook.mutate import Result, review
-from webhook.registration import MUTATE_PATH
-from webhook.tls import DEFAULT_RELOAD_INTERVAL_S, ReloadingCertificate
+from kube_vgpu.webhook.config import WebhookConfig
+from kube_vgpu.webhook.metrics import WebhookMetrics
+from kube_vgpu.webhook.mutate import Result, review
+from kube_vgpu.webhook.registration import MUTATE_PATH
+from kube_vgpu.webhook.tls import DEFAULT_RELOAD_INTERVAL_S, ReloadingCertificate
 
 log = logging.getLogger("kube_vgpu.webhook")
 

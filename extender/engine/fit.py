@@ -8,10 +8,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kube_vgpu.extender.engine.model import (
+    ContainerPlacement,
+    FitFailure,
+    GpuState,
+    GpuUsage,
+    NodeState,
+    Placement,
+    PlacementRequest,
+)
+from kube_vgpu.extender.engine.policies.base import Policy, Scratch
 from kube_vgpu.protocol import ContainerGpuRequest, GpuSelectors
-
-from .model import ContainerPlacement, FitFailure, GpuState, GpuUsage, NodeState, Placement, PlacementRequest
-from .policies.base import Policy, Scratch
 
 
 def gpu_eligible(gpu: GpuState, selectors: GpuSelectors, gpu_spec: tuple[str, ...]) -> bool:

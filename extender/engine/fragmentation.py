@@ -19,10 +19,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .shares import MILLI_PER_GPU, ask_share_milli, free_share_milli
+from kube_vgpu.extender.engine.shares import MILLI_PER_GPU, ask_share_milli, free_share_milli
 
 if TYPE_CHECKING:
-    from .model import NodeState, PlacementRequest
+    from kube_vgpu.extender.engine.model import NodeState, PlacementRequest
 
 __all__ = ["MILLI_PER_GPU", "FragModel", "ShapeLearner", "TaskShape", "WeightedShapes", "task_shape"]
 

@@ -18,9 +18,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from kube_vgpu.extender.engine.model import GpuState
     from kube_vgpu.protocol import ContainerGpuRequest
-
-    from .model import GpuState
 
 MILLI_PER_GPU = 1000
 

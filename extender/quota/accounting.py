@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from .objects import ClusterQueue, Cohort, ResourceQuota
+from kube_vgpu.extender.quota.objects import ClusterQueue, Cohort, ResourceQuota
 
 FlavorResource = tuple[str, str]  # (flavor, resource)
 NodeKey = tuple[str, str]  # ("ClusterQueue" | "Cohort", name): a cohort and a queue may share a name

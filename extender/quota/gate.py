@@ -27,13 +27,10 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kube_vgpu import protocol
-from kube_vgpu.protocol import PodAssignment, PodGpuRequest
-
-from ..engine.fit import gpu_eligible
-from ..engine.model import NodeState
-from ..state import FINISHED_PHASES, ClusterState, PodRecord
-from .accounting import FlavorResource, QuotaTree, Shortfall
-from .objects import (
+from kube_vgpu.extender.engine.fit import gpu_eligible
+from kube_vgpu.extender.engine.model import NodeState
+from kube_vgpu.extender.quota.accounting import FlavorResource, QuotaTree, Shortfall
+from kube_vgpu.extender.quota.objects import (
     RESOURCE_CPU,
     RESOURCE_MEMORY,
     RESOURCE_PODS,
@@ -48,6 +45,8 @@ from .objects import (
     parse_tolerations,
     pod_quantity,
 )
+from kube_vgpu.extender.state import FINISHED_PHASES, ClusterState, PodRecord
+from kube_vgpu.protocol import PodAssignment, PodGpuRequest
 
 log = logging.getLogger(__name__)
 
@@ -673,15 +672,14 @@ class QuotaGate:
         if cache.request is not request:
             self._prepare(cache, admission, request)
         key = self._node_key(cache, node)
-        found = cache.fast.get(key, _MISSING)
+        found: Refusal | None = cache.fast.get(key, _MISSING)
         if found is _MISSING:
             needs = self._needs_on(cache, admission, request, node)
             labels = node.labels
             full_key = (tuple(map(labels.get, cache.label_keys)), needs)
-            found = cache.fits.get(full_key, _MISSING)
-            if found is _MISSING:
-                found = cache.fits[full_key] = self._fit_uncached(admission, labels, dict(needs))
-            cache.fast[key] = found
+            cached = cache.fits.get(full_key, _MISSING)
+            found = self._fit_uncached(admission, labels, dict(needs)) if cached is _MISSING else cached
+            cache.fits[full_key] = cache.fast[key] = found
         return found
 
     def _fit_uncached(self, admission: Admission, labels: Mapping[str, str], needs: dict[str, int]) -> Refusal | None:
@@ -935,7 +933,7 @@ def build_gate(
     if gate.config.errors:
         log.error("quota: %d invalid object(s) in %s were left out", len(gate.config.errors), quota_config)
     if api_client is not None:
-        from .live import KueueWatcher
+        from kube_vgpu.extender.quota.live import KueueWatcher
 
         gate.watcher = KueueWatcher(gate, api_client)
     return gate

@@ -17,8 +17,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from kube_vgpu import protocol
-
-from ..sources.live import Gone, _list_all, _watch_lines
+from kube_vgpu.extender.sources.live import Gone, _list_all, _watch_lines
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import orjson
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
-from ..state import ClusterState
+from kube_vgpu.extender.state import ClusterState
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,8 @@ def make_api_client(kubeconfig: str | None) -> client.ApiClient:
     # binds run concurrently (one per node at a time): keep enough kept-alive connections for them
     api_client.configuration.connection_pool_maxsize = CONNECTION_POOL_SIZE
     api_client.rest_client.pool_manager.connection_pool_kw["maxsize"] = CONNECTION_POOL_SIZE
-    return api_client
+    made: client.ApiClient = api_client
+    return made
 
 
 class Gone(Exception):

@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 import yaml
 
-from ..state import ClusterState
+from kube_vgpu.extender.state import ClusterState
 
 
 class SnapshotError(ValueError):

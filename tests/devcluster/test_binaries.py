@@ -1,4 +1,4 @@
-"""Cache-key, stamp and prebuilt-directory logic of kube_vgpu.devcluster.binaries, without building anything.
+"""Cache-key, stamp and prebuilt-directory logic of kube_vgpu.dev.devcluster.binaries, without building anything.
 
 Real files in a tmp dir stand in for the cache; PATH is pointed at a directory without a real `go`, so any
 attempt to build shows up as GoNotFoundError (or as the output of a stub `go` script) instead of a long build.
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from kube_vgpu.devcluster import binaries
-from kube_vgpu.devcluster.binaries import (
+from kube_vgpu.dev.devcluster import binaries
+from kube_vgpu.dev.devcluster.binaries import (
     BINARY_NAMES,
     ETCD_VERSION,
     KUBERNETES_VERSION,
@@ -260,7 +260,7 @@ def test_build_records_stamp_and_second_call_does_not_rebuild(fake_go: Path) -> 
 def test_concurrent_callers_build_each_binary_once(fake_go: Path) -> None:
     repo_root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo_root), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "kube_vgpu.devcluster.binaries"]
+    command = [sys.executable, "-m", "kube_vgpu.dev.devcluster.binaries"]
     callers = [
         subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)
     ]

@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from kube_vgpu.devcluster.cluster import SCHEDULER_CONFIG_MANIFEST, load_manifest_scheduler_config, scheduler_config
+from kube_vgpu.dev.devcluster.cluster import SCHEDULER_CONFIG_MANIFEST, load_manifest_scheduler_config, scheduler_config
 
 
 def _without_allowed_differences(config: dict[str, Any]) -> dict[str, Any]:

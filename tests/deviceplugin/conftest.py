@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from .kubelet import KubeletStandIn
+from tests.deviceplugin.kubelet import KubeletStandIn
 
 
 @pytest.fixture

@@ -18,13 +18,12 @@ from typing import Any
 
 import grpc
 
-from deviceplugin.api import deviceplugin_pb2 as pb
-from deviceplugin.api import deviceplugin_pb2_grpc as pb_grpc
-from deviceplugin.api import podresources_pb2 as prpb
-from deviceplugin.api import podresources_pb2_grpc as prpb_grpc
 from kube_vgpu import protocol
-
-from .builders import wait_until
+from kube_vgpu.deviceplugin.api import deviceplugin_pb2 as pb
+from kube_vgpu.deviceplugin.api import deviceplugin_pb2_grpc as pb_grpc
+from kube_vgpu.deviceplugin.api import podresources_pb2 as prpb
+from kube_vgpu.deviceplugin.api import podresources_pb2_grpc as prpb_grpc
+from tests.deviceplugin.builders import wait_until
 
 
 class _Registration(pb_grpc.RegistrationServicer):

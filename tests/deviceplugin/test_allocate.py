@@ -7,20 +7,19 @@ from pathlib import Path
 
 import pytest
 
-from deviceplugin.allocate import (
+from kube_vgpu import protocol
+from kube_vgpu.deviceplugin.allocate import (
     DEVICE_LIST_CDI,
     DEVICE_LIST_VOLUME_MOUNTS,
     AllocationError,
     Allocator,
     DeliveryConfig,
 )
-from deviceplugin.discovery import discover
-from deviceplugin.memory import InMemoryCluster
-from deviceplugin.nvml import open_nvml
-from deviceplugin.state import DeviceState, device_id
-from kube_vgpu import protocol
-
-from .builders import NODE, allocation_of, container, gpu_pod
+from kube_vgpu.deviceplugin.discovery import discover
+from kube_vgpu.deviceplugin.memory import InMemoryCluster
+from kube_vgpu.deviceplugin.nvml import open_nvml
+from kube_vgpu.deviceplugin.state import DeviceState, device_id
+from tests.deviceplugin.builders import NODE, allocation_of, container, gpu_pod
 
 GIB = 1024
 

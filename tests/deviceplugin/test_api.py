@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from deviceplugin.api import deviceplugin_pb2 as pb
-from deviceplugin.api import generate
-from deviceplugin.api import podresources_pb2 as prpb
+from kube_vgpu.deviceplugin.api import deviceplugin_pb2 as pb
+from kube_vgpu.deviceplugin.api import generate
+from kube_vgpu.deviceplugin.api import podresources_pb2 as prpb
 
 
 def test_committed_modules_match_a_fresh_generation(tmp_path: Path) -> None:
@@ -28,7 +28,7 @@ def test_committed_modules_match_a_fresh_generation(tmp_path: Path) -> None:
     for path in produced:
         committed = generate.API_DIR / path.name
         assert committed.read_bytes() == path.read_bytes(), (
-            f"{path.name} is stale: run python -m deviceplugin.api.generate"
+            f"{path.name} is stale: run python -m kube_vgpu.deviceplugin.api.generate"
         )
 
 

@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 
 from kube_vgpu import protocol
-
-from .kubelet import KubeletStandIn
+from tests.deviceplugin.kubelet import KubeletStandIn
 
 
 def _command(*args: str) -> list[str]:

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from deviceplugin.discovery import discover
-from deviceplugin.fakenvml import FakeGpu, FakeHardware, FakeNvml, layout_hardware
-from deviceplugin.nvml import Nvml, open_nvml
 from kube_vgpu import protocol
+from kube_vgpu.dev.synth import synth_inventory, synth_uuid
+from kube_vgpu.deviceplugin.discovery import discover
+from kube_vgpu.deviceplugin.fakenvml import FakeGpu, FakeHardware, FakeNvml, layout_hardware
+from kube_vgpu.deviceplugin.nvml import Nvml, open_nvml
 from kube_vgpu.protocol import NodeInventory, PcieLevel
-from kube_vgpu.synth import synth_inventory, synth_uuid
 
 NODE = "node-x"
 _LEVEL = {

@@ -7,15 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from deviceplugin.foreign import EVENT_REASON, ForeignPodMonitor, PodResourcesClient, uuids_in_device_ids
-from deviceplugin.kube import ApiUnavailable
-from deviceplugin.memory import InMemoryCluster
-from deviceplugin.state import DeviceState
 from kube_vgpu import protocol
-from kube_vgpu.synth import synth_inventory
-
-from .builders import NODE, gpu_pod
-from .kubelet import PodResourcesStandIn
+from kube_vgpu.dev.synth import synth_inventory
+from kube_vgpu.deviceplugin.foreign import EVENT_REASON, ForeignPodMonitor, PodResourcesClient, uuids_in_device_ids
+from kube_vgpu.deviceplugin.kube import ApiUnavailable
+from kube_vgpu.deviceplugin.memory import InMemoryCluster
+from kube_vgpu.deviceplugin.state import DeviceState
+from tests.deviceplugin.builders import NODE, gpu_pod
+from tests.deviceplugin.kubelet import PodResourcesStandIn
 
 
 def test_device_ids_of_any_nvidia_plugin_name_their_gpus() -> None:

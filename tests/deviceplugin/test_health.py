@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from deviceplugin.discovery import discover
-from deviceplugin.fakenvml import FakeHandle, FakeNvml, load_profile
-from deviceplugin.health import APPLICATION_XIDS, HealthMonitor
-from deviceplugin.nvml import EVENT_XID_CRITICAL_ERROR, Nvml
-from deviceplugin.state import DeviceState
-
-from .builders import wait_until
+from kube_vgpu.deviceplugin.discovery import discover
+from kube_vgpu.deviceplugin.fakenvml import FakeHandle, FakeNvml, load_profile
+from kube_vgpu.deviceplugin.health import APPLICATION_XIDS, HealthMonitor
+from kube_vgpu.deviceplugin.nvml import EVENT_XID_CRITICAL_ERROR, Nvml
+from kube_vgpu.deviceplugin.state import DeviceState
+from tests.deviceplugin.builders import wait_until
 
 
 @pytest.fixture

@@ -9,17 +9,16 @@ from pathlib import Path
 import grpc
 import pytest
 
-from deviceplugin.allocate import DeliveryConfig
-from deviceplugin.api import deviceplugin_pb2 as pb
-from deviceplugin.app import DevicePluginApp, PluginConfig
-from deviceplugin.fakenvml import FakeNvml, load_profile
-from deviceplugin.memory import InMemoryCluster
-from deviceplugin.nvml import Nvml
-from deviceplugin.server import DEFAULT_SOCKET_NAME
 from kube_vgpu import protocol
-
-from .builders import NODE, allocation_of, container, gpu_pod, wait_until
-from .kubelet import KubeletStandIn
+from kube_vgpu.deviceplugin.allocate import DeliveryConfig
+from kube_vgpu.deviceplugin.api import deviceplugin_pb2 as pb
+from kube_vgpu.deviceplugin.app import DevicePluginApp, PluginConfig
+from kube_vgpu.deviceplugin.fakenvml import FakeNvml, load_profile
+from kube_vgpu.deviceplugin.memory import InMemoryCluster
+from kube_vgpu.deviceplugin.nvml import Nvml
+from kube_vgpu.deviceplugin.server import DEFAULT_SOCKET_NAME
+from tests.deviceplugin.builders import NODE, allocation_of, container, gpu_pod, wait_until
+from tests.deviceplugin.kubelet import KubeletStandIn
 
 SHARES = 3
 

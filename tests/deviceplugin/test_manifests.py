@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from deviceplugin.cli import add_arguments
+from kube_vgpu.deviceplugin.cli import add_arguments
 
 BASE = Path(__file__).resolve().parents[2] / "manifests" / "base" / "deviceplugin"
 

@@ -7,16 +7,15 @@ import threading
 
 import orjson
 
-from deviceplugin.discovery import discover
-from deviceplugin.memory import InMemoryCluster
-from deviceplugin.nvml import open_nvml
-from deviceplugin.publisher import Publisher
-from deviceplugin.state import DeviceState
 from kube_vgpu import protocol
 from kube_vgpu.cli import main as kube_vgpu_main
-from kube_vgpu.synth import node_object, synth_inventory
-
-from .builders import wait_until
+from kube_vgpu.dev.synth import node_object, synth_inventory
+from kube_vgpu.deviceplugin.discovery import discover
+from kube_vgpu.deviceplugin.memory import InMemoryCluster
+from kube_vgpu.deviceplugin.nvml import open_nvml
+from kube_vgpu.deviceplugin.publisher import Publisher
+from kube_vgpu.deviceplugin.state import DeviceState
+from tests.deviceplugin.builders import wait_until
 
 MOMENT = dt.datetime(2026, 1, 31, 12, 0, 0, tzinfo=dt.UTC)
 

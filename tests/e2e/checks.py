@@ -7,8 +7,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from kube_vgpu import protocol
-from kube_vgpu.devcluster.cluster import DevCluster
-from kube_vgpu.devcluster.workload import GpuUse, Outcome, assignment_of, gpu_usage, list_all, pod_outcome
+from kube_vgpu.dev.devcluster.cluster import DevCluster
+from kube_vgpu.dev.devcluster.workload import GpuUse, Outcome, assignment_of, gpu_usage, list_all, pod_outcome
 
 
 def assert_no_overcommit(cluster: DevCluster) -> dict[str, GpuUse]:

@@ -8,7 +8,7 @@ scheduled and bound, never run). The first run builds the Kubernetes binaries (c
 
 Fixtures (for everyone adding e2e tests here; mark tests with ``@pytest.mark.e2e``):
 
-``dev_cluster`` (session) -> kube_vgpu.devcluster.cluster.DevCluster
+``dev_cluster`` (session) -> kube_vgpu.dev.devcluster.cluster.DevCluster
     .kubeconfig          admin kubeconfig path (system:masters client cert)
     .api / .core         shared admin kubernetes ApiClient / CoreV1Api (raw JSON: pass ``_preload_content=False``
                          and orjson.loads(response.data) if you want plain dicts)
@@ -56,8 +56,8 @@ from pathlib import Path
 import pytest
 from kubernetes.client.rest import ApiException
 
-from kube_vgpu.devcluster.cluster import ClusterOptions, DevCluster, DevClusterError, NodeGroup, up
-from kube_vgpu.devcluster.workload import delete_pods, ensure_namespace, list_all, wait_until_gone
+from kube_vgpu.dev.devcluster.cluster import ClusterOptions, DevCluster, DevClusterError, NodeGroup, up
+from kube_vgpu.dev.devcluster.workload import delete_pods, ensure_namespace, list_all, wait_until_gone
 
 NODE_GROUP_LABEL = "e2e.kube-vgpu.io/group"
 BASE_NODE_GROUPS = (

@@ -18,8 +18,8 @@ import orjson
 import pytest
 
 from kube_vgpu import protocol
-from kube_vgpu.devcluster.cluster import DevCluster
-from kube_vgpu.devcluster.workload import assignment_of, create_pods, gpu_pod, wait_for_pods
+from kube_vgpu.dev.devcluster.cluster import DevCluster
+from kube_vgpu.dev.devcluster.workload import assignment_of, create_pods, gpu_pod, wait_for_pods
 from tests.deviceplugin.kubelet import KubeletStandIn
 
 pytestmark = pytest.mark.e2e

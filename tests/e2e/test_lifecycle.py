@@ -14,9 +14,9 @@ from pathlib import Path
 import orjson
 import pytest
 
-from kube_vgpu.devcluster.binaries import ensure_binaries
-from kube_vgpu.devcluster.cluster import ClusterOptions, ComponentError, NodeGroup, read_state, up
-from kube_vgpu.devcluster.processes import is_running
+from kube_vgpu.dev.devcluster.binaries import ensure_binaries
+from kube_vgpu.dev.devcluster.cluster import ClusterOptions, ComponentError, NodeGroup, read_state, up
+from kube_vgpu.dev.devcluster.processes import is_running
 
 pytestmark = pytest.mark.e2e
 
@@ -54,7 +54,7 @@ def _not_zombie(pid: int) -> bool:
 @pytest.fixture
 def spawned(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     """PIDs of every process the dev cluster spawns during the test (recorded at spawn time)."""
-    from kube_vgpu.devcluster import cluster as cluster_module
+    from kube_vgpu.dev.devcluster import cluster as cluster_module
 
     pids: list[int] = []
     original = cluster_module.spawn

@@ -26,9 +26,9 @@ from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 
 from kube_vgpu.cli import main as kube_vgpu_main
-from kube_vgpu.devcluster.cluster import DevCluster
-from kube_vgpu.devcluster.pki import kubeconfig_document, write_kubeconfig
-from kube_vgpu.devcluster.workload import ensure_namespace
+from kube_vgpu.dev.devcluster.cluster import DevCluster
+from kube_vgpu.dev.devcluster.pki import kubeconfig_document, write_kubeconfig
+from kube_vgpu.dev.devcluster.workload import ensure_namespace
 from tests.manifests.render import MANIFESTS, kubectl, render
 from tests.manifests.test_workloads import certs_job_module
 

@@ -16,8 +16,8 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from kube_vgpu import protocol
-from kube_vgpu.devcluster.cluster import DevCluster
-from kube_vgpu.devcluster.workload import create_pods, gpu_pod, wait_for_pods
+from kube_vgpu.dev.devcluster.cluster import DevCluster
+from kube_vgpu.dev.devcluster.workload import create_pods, gpu_pod, wait_for_pods
 from tests.e2e.checks import assert_no_overcommit
 
 pytestmark = pytest.mark.e2e

@@ -10,8 +10,8 @@ from collections.abc import Callable
 import pytest
 
 from kube_vgpu import protocol
-from kube_vgpu.devcluster.cluster import DevCluster
-from kube_vgpu.devcluster.workload import (
+from kube_vgpu.dev.devcluster.cluster import DevCluster
+from kube_vgpu.dev.devcluster.workload import (
     Outcome,
     assignment_of,
     create_pods,
@@ -20,10 +20,9 @@ from kube_vgpu.devcluster.workload import (
     pod_outcome,
     wait_for_pods,
 )
-from kube_vgpu.synth import synth_uuid
-
-from .checks import assert_assignments_match, assert_no_overcommit, links_between, settle
-from .conftest import NodeSet
+from kube_vgpu.dev.synth import synth_uuid
+from tests.e2e.checks import assert_assignments_match, assert_no_overcommit, links_between, settle
+from tests.e2e.conftest import NodeSet
 
 pytestmark = pytest.mark.e2e
 

@@ -13,8 +13,8 @@ import pytest
 from kubernetes.client.rest import ApiException
 
 from kube_vgpu import protocol
-from kube_vgpu.devcluster.cluster import DevCluster
-from kube_vgpu.devcluster.workload import gpu_pod
+from kube_vgpu.dev.devcluster.cluster import DevCluster
+from kube_vgpu.dev.devcluster.workload import gpu_pod
 
 pytestmark = pytest.mark.e2e
 

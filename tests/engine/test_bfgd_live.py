@@ -7,12 +7,12 @@ from typing import Any
 
 import pytest
 
-from extender.engine.fit import place
-from extender.engine.model import NodeState, Placement, PlacementRequest
-from extender.engine.policies import make_policy
-from extender.engine.policies.base import Policy
 from kube_vgpu import protocol
-from kube_vgpu.synth import synth_inventory
+from kube_vgpu.dev.synth import synth_inventory
+from kube_vgpu.extender.engine.fit import place
+from kube_vgpu.extender.engine.model import NodeState, Placement, PlacementRequest
+from kube_vgpu.extender.engine.policies import make_policy
+from kube_vgpu.extender.engine.policies.base import Policy
 from tests.helpers import pod
 
 
@@ -54,7 +54,7 @@ CPU_ONLY = request(cpu_milli=16000, gpus=None)
 def test_unknown_host_cpu_is_fgd_not_everything_stranded() -> None:
     """A node without allocatable CPU (not reported yet) scores like a node with CPU to spare: the CPU terms drop
     out instead of calling every idle GPU stranded (or every task unable to fit)."""
-    from extender.engine.policies._milli import frag_cpu_free_milli, free_milli_list
+    from kube_vgpu.extender.engine.policies._milli import frag_cpu_free_milli, free_milli_list
 
     policy = learned(WHOLE, SHARE)
     unknown = node("unknown", cpu_milli=0)

@@ -6,11 +6,11 @@ from typing import Any
 
 import pytest
 
-from extender.engine.fit import place
-from extender.engine.model import FitFailure, NodeState, Placement, PlacementRequest
-from extender.engine.policies import make_policy
 from kube_vgpu import protocol
-from kube_vgpu.synth import synth_inventory
+from kube_vgpu.dev.synth import synth_inventory
+from kube_vgpu.extender.engine.fit import place
+from kube_vgpu.extender.engine.model import FitFailure, NodeState, Placement, PlacementRequest
+from kube_vgpu.extender.engine.policies import make_policy
 from tests.helpers import pod
 
 BINPACK = make_policy("binpack")

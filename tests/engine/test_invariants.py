@@ -7,10 +7,10 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from extender.scheduler import BindError, Scheduler
-from extender.sources.snapshot import SnapshotCluster
-from extender.state import ClusterState
 from kube_vgpu import protocol
+from kube_vgpu.extender.scheduler import BindError, Scheduler
+from kube_vgpu.extender.sources.snapshot import SnapshotCluster
+from kube_vgpu.extender.state import ClusterState
 from tests.helpers import gpu_node, pod
 
 pod_shapes = st.fixed_dictionaries(

@@ -5,8 +5,8 @@ import re
 import pytest
 
 from kube_vgpu import protocol
+from kube_vgpu.dev.synth import synth_inventory
 from kube_vgpu.protocol import InvalidGpuRequest, parse_pod_gpu_request
-from kube_vgpu.synth import synth_inventory
 from tests.helpers import pod
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from extender.engine.fit import place
-from extender.engine.fragmentation import TaskShape
-from extender.engine.model import NodeState, Placement
-from extender.engine.policies import make_policy
-from kube_vgpu.simulator.engine import build_node, build_request
-from kube_vgpu.simulator.trace import NodeSpec, Task
+from kube_vgpu.dev.simulator.engine import build_node, build_request
+from kube_vgpu.dev.simulator.trace import NodeSpec, Task
+from kube_vgpu.extender.engine.fit import place
+from kube_vgpu.extender.engine.fragmentation import TaskShape
+from kube_vgpu.extender.engine.model import NodeState, Placement
+from kube_vgpu.extender.engine.policies import make_policy
 
 SHARE = Task("share", 2000, 1024, 1, 500)
 WHOLE = Task("whole", 2000, 1024, 1, 1000)

@@ -7,16 +7,16 @@ from typing import Any
 
 import pytest
 
-from extender.engine.fit import place
-from extender.engine.fragmentation import FragModel, TaskShape, task_shape
-from extender.engine.model import GpuState, NodeState, Placement, PlacementRequest
-from extender.engine.policies import make_policy
-from extender.engine.policies._milli import free_after, free_milli_list
-from extender.engine.shares import free_share_milli, request_share_milli
 from kube_vgpu import protocol
+from kube_vgpu.dev.simulator.engine import build_node, build_request
+from kube_vgpu.dev.simulator.trace import NodeSpec, Task
+from kube_vgpu.extender.engine.fit import place
+from kube_vgpu.extender.engine.fragmentation import FragModel, TaskShape, task_shape
+from kube_vgpu.extender.engine.model import GpuState, NodeState, Placement, PlacementRequest
+from kube_vgpu.extender.engine.policies import make_policy
+from kube_vgpu.extender.engine.policies._milli import free_after, free_milli_list
+from kube_vgpu.extender.engine.shares import free_share_milli, request_share_milli
 from kube_vgpu.protocol import ContainerGpuRequest, GpuInfo
-from kube_vgpu.simulator.engine import build_node, build_request
-from kube_vgpu.simulator.trace import NodeSpec, Task
 from tests.helpers import pod
 
 
@@ -117,7 +117,7 @@ def test_fragmentation_of_a_memory_only_workload_depends_on_gpu_size() -> None:
 
 
 def real_node(gpus: int = 2, memory_mib: int = 81920, topology: str = "nvswitch") -> NodeState:
-    from kube_vgpu.synth import synth_inventory
+    from kube_vgpu.dev.synth import synth_inventory
 
     return NodeState("n", synth_inventory("n", gpus, "A100", memory_mib, topology), cpu_milli_total=64000)
 

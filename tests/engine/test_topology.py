@@ -8,12 +8,12 @@ from typing import Any
 
 import pytest
 
-from extender.engine.fit import place
-from extender.engine.model import NodeState, Placement, PlacementRequest
-from extender.engine.policies import DEFAULT_GPU_POLICY, DEFAULT_NODE_POLICY, make_policy
-from extender.engine.policies.topology import best_connected_set, set_quality
 from kube_vgpu import protocol
-from kube_vgpu.synth import synth_inventory
+from kube_vgpu.dev.synth import synth_inventory
+from kube_vgpu.extender.engine.fit import place
+from kube_vgpu.extender.engine.model import NodeState, Placement, PlacementRequest
+from kube_vgpu.extender.engine.policies import DEFAULT_GPU_POLICY, DEFAULT_NODE_POLICY, make_policy
+from kube_vgpu.extender.engine.policies.topology import best_connected_set, set_quality
 from tests.helpers import pod
 
 #: every policy that must keep multi-GPU pods on well-connected GPUs: topology and the extender's defaults

@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from extender.scheduler import BindError, PreparedBind, Scheduler
-from extender.sources.snapshot import SnapshotCluster
-from extender.state import ClusterState
 from kube_vgpu import protocol
+from kube_vgpu.extender.scheduler import BindError, PreparedBind, Scheduler
+from kube_vgpu.extender.sources.snapshot import SnapshotCluster
+from kube_vgpu.extender.state import ClusterState
 from tests.helpers import gpu_node, pod
 
 

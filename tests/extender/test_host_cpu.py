@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from extender import scheduler as scheduler_module
-from extender.engine.policies import make_policy
-from extender.scheduler import STALE_REFRESH_PER_CALL, Scheduler
-from extender.sources.snapshot import SnapshotCluster
-from extender.state import ClusterState, pod_cpu_request_milli
+from kube_vgpu.extender import scheduler as scheduler_module
+from kube_vgpu.extender.engine.policies import make_policy
+from kube_vgpu.extender.scheduler import STALE_REFRESH_PER_CALL, Scheduler
+from kube_vgpu.extender.sources.snapshot import SnapshotCluster
+from kube_vgpu.extender.state import ClusterState, pod_cpu_request_milli
 from tests.helpers import gpu_node, pod
 
 

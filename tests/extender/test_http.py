@@ -13,8 +13,8 @@ import httpx
 import orjson
 import pytest
 
-from extender.cli import Extender, build
 from kube_vgpu import protocol
+from kube_vgpu.extender.cli import Extender, build
 from tests.helpers import gpu_node, pod
 from tests.servers import serve
 
@@ -171,7 +171,7 @@ def test_health_ready_metrics_state(client: httpx.Client) -> None:
 
 
 def test_separate_probe_listener_serves_metrics_and_health(extender: Extender) -> None:
-    from extender.server import serve_probes
+    from kube_vgpu.extender.server import serve_probes
     from tests.servers import free_port
 
     port = free_port()

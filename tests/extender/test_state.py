@@ -5,10 +5,10 @@ from __future__ import annotations
 import copy
 import datetime as dt
 
-from extender.scheduler import Scheduler
-from extender.sources.snapshot import SnapshotCluster
-from extender.state import ClusterState
 from kube_vgpu import protocol
+from kube_vgpu.extender.scheduler import Scheduler
+from kube_vgpu.extender.sources.snapshot import SnapshotCluster
+from kube_vgpu.extender.state import ClusterState
 from tests.helpers import gpu_node, pod
 
 
@@ -135,8 +135,8 @@ def test_invalid_inventory_reported_not_guessed() -> None:
 
 
 def test_learning_policies_observe_each_pod_once_in_arrival_order() -> None:
-    from extender.engine.policies import register
-    from extender.engine.policies.binpack import Binpack
+    from kube_vgpu.extender.engine.policies import register
+    from kube_vgpu.extender.engine.policies.binpack import Binpack
 
     seen: list[int] = []
 
@@ -165,7 +165,7 @@ def test_filter_and_bind_refuse_until_the_first_sync() -> None:
     assert outcome.passed == [] and "initial sync" in outcome.error
     import pytest
 
-    from extender.scheduler import BindError
+    from kube_vgpu.extender.scheduler import BindError
 
     with pytest.raises(BindError, match="initial sync"):
         scheduler.bind("default", p["metadata"]["name"], p["metadata"]["uid"], "n1")

@@ -1,6 +1,6 @@
 """Rendering kube-vgpu's kustomizations with the real kubectl (its built-in kustomize), and looking at the result.
 
-kubectl is the dev cluster's (kube_vgpu.devcluster.binaries: Kubernetes v1.34.4, built once from the official Go
+kubectl is the dev cluster's (kube_vgpu.dev.devcluster.binaries: Kubernetes v1.34.4, built once from the official Go
 modules and cached), so what the tests render is what `kubectl apply -k` applies.
 """
 
@@ -29,14 +29,14 @@ Object = dict[str, Any]
 
 @functools.cache
 def kubectl() -> Path:
-    from kube_vgpu.devcluster.binaries import ensure_binaries
+    from kube_vgpu.dev.devcluster.binaries import ensure_binaries
 
     return ensure_binaries(progress=lambda line: print(line, file=sys.stderr))["kubectl"]
 
 
 @functools.cache
 def kube_scheduler() -> Path:
-    from kube_vgpu.devcluster.binaries import ensure_binaries
+    from kube_vgpu.dev.devcluster.binaries import ensure_binaries
 
     return ensure_binaries(progress=lambda line: print(line, file=sys.stderr))["kube-scheduler"]
 

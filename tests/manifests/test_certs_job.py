@@ -18,10 +18,9 @@ from cryptography import x509
 from kubernetes.client.rest import ApiException
 
 from kube_vgpu.cli import main as kube_vgpu_main
-from webhook.certs import issue_serving_cert, load_ca
-
-from .render import containers, one, render
-from .test_workloads import certs_job_module
+from kube_vgpu.webhook.certs import issue_serving_cert, load_ca
+from tests.manifests.render import containers, one, render
+from tests.manifests.test_workloads import certs_job_module
 
 JOB = certs_job_module()
 

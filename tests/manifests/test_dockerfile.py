@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from .render import INSTALLABLE, ROOT, pod_spec, render, workloads
+from tests.manifests.render import INSTALLABLE, ROOT, pod_spec, render, workloads
 
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
@@ -117,8 +117,12 @@ def test_two_stages_on_the_same_slim_python_base_pinned_to_a_patch_version() -> 
 def test_the_first_stage_builds_the_wheel_from_every_package_and_the_second_installs_only_it() -> None:
     copied = {i.arguments.split()[0].rstrip("/") for i in BUILD if i.keyword == "COPY"}
     copied |= {part for i in BUILD if i.keyword == "COPY" for part in i.arguments.split()[:-1]}
-    packages = {pattern.rstrip("*") for pattern in PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]}
-    assert packages <= {c.rstrip("/") for c in copied}, "a package of the wheel is not copied into the build stage"
+    packages = {pattern.split(".")[0] for pattern in PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]}
+    assert packages == {"kube_vgpu"}
+    # the directories kube_vgpu/ links to (extender/, webhook/, deviceplugin/, manifests/) must be in the context too
+    linked = {path.readlink().name for path in (ROOT / "kube_vgpu").iterdir() if path.is_symlink()}
+    assert linked == {"extender", "webhook", "deviceplugin", "manifests"}
+    assert packages | linked <= {c.rstrip("/") for c in copied}, "a package of the wheel is not copied into the build"
     assert {"pyproject.toml", "README.md"} <= copied  # the project's metadata names the readme
     assert any(i.keyword == "RUN" and re.search(r"pip wheel .*--no-deps|python -m build", i.arguments) for i in BUILD)
     runtime_copies = [i.arguments for i in RUNTIME if i.keyword == "COPY"]
@@ -191,7 +195,7 @@ def test_dockerignore_lets_in_exactly_what_the_build_copies() -> None:
             relative = path.relative_to(ROOT).as_posix()
             assert not _ignored(relative, patterns), relative
     kept_out_paths = ("tests/manifests/test_dockerfile.py", ".git/config", "docs/install.md",
-                      "manifests/base/namespace.yaml", "kube_vgpu/__pycache__/cli.cpython-311.pyc",
+                      "docs/quota.md", "kube_vgpu/__pycache__/cli.cpython-311.pyc",
                       "bench/webhook_latency.py")
     for kept_out in kept_out_paths:
         assert _ignored(kept_out, patterns), kept_out

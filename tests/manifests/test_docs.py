@@ -16,15 +16,14 @@ import pytest
 import yaml
 from prometheus_client import generate_latest
 
-from extender.quota.gate import build_gate
-from extender.scheduler import Scheduler
-from extender.server import create_app
-from extender.sources.snapshot import SnapshotCluster
-from extender.state import ClusterState
 from kube_vgpu.cli import build_parser
-from webhook.metrics import WebhookMetrics
-
-from .render import INSTALLABLE, KUSTOMIZATIONS, MANIFESTS, ROOT, containers, render, workloads
+from kube_vgpu.extender.quota.gate import build_gate
+from kube_vgpu.extender.scheduler import Scheduler
+from kube_vgpu.extender.server import create_app
+from kube_vgpu.extender.sources.snapshot import SnapshotCluster
+from kube_vgpu.extender.state import ClusterState
+from kube_vgpu.webhook.metrics import WebhookMetrics
+from tests.manifests.render import INSTALLABLE, KUSTOMIZATIONS, MANIFESTS, ROOT, containers, render, workloads
 
 DOCS = ("architecture.md", "install.md", "user-guide.md", "operations.md", "troubleshooting.md",
         "migrating-from-hami.md")
@@ -128,7 +127,7 @@ def test_the_overlay_of_install_md_renders_and_its_patches_hit_the_flags_they_me
         (root / "my-kube-vgpu" / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
         import subprocess
 
-        from .render import kubectl
+        from tests.manifests.render import kubectl
 
         result = subprocess.run([str(kubectl()), "kustomize", str(root / "my-kube-vgpu")],
                                 capture_output=True, text=True, timeout=120)
@@ -218,7 +217,7 @@ def test_links_between_docs_resolve_to_files_and_headings(doc: str) -> None:
 
 
 def test_the_policies_the_user_guide_names_exist() -> None:
-    from extender.engine.policies import DEFAULT_GPU_POLICY, DEFAULT_NODE_POLICY, policy_names
+    from kube_vgpu.extender.engine.policies import DEFAULT_GPU_POLICY, DEFAULT_NODE_POLICY, policy_names
 
     guide = text("user-guide.md")
     section = guide.split("Policies:")[1].split("Node labels written")[0]

@@ -13,15 +13,14 @@ import jsonpatch
 import orjson
 import pytest
 
-from extender.scheduler import Scheduler
-from extender.sources.snapshot import SnapshotCluster
-from extender.state import ClusterState
 from kube_vgpu import protocol
+from kube_vgpu.extender.scheduler import Scheduler
+from kube_vgpu.extender.sources.snapshot import SnapshotCluster
+from kube_vgpu.extender.state import ClusterState
+from kube_vgpu.webhook.config import WebhookConfig
+from kube_vgpu.webhook.mutate import review
 from tests.helpers import gpu_node
-from webhook.config import WebhookConfig
-from webhook.mutate import review
-
-from .render import find, render
+from tests.manifests.render import find, render
 
 _uids = itertools.count()
 NODES = [gpu_node("a100-0", gpus=8), gpu_node("a100-1", gpus=8),

@@ -13,9 +13,18 @@ from pathlib import Path
 import pytest
 import yaml
 
-from webhook.config import DEFAULT_DEVICE_PLUGIN_USERNAME, DEFAULT_EXTENDER_USERNAME
-
-from .render import INSTALLABLE, NAMESPACE, ROOT, SCHEDULER_CONFIG, find, one, pod_spec, render, workloads
+from kube_vgpu.webhook.config import DEFAULT_DEVICE_PLUGIN_USERNAME, DEFAULT_EXTENDER_USERNAME
+from tests.manifests.render import (
+    INSTALLABLE,
+    NAMESPACE,
+    ROOT,
+    SCHEDULER_CONFIG,
+    find,
+    one,
+    pod_spec,
+    render,
+    workloads,
+)
 
 Grant = tuple[str, str, str]  # (apiGroup, resource, resourceName or "" for any)
 KUEUE = ("clusterqueues", "localqueues", "resourceflavors", "cohorts", "workloadpriorityclasses")

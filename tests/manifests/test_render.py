@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kube_vgpu.devcluster.binaries import KUBERNETES_VERSION
-
-from .render import (
+from kube_vgpu.dev.devcluster.binaries import KUBERNETES_VERSION
+from tests.manifests.render import (
     IMAGE_REPOSITORY,
     INSTALLABLE,
     KUSTOMIZATIONS,

@@ -9,13 +9,12 @@ from collections.abc import Callable
 
 import pytest
 
-from extender.scheduler import Scheduler
-from extender.sources.snapshot import SnapshotCluster
-from extender.state import ClusterState
 from kube_vgpu import protocol
+from kube_vgpu.extender.scheduler import Scheduler
+from kube_vgpu.extender.sources.snapshot import SnapshotCluster
+from kube_vgpu.extender.state import ClusterState
 from tests.helpers import gpu_node, pod
-
-from .render import ROOT
+from tests.manifests.render import ROOT
 
 GUIDE = (ROOT / "docs" / "user-guide.md").read_text()
 

@@ -15,15 +15,14 @@ from typing import Any
 import pytest
 import yaml
 
-from extender.scheduler import Scheduler
-from extender.server import create_app
-from extender.sources.snapshot import SnapshotCluster
-from extender.state import ClusterState
 from kube_vgpu.cli import build_parser
+from kube_vgpu.extender.scheduler import Scheduler
+from kube_vgpu.extender.server import create_app
+from kube_vgpu.extender.sources.snapshot import SnapshotCluster
+from kube_vgpu.extender.state import ClusterState
 from kube_vgpu.protocol import DEFAULT_LIMITER_LIBRARY_PATH
-from webhook.certs import service_hostnames
-
-from .render import (
+from kube_vgpu.webhook.certs import service_hostnames
+from tests.manifests.render import (
     IMAGE_REPOSITORY,
     INSTALLABLE,
     MANIFESTS,
@@ -164,7 +163,7 @@ def test_the_extender_listens_on_loopback_where_the_scheduler_configuration_call
 
 
 def test_the_extender_probes_hit_the_probe_listener_which_serves_them() -> None:
-    from extender.server import serve_probes
+    from kube_vgpu.extender.server import serve_probes
     from tests.servers import free_port
 
     extender = scheduler_containers()["extender"]

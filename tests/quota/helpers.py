@@ -7,12 +7,12 @@ from typing import Any
 
 import yaml
 
-from extender.quota.accounting import CQ
-from extender.quota.gate import QuotaGate
-from extender.scheduler import FilterOutcome, Scheduler
-from extender.sources.snapshot import SnapshotCluster
-from extender.state import ClusterState
 from kube_vgpu import protocol
+from kube_vgpu.extender.quota.accounting import CQ
+from kube_vgpu.extender.quota.gate import QuotaGate
+from kube_vgpu.extender.scheduler import FilterOutcome, Scheduler
+from kube_vgpu.extender.sources.snapshot import SnapshotCluster
+from kube_vgpu.extender.state import ClusterState
 from tests.helpers import gpu_node, pod
 
 A100 = "NVIDIA-A100-SXM4-80GB"

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from extender.quota.accounting import CQ, QuotaTree
-from extender.quota.objects import ClusterQueue, Cohort, FlavorQuotas, ResourceGroup, ResourceQuota
+from kube_vgpu.extender.quota.accounting import CQ, QuotaTree
+from kube_vgpu.extender.quota.objects import ClusterQueue, Cohort, FlavorQuotas, ResourceGroup, ResourceQuota
 
 GPU = "nvidia.com/gpu"
 FR = ("a100", GPU)

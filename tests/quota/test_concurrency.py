@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from extender.scheduler import BindError
+from kube_vgpu.extender.scheduler import BindError
 from tests.quota.helpers import FLAVORS, Env, a100_node, gpu_queue, local_queue, make_env, queued_pod
 
 

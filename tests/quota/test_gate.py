@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 import yaml
 
-from extender.scheduler import BindError, FilterOutcome
 from kube_vgpu import protocol
+from kube_vgpu.extender.scheduler import BindError, FilterOutcome
 from tests.extender.test_bind_failures import FlakyCluster
 from tests.quota.helpers import (
     FLAVORS,

@@ -11,9 +11,9 @@ import httpx
 import orjson
 import pytest
 
-from extender.cli import Extender, build
-from extender.quota import cli as quota_cli
 from kube_vgpu.cli import main as kube_vgpu_main
+from kube_vgpu.extender.cli import Extender, build
+from kube_vgpu.extender.quota import cli as quota_cli
 from tests.quota.helpers import a100_node, queued_pod, v100_node
 from tests.servers import serve
 

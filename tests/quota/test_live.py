@@ -15,12 +15,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from kubernetes import client
 
-from extender.quota.gate import QuotaGate
-from extender.quota.live import KueueWatcher
-from extender.scheduler import FilterOutcome, Scheduler
-from extender.sources.live import wait_until
-from extender.sources.snapshot import SnapshotCluster
-from extender.state import ClusterState
+from kube_vgpu.extender.quota.gate import QuotaGate
+from kube_vgpu.extender.quota.live import KueueWatcher
+from kube_vgpu.extender.scheduler import FilterOutcome, Scheduler
+from kube_vgpu.extender.sources.live import wait_until
+from kube_vgpu.extender.sources.snapshot import SnapshotCluster
+from kube_vgpu.extender.state import ClusterState
 from tests.quota.helpers import A100, Env, a100_node, queued_pod
 from tests.servers import serve
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from extender.quota.objects import (
+from kube_vgpu.extender.quota.objects import (
     BEST_EFFORT_FIFO,
     STRICT_FIFO,
     QuotaConfigError,

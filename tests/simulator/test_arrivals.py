@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from kube_vgpu.simulator.trace import Task, arrival_sequence
+from kube_vgpu.dev.simulator.trace import Task, arrival_sequence
 
 CAPACITY = 10 * 1000  # ten GPUs
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from extender.engine.fragmentation import FragModel, ShapeLearner, TaskShape, frag_of, typical_shapes
+from kube_vgpu.extender.engine.fragmentation import FragModel, ShapeLearner, TaskShape, frag_of, typical_shapes
 
 SHARE = TaskShape(cpu_milli=1000, gpu_milli=500, gpu_count=1)
 WHOLE = TaskShape(cpu_milli=1000, gpu_milli=1000, gpu_count=1)

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from extender.engine.policies import make_policy
 from kube_vgpu.cli import main
-from kube_vgpu.simulator.engine import simulate
-from kube_vgpu.simulator.metrics import curve
-from kube_vgpu.simulator.trace import NodeSpec, Task
+from kube_vgpu.dev.simulator.engine import simulate
+from kube_vgpu.dev.simulator.metrics import curve
+from kube_vgpu.dev.simulator.trace import NodeSpec, Task
+from kube_vgpu.extender.engine.policies import make_policy
 
 NODES = [NodeSpec("a", 16000, 65536, 2, "T4"), NodeSpec("b", 16000, 65536, 1, "P100")]
 

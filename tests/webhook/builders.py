@@ -10,8 +10,8 @@ from typing import Any
 import jsonpatch
 import orjson
 
-from webhook.config import WebhookConfig
-from webhook.mutate import AdmissionOutcome, review
+from kube_vgpu.webhook.config import WebhookConfig
+from kube_vgpu.webhook.mutate import AdmissionOutcome, review
 
 _uids = itertools.count(1)
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from webhook.certs import CertificatePaths, ensure_ca_and_serving_cert
-from webhook.config import WebhookConfig
-from webhook.server import WebhookServer
+from kube_vgpu.webhook.certs import CertificatePaths, ensure_ca_and_serving_cert
+from kube_vgpu.webhook.config import WebhookConfig
+from kube_vgpu.webhook.server import WebhookServer
 
 
 @pytest.fixture

@@ -16,8 +16,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from webhook.certs import ensure_ca_and_serving_cert, service_hostnames
-from webhook.registration import ServiceReference, mutating_webhook_configuration
+from kube_vgpu.webhook.certs import ensure_ca_and_serving_cert, service_hostnames
+from kube_vgpu.webhook.registration import ServiceReference, mutating_webhook_configuration
 
 
 def _cert(path: Path) -> x509.Certificate:

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
+from kube_vgpu.webhook.config import WebhookConfig
+from kube_vgpu.webhook.mutate import Result
 from tests.webhook.builders import CORES, GPU, MEM, PCT, container, gpu_container, pod, run_review
-from webhook.config import WebhookConfig
-from webhook.mutate import Result
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kube_vgpu.webhook.config import LimiterMode, WebhookConfig
+from kube_vgpu.webhook.mutate import Result, review
 from tests.webhook.builders import (
     CORES,
     GPU,
@@ -26,8 +28,6 @@ from tests.webhook.builders import (
     pod,
     run_review,
 )
-from webhook.config import LimiterMode, WebhookConfig
-from webhook.mutate import Result, review
 
 CONFIG = WebhookConfig()
 

@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+from kube_vgpu.webhook.config import LimiterMode, WebhookConfig
+from kube_vgpu.webhook.mutate import Result
 from tests.webhook.builders import (
     CORES,
     GPU,
@@ -23,8 +25,6 @@ from tests.webhook.builders import (
     pod,
     run_review,
 )
-from webhook.config import LimiterMode, WebhookConfig
-from webhook.mutate import Result
 
 # Written out here, not imported from the code under test.
 SCHEDULER = "kube-vgpu-scheduler"

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from kube_vgpu.cli import build_parser
-from webhook.registration import ServiceReference, mutating_webhook_configuration
+from kube_vgpu.webhook.registration import ServiceReference, mutating_webhook_configuration
 
 MANIFESTS = Path(__file__).resolve().parents[2] / "manifests" / "base" / "webhook"
 PEM = b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"

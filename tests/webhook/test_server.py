@@ -19,13 +19,13 @@ import orjson
 import pytest
 from cryptography import x509
 
+from kube_vgpu.webhook.certs import CertificatePaths, issue_serving_cert, load_ca
+from kube_vgpu.webhook.config import WebhookConfig
+from kube_vgpu.webhook.server import MAX_BODY_BYTES, WebhookServer
 from tests.servers import free_port
 from tests.webhook.builders import admission_review, apply_response, gpu_container, pod
 from tests.webhook.conftest import client_context
 from tests.webhook.test_denials import ROWS, Row
-from webhook.certs import CertificatePaths, issue_serving_cert, load_ca
-from webhook.config import WebhookConfig
-from webhook.server import MAX_BODY_BYTES, WebhookServer
 
 WAIT_S = 20.0  # an upper bound for things that happen "soon"; never asserted as a duration
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from .base import Policy, Scratch, make_policy, policy_names, register
+from kube_vgpu.extender.engine.policies.base import Policy, Scratch, make_policy, policy_names, register
 
 __all__ = ["DEFAULT_GPU_POLICY", "DEFAULT_NODE_POLICY", "Policy", "Scratch", "make_policy", "policy_names", "register"]
 

@@ -11,15 +11,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ..fragmentation import task_shape
-from ..shares import MILLI_PER_GPU, free_share_milli, request_share_milli
-from .base import Policy
+from kube_vgpu.extender.engine.fragmentation import task_shape
+from kube_vgpu.extender.engine.policies.base import Policy
+from kube_vgpu.extender.engine.shares import MILLI_PER_GPU, free_share_milli, request_share_milli
 
 if TYPE_CHECKING:
+    from kube_vgpu.extender.engine.model import GpuState, NodeState, Placement, PlacementRequest
+    from kube_vgpu.extender.engine.policies.base import Scratch
     from kube_vgpu.protocol import ContainerGpuRequest
-
-    from ..model import GpuState, NodeState, Placement, PlacementRequest
-    from .base import Scratch
 
 #: the reference's normalisers: the largest node it knows (128 cores, 8 GPUs)
 MAX_SPEC_CPU_MILLI = 128_000

@@ -13,9 +13,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
+    from kube_vgpu.extender.engine.model import GpuState, NodeState, Placement, PlacementRequest
     from kube_vgpu.protocol import ContainerGpuRequest
-
-    from ..model import GpuState, NodeState, Placement, PlacementRequest
 
 
 class Scratch:
@@ -71,7 +70,7 @@ def register(cls: type[Policy]) -> type[Policy]:
 
 
 def policy_names() -> list[str]:
-    from . import _load_all
+    from kube_vgpu.extender.engine.policies import _load_all
 
     _load_all()
     return sorted(_REGISTRY)
@@ -79,7 +78,7 @@ def policy_names() -> list[str]:
 
 def make_policy(name: str, **options: object) -> Policy:
     """A fresh policy instance by name; ValueError lists the known names."""
-    from . import _load_all
+    from kube_vgpu.extender.engine.policies import _load_all
 
     _load_all()
     try:

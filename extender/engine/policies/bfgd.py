@@ -32,16 +32,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ..fragmentation import task_shape
-from ..shares import MILLI_PER_GPU, ask_share_milli
-from .base import Scratch, node_fill_after, register
-from .fgd import FragPolicyBase
-from .topology import best_connected_gpus, connectivity, least_damaging_gpu
+from kube_vgpu.extender.engine.fragmentation import task_shape
+from kube_vgpu.extender.engine.policies.base import Scratch, node_fill_after, register
+from kube_vgpu.extender.engine.policies.fgd import FragPolicyBase
+from kube_vgpu.extender.engine.policies.topology import best_connected_gpus, connectivity, least_damaging_gpu
+from kube_vgpu.extender.engine.shares import MILLI_PER_GPU, ask_share_milli
 
 if TYPE_CHECKING:
+    from kube_vgpu.extender.engine.model import GpuState, NodeState, Placement, PlacementRequest
     from kube_vgpu.protocol import ContainerGpuRequest
-
-    from ..model import GpuState, NodeState, Placement, PlacementRequest
 
 DEFAULT_BALANCE_WEIGHT = 1.0
 #: score points (the fragmentation score spans 0..100) for a perfectly connected multi-GPU placement: NVLink

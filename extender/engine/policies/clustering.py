@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ._milli import (
+from kube_vgpu.extender.engine.policies._milli import (
     MAX_NODE_SCORE,
     MAX_SPEC_GPU_MILLI,
     BestFitGpuChoice,
@@ -17,11 +17,11 @@ from ._milli import (
     go_div,
     pod_kind,
 )
-from .base import register
+from kube_vgpu.extender.engine.policies.base import register
 
 if TYPE_CHECKING:
 
-    from ..model import NodeState, Placement, PlacementRequest
+    from kube_vgpu.extender.engine.model import NodeState, Placement, PlacementRequest
 
 
 @register

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ._milli import (
+from kube_vgpu.extender.engine.policies._milli import (
     MAX_NODE_SCORE,
     MAX_SPEC_CPU_MILLI,
     MAX_SPEC_GPU_MILLI,
@@ -18,11 +18,11 @@ from ._milli import (
     free_milli_list,
     request_milli,
 )
-from .base import register
+from kube_vgpu.extender.engine.policies.base import register
 
 if TYPE_CHECKING:
 
-    from ..model import NodeState, Placement, PlacementRequest
+    from kube_vgpu.extender.engine.model import NodeState, Placement, PlacementRequest
 
 
 @register

@@ -19,15 +19,20 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ..fragmentation import FragModel, ShapeLearner, WeightedShapes, task_shape
-from ..shares import free_share_milli
-from ._milli import container_usage, frag_cpu_free_milli, free_after, free_milli_list, free_with_scratch
-from .base import Policy, Scratch, register
+from kube_vgpu.extender.engine.fragmentation import FragModel, ShapeLearner, WeightedShapes, task_shape
+from kube_vgpu.extender.engine.policies._milli import (
+    container_usage,
+    frag_cpu_free_milli,
+    free_after,
+    free_milli_list,
+    free_with_scratch,
+)
+from kube_vgpu.extender.engine.policies.base import Policy, Scratch, register
+from kube_vgpu.extender.engine.shares import free_share_milli
 
 if TYPE_CHECKING:
+    from kube_vgpu.extender.engine.model import GpuState, NodeState, Placement, PlacementRequest
     from kube_vgpu.protocol import ContainerGpuRequest
-
-    from ..model import GpuState, NodeState, Placement, PlacementRequest
 
 
 def sigmoid(x: float) -> float:

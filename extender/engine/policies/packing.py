@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ._milli import MAX_NODE_SCORE, BestFitGpuChoice, free_milli_list, request_milli
-from .base import register
+from kube_vgpu.extender.engine.policies._milli import MAX_NODE_SCORE, BestFitGpuChoice, free_milli_list, request_milli
+from kube_vgpu.extender.engine.policies.base import register
 
 if TYPE_CHECKING:
 
-    from ..model import NodeState, Placement, PlacementRequest
+    from kube_vgpu.extender.engine.model import NodeState, Placement, PlacementRequest
 
 _MILLI = 1000
 

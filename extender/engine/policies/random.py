@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ._milli import BestFitGpuChoice
-from .base import register
+from kube_vgpu.extender.engine.policies._milli import BestFitGpuChoice
+from kube_vgpu.extender.engine.policies.base import register
 
 if TYPE_CHECKING:
 
-    from ..model import NodeState, Placement, PlacementRequest
+    from kube_vgpu.extender.engine.model import NodeState, Placement, PlacementRequest
 
 
 @register

@@ -11,13 +11,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ..model import GpuState
-from .base import Policy, Scratch, free_memory_after, node_fill_after, register
+from kube_vgpu.extender.engine.model import GpuState
+from kube_vgpu.extender.engine.policies.base import Policy, Scratch, free_memory_after, node_fill_after, register
 
 if TYPE_CHECKING:
+    from kube_vgpu.extender.engine.model import NodeState, Placement, PlacementRequest
     from kube_vgpu.protocol import ContainerGpuRequest
-
-    from ..model import NodeState, Placement, PlacementRequest
 
 _BEST_LINK_SCORE = 118  # NVLink (100) + 18 lanes (H100)
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import orjson
 
-from . import protocol
-from .protocol import NodeInventory
+from kube_vgpu import protocol
+from kube_vgpu.protocol import NodeInventory
 
 TOPOLOGIES = ("nvswitch", "nvlink-pairs", "pcie")
 
@@ -39,9 +39,9 @@ def synth_inventory(
     if topology not in TOPOLOGIES:
         raise ValueError(f"unknown topology {topology!r}; choose one of {', '.join(TOPOLOGIES)}")
     # imported here: the device plugin package imports this module (UUID derivation), not the other way round
-    from deviceplugin.discovery import discover
-    from deviceplugin.fakenvml import FakeNvml, layout_hardware
-    from deviceplugin.nvml import Nvml
+    from kube_vgpu.deviceplugin.discovery import discover
+    from kube_vgpu.deviceplugin.fakenvml import FakeNvml, layout_hardware
+    from kube_vgpu.deviceplugin.nvml import Nvml
 
     hardware = layout_hardware([synth_uuid(node_name, index) for index in range(gpus)], model, memory_mib, topology)
     return discover(Nvml(FakeNvml(hardware)), sharing_count=max_shares).inventory
@@ -65,7 +65,7 @@ def node_object(
 ) -> dict[str, Any]:
     """A Node API object carrying the inventory annotations exactly as the device plugin writes them
     (the device plugin's publisher functions encode both)."""
-    from deviceplugin.publisher import inventory_annotations, node_labels
+    from kube_vgpu.deviceplugin.publisher import inventory_annotations, node_labels
 
     moment = heartbeat or dt.datetime.now(dt.UTC)
     resources = {
@@ -140,9 +140,9 @@ def synth_cluster(
 ) -> dict[str, Any]:
     """A snapshot List. With pods_per_node > 0, each node gets that many bound fractional pods,
     placed by the engine's binpack policy so their assignments are valid."""
-    from extender.engine.fit import place
-    from extender.engine.model import NodeState, Placement, PlacementRequest, assignment_from_placement
-    from extender.engine.policies import make_policy
+    from kube_vgpu.extender.engine.fit import place
+    from kube_vgpu.extender.engine.model import NodeState, Placement, PlacementRequest, assignment_from_placement
+    from kube_vgpu.extender.engine.policies import make_policy
 
     rng = random.Random(seed)
     moment = dt.datetime.now(dt.UTC)

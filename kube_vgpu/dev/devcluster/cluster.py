@@ -42,23 +42,24 @@ from urllib.parse import urlsplit, urlunsplit
 import orjson
 import yaml
 
-from kube_vgpu.synth import node_object, synth_inventory
-
-from . import pki as pki_module
-from .processes import ProcessRecord, is_running, kill, log_tail, spawn, stop
+from kube_vgpu.dev.devcluster import pki as pki_module
+from kube_vgpu.dev.devcluster.processes import ProcessRecord, is_running, kill, log_tail, spawn, stop
+from kube_vgpu.dev.synth import node_object, synth_inventory
 
 STATE_VERSION = 1
 STATE_FILE = "state.json"
 NODES_FILE = "nodes.json"
 KUBECONFIG_FILE = "kubeconfig"
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+# The manifests ship inside the package (kube_vgpu/manifests; a symlink to manifests/ in the source tree), so the dev
+# cluster and the demo run the same files from a checkout, a wheel or the image.
+MANIFESTS_DIR = Path(__file__).parents[2] / "manifests"
 #: THE KubeSchedulerConfiguration (shipped by manifests/); the dev cluster runs a copy with only
 #: clientConnection, leaderElection and the extender's urlPrefix port changed (scheduler_config below).
-SCHEDULER_CONFIG_MANIFEST = REPO_ROOT / "manifests" / "base" / "scheduler" / "kube-scheduler-config.yaml"
+SCHEDULER_CONFIG_MANIFEST = MANIFESTS_DIR / "base" / "scheduler" / "kube-scheduler-config.yaml"
 RBAC_MANIFESTS = (
-    REPO_ROOT / "manifests" / "base" / "scheduler" / "rbac.yaml",
-    REPO_ROOT / "manifests" / "base" / "deviceplugin" / "rbac.yaml",
+    MANIFESTS_DIR / "base" / "scheduler" / "rbac.yaml",
+    MANIFESTS_DIR / "base" / "deviceplugin" / "rbac.yaml",
 )
 
 NAMESPACE = "kube-vgpu"
@@ -203,7 +204,7 @@ def rbac_documents() -> tuple[list[dict[str, Any]], list[str]]:
                 f"cannot read {path} (the dev cluster runs with the RBAC manifests/ ships): {exc}"
             ) from None
         documents += [doc for doc in yaml.safe_load_all(text) if isinstance(doc, dict)]
-    return documents, [str(path.relative_to(REPO_ROOT)) for path in RBAC_MANIFESTS]
+    return documents, [str(Path("manifests") / path.relative_to(MANIFESTS_DIR)) for path in RBAC_MANIFESTS]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -366,7 +367,7 @@ class DevCluster:
         if self.options.binaries is not None:
             self.binaries = {name: Path(path) for name, path in self.options.binaries}
             return
-        from .binaries import BinariesError, ensure_binaries
+        from kube_vgpu.dev.devcluster.binaries import BinariesError, ensure_binaries
 
         try:
             self.binaries = ensure_binaries(progress=self._progress)
@@ -378,7 +379,7 @@ class DevCluster:
         if path is None or not (path.is_file() and os.access(path, os.X_OK)):
             raise ComponentError(
                 name,
-                f"binary not found or not executable: {path} (run `python -m kube_vgpu.devcluster.binaries` to "
+                f"binary not found or not executable: {path} (run `python -m kube_vgpu.dev.devcluster.binaries` to "
                 f"build it, or point KUBE_VGPU_BIN_DIR at a directory holding it)",
             )
         return str(path)
@@ -649,8 +650,8 @@ class DevCluster:
         return [sys.executable, "-m", "kube_vgpu.cli", *args]
 
     def _start_webhook(self) -> None:
-        from webhook.certs import ensure_ca_and_serving_cert
-        from webhook.registration import mutating_webhook_configuration
+        from kube_vgpu.webhook.certs import ensure_ca_and_serving_cert
+        from kube_vgpu.webhook.registration import mutating_webhook_configuration
 
         certs = ensure_ca_and_serving_cert(self.state_dir / "webhook-certs", ["localhost"], ["127.0.0.1"])
         self.webhook_ca_pem = certs.ca_pem
@@ -725,7 +726,7 @@ class DevCluster:
         argv = [
             sys.executable,
             "-m",
-            "kube_vgpu.devcluster.heartbeat",
+            "kube_vgpu.dev.devcluster.heartbeat",
             f"--kubeconfig={self.device_plugin_kubeconfig}",
             f"--nodes-file={self.nodes_file}",
             f"--interval-seconds={self.options.heartbeat_interval_s:g}",

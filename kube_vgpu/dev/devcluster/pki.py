@@ -26,7 +26,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from webhook.certs import CertificatePaths, ensure_ca_and_serving_cert, load_ca
+from kube_vgpu.webhook.certs import CertificatePaths, ensure_ca_and_serving_cert, load_ca
 
 CLIENT_VALIDITY_DAYS = 365
 CLOCK_SKEW = dt.timedelta(minutes=5)

@@ -3,7 +3,7 @@ so this process re-publishes each registered node's heartbeat annotation every i
 call the device plugin's publisher makes (deviceplugin.kube.KubeClient.patch_node_metadata), as the device
 plugin's ServiceAccount, so the manifests' device-plugin RBAC is exercised too.
 
-    python -m kube_vgpu.devcluster.heartbeat --kubeconfig F --nodes-file F [--interval-seconds S]
+    python -m kube_vgpu.dev.devcluster.heartbeat --kubeconfig F --nodes-file F [--interval-seconds S]
 
 The nodes file (a JSON list of node names) is re-read every round, so nodes added later are kept fresh as well.
 Patches are spread over the interval rather than sent in one burst: 1000 nodes every 10 s is a steady 100
@@ -25,7 +25,7 @@ import orjson
 
 from kube_vgpu import protocol
 
-log = logging.getLogger("kube_vgpu.devcluster.heartbeat")
+log = logging.getLogger("kube_vgpu.dev.devcluster.heartbeat")
 
 
 def read_nodes(path: Path) -> list[str]:
@@ -46,7 +46,7 @@ def run_heartbeat(
     """Patch every node's heartbeat each interval until `stop`. `ready_file` is created once the first patch
     went through (or at once when there are no nodes): the dev cluster waits for it, so a heartbeat that cannot
     write (RBAC, token) fails the start-up instead of letting every node go stale two minutes later."""
-    from deviceplugin.kube import ApiUnavailable, Conflict, KubeClient, NotFound, load_api_client
+    from kube_vgpu.deviceplugin.kube import ApiUnavailable, Conflict, KubeClient, NotFound, load_api_client
 
     client = KubeClient(load_api_client(kubeconfig))
 
@@ -77,7 +77,7 @@ def run_heartbeat(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kube_vgpu.devcluster.heartbeat")
+    parser = argparse.ArgumentParser(prog="python -m kube_vgpu.dev.devcluster.heartbeat")
     parser.add_argument("--kubeconfig", required=True)
     parser.add_argument("--nodes-file", required=True, type=Path)
     parser.add_argument("--interval-seconds", type=float, default=10.0)

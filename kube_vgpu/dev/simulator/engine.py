@@ -21,13 +21,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from extender.engine.fit import place
-from extender.engine.fragmentation import FragModel, WeightedShapes, cluster_frag
-from extender.engine.model import NodeState, Placement, PlacementRequest
-from extender.engine.policies import Policy
+from kube_vgpu.dev.simulator.trace import NodeSpec, Task
+from kube_vgpu.extender.engine.fit import place
+from kube_vgpu.extender.engine.fragmentation import FragModel, WeightedShapes, cluster_frag
+from kube_vgpu.extender.engine.model import NodeState, Placement, PlacementRequest
+from kube_vgpu.extender.engine.policies import Policy
 from kube_vgpu.protocol import ContainerGpuRequest, GpuInfo, NodeInventory, PodGpuRequest
-
-from .trace import NodeSpec, Task
 
 #: engine view of an openb GPU: 1000 "cores" = 1000 milli-GPU; memory is not asked by openb tasks
 GPU_CORES = 1000

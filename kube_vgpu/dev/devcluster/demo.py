@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kube_vgpu import protocol
-
-from .cluster import (
+from kube_vgpu.dev.devcluster.cluster import (
     ClusterOptions,
     ComponentError,
     DevCluster,
@@ -27,7 +26,7 @@ from .cluster import (
     sigterm_as_interrupt,
     up,
 )
-from .workload import (
+from kube_vgpu.dev.devcluster.workload import (
     Outcome,
     create_pods,
     ensure_namespace,

@@ -13,12 +13,11 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from extender.engine.fragmentation import WeightedShapes, typical_shapes
-from extender.engine.policies import DEFAULT_NODE_POLICY, Policy, make_policy
-
-from .engine import GPU_CORES, simulate
-from .metrics import curve, mean_curve
-from .trace import NodeSpec, Task, arrival_sequence, load_nodes, load_tasks, trace_name
+from kube_vgpu.dev.simulator.engine import GPU_CORES, simulate
+from kube_vgpu.dev.simulator.metrics import curve, mean_curve
+from kube_vgpu.dev.simulator.trace import NodeSpec, Task, arrival_sequence, load_nodes, load_tasks, trace_name
+from kube_vgpu.extender.engine.fragmentation import WeightedShapes, typical_shapes
+from kube_vgpu.extender.engine.policies import DEFAULT_NODE_POLICY, Policy, make_policy
 
 DEFAULT_SEEDS = tuple(range(42, 52))
 

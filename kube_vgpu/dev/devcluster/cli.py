@@ -15,9 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from kube_vgpu.synth import TOPOLOGIES
-
-from .cluster import (
+from kube_vgpu.dev.devcluster.cluster import (
     DEFAULT_HEARTBEAT_INTERVAL_S,
     ClusterOptions,
     ComponentError,
@@ -28,6 +26,7 @@ from .cluster import (
     sigterm_as_interrupt,
     up,
 )
+from kube_vgpu.dev.synth import TOPOLOGIES
 
 
 def _progress(message: str) -> None:

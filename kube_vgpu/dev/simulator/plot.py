@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from .runner import PolicySummary
+from kube_vgpu.dev.simulator.runner import PolicySummary
 
 
 def plot_curves(summaries: Sequence[PolicySummary], path: str | Path, title: str = "") -> None:

@@ -8,10 +8,17 @@ import json
 import sys
 from pathlib import Path
 
-from extender.engine.policies import policy_names
-
-from .runner import DEFAULT_SEEDS, Job, PolicySummary, default_workers, resolve_policy_name, run_jobs, summarise
-from .trace import TraceError, trace_name
+from kube_vgpu.dev.simulator.runner import (
+    DEFAULT_SEEDS,
+    Job,
+    PolicySummary,
+    default_workers,
+    resolve_policy_name,
+    run_jobs,
+    summarise,
+)
+from kube_vgpu.dev.simulator.trace import TraceError, trace_name
+from kube_vgpu.extender.engine.policies import policy_names
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -104,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     if args.curve_csv:
         write_curve_csv(summaries, args.curve_csv)
     if args.plot:
-        from .plot import plot_curves
+        from kube_vgpu.dev.simulator.plot import plot_curves
 
         title = f"{trace_name(args.pod_csv)}: allocated vs arrived GPU ({len(args.seed)} seeds, mean)"
         plot_curves(summaries, args.plot, title)

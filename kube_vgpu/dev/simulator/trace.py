@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from extender.engine.fragmentation import MILLI_PER_GPU, TaskShape
+from kube_vgpu.extender.engine.fragmentation import MILLI_PER_GPU, TaskShape
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ Results are cached under ``${XDG_CACHE_HOME:-~/.cache}/kube-vgpu/k8s-<version>/b
 what each binary was built from, so later calls return at once. ``KUBE_VGPU_BIN_DIR`` points at prebuilt binaries
 instead (nothing is built then).
 
-Run ``python -m kube_vgpu.devcluster.binaries`` to build and print the paths.
+Run ``python -m kube_vgpu.dev.devcluster.binaries`` to build and print the paths.
 """
 
 from __future__ import annotations
