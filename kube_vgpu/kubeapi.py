@@ -1,0 +1,163 @@
+"""Kubernetes semantics, and nothing else: quantities and a pod's resource requests exactly as kube-scheduler counts
+them (init containers, native sidecars, pod overhead, pod-level resources).
+
+The bottom layer: imports nothing of ours. Every component that needs "how much does this pod ask for" (the
+extender's state and quota gate, the webhook, the simulator) calls `pod_requests`, so they can never disagree.
+
+Units (as kube-scheduler's `framework.Resource`): `cpu` in millicores, every other resource in whole units of its
+quantity (bytes for `memory` and `ephemeral-storage`, counts for extended resources), rounded up.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from decimal import ROUND_CEILING, Decimal, InvalidOperation
+from typing import Any
+
+RESOURCE_CPU = "cpu"
+RESOURCE_MEMORY = "memory"
+RESOURCE_PODS = "pods"
+#: resources a pod may set in `spec.resources` (PodLevelResources); they replace the containers' sum
+POD_LEVEL_RESOURCES = frozenset({RESOURCE_CPU, RESOURCE_MEMORY})
+RESTART_POLICY_ALWAYS = "Always"
+
+
+class InvalidQuantity(ValueError):
+    """A value that is not a Kubernetes quantity; the message says which and why."""
+
+
+# k8s.io/apimachinery/pkg/api/resource: <sign><digits>[.<digits>]<suffix>, suffix binary (Ki..Ei), decimal
+# (m, k, M, G, T, P, E, or none) or an exponent (e3, E-2).
+_QUANTITY = re.compile(r"^([+-]?[0-9]+(?:\.[0-9]*)?|[+-]?\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E|[eE][+-]?[0-9]+)?$")
+_SUFFIX = {
+    "": Decimal(1), "m": Decimal("0.001"), "k": Decimal(10) ** 3, "M": Decimal(10) ** 6, "G": Decimal(10) ** 9,
+    "T": Decimal(10) ** 12, "P": Decimal(10) ** 15, "E": Decimal(10) ** 18,
+    "Ki": Decimal(2) ** 10, "Mi": Decimal(2) ** 20, "Gi": Decimal(2) ** 30, "Ti": Decimal(2) ** 40,
+    "Pi": Decimal(2) ** 50, "Ei": Decimal(2) ** 60,
+}
+#: longest quantity text we read; the API server's own limit on a quantity's digits is far below this, and it keeps a
+#: hostile 5000-digit value from costing a Decimal multiplication of that size
+MAX_QUANTITY_TEXT = 64
+_MAX_EXPONENT = 30
+
+
+def parse_quantity(value: Any) -> Decimal:
+    """A Kubernetes quantity ("500m", "2", "1.5Gi", "1e3", 2) as an exact Decimal. Raises InvalidQuantity."""
+    if isinstance(value, bool) or value is None or not isinstance(value, str | int | float | Decimal):
+        raise InvalidQuantity(f"expected a quantity, got {value!r}")
+    text = value.strip() if isinstance(value, str) else str(value)
+    if len(text) > MAX_QUANTITY_TEXT:
+        raise InvalidQuantity(f"{text[:20]}... is not a Kubernetes quantity (longer than {MAX_QUANTITY_TEXT})")
+    match = _QUANTITY.match(text)
+    if not match:
+        raise InvalidQuantity(f"{text!r} is not a Kubernetes quantity")
+    number, suffix = match.group(1), match.group(2) or ""
+    try:
+        if suffix[:1] in ("e", "E"):
+            exponent = int(suffix[1:])
+            if abs(exponent) > _MAX_EXPONENT:
+                raise InvalidQuantity(f"{text!r}: exponent out of range")
+            multiplier = Decimal(10) ** exponent
+        else:
+            multiplier = _SUFFIX[suffix]
+        return Decimal(number) * multiplier
+    except (InvalidOperation, ValueError):
+        raise InvalidQuantity(f"{text!r} is not a Kubernetes quantity") from None
+
+
+def _ceil(amount: Decimal) -> int:
+    return int(amount.to_integral_value(rounding=ROUND_CEILING))
+
+
+def quantity_milli(value: Any) -> int:
+    """Quantity.MilliValue(): thousandths, rounded up ("500m" -> 500, "0.1" -> 100, "1" -> 1000)."""
+    return _ceil(parse_quantity(value) * 1000)
+
+
+def quantity_value(value: Any) -> int:
+    """Quantity.Value(): whole units, rounded up ("1Gi" -> 1073741824, "500m" -> 1)."""
+    return _ceil(parse_quantity(value))
+
+
+def resource_amount(resource: str, value: Any) -> int:
+    """A quantity in the unit kube-scheduler counts `resource` in: millicores for cpu, whole units otherwise."""
+    return quantity_milli(value) if resource == RESOURCE_CPU else quantity_value(value)
+
+
+def _amounts(section: Mapping[str, Any] | None, wanted: frozenset[str] | None) -> dict[str, int]:
+    out: dict[str, int] = {}
+    if not section:
+        return out
+    for resource, value in section.items():
+        if wanted is None or resource in wanted:
+            out[resource] = resource_amount(resource, value)
+    return out
+
+
+def container_requests(container: Mapping[str, Any], wanted: frozenset[str] | None = None) -> dict[str, int]:
+    """A container's requests. An unset request defaults to its limit (the API server's defaulting does this on
+    write; objects that did not pass through it, such as snapshots, may lack it)."""
+    resources = container.get("resources") or {}
+    merged = _amounts(resources.get("limits"), wanted)
+    merged.update(_amounts(resources.get("requests"), wanted))
+    return merged
+
+
+def is_sidecar(container: Mapping[str, Any]) -> bool:
+    """A native sidecar: an init container with `restartPolicy: Always`, running beside the app containers."""
+    return container.get("restartPolicy") == RESTART_POLICY_ALWAYS
+
+
+def _add(into: dict[str, int], other: Mapping[str, int]) -> None:
+    for resource, amount in other.items():
+        into[resource] = into.get(resource, 0) + amount
+
+
+def _max(into: dict[str, int], other: Mapping[str, int]) -> None:
+    for resource, amount in other.items():
+        if amount > into.get(resource, 0):
+            into[resource] = amount
+
+
+def pod_requests(pod: Mapping[str, Any], resources: Iterable[str] | None = None) -> dict[str, int]:
+    """The pod's requests as kube-scheduler's NodeResourcesFit counts them (component-helpers' PodRequests):
+
+    - app containers are summed, and every native sidecar runs beside them, so sidecars are added;
+    - an ordinary init container runs alone beside the sidecars started before it: the pod needs the largest of
+      those moments, and the larger of that and the app phase;
+    - pod-level `spec.resources.requests` (cpu, memory) replace the containers' figure for those resources;
+    - `spec.overhead` (RuntimeClass) is added on top.
+
+    `resources` restricts the result to those names (cheaper for callers that need only cpu). Raises
+    InvalidQuantity for a value that is not a quantity (the API server never stores one)."""
+    wanted = frozenset(resources) if resources is not None else None
+    spec = pod.get("spec") or {}
+    total: dict[str, int] = {}
+    for container in spec.get("containers") or ():
+        _add(total, container_requests(container, wanted))
+    sidecars: dict[str, int] = {}
+    init_peak: dict[str, int] = {}
+    for container in spec.get("initContainers") or ():
+        own = container_requests(container, wanted)
+        if is_sidecar(container):
+            _add(total, own)
+            _add(sidecars, own)
+            _max(init_peak, sidecars)
+        else:
+            moment = dict(own)
+            _add(moment, sidecars)
+            _max(init_peak, moment)
+    _max(total, init_peak)
+    pod_level = (spec.get("resources") or {}).get("requests")
+    if pod_level:
+        for resource, value in pod_level.items():
+            if resource in POD_LEVEL_RESOURCES and (wanted is None or resource in wanted):
+                total[resource] = resource_amount(resource, value)
+    _add(total, _amounts(spec.get("overhead"), wanted))
+    return {resource: amount for resource, amount in total.items() if amount}
+
+
+def pod_request(pod: Mapping[str, Any], resource: str) -> int:
+    """One resource of `pod_requests` (0 when the pod does not ask for it)."""
+    return pod_requests(pod, (resource,)).get(resource, 0)
