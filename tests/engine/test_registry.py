@@ -28,7 +28,7 @@ def test_every_named_policy_class_is_in_the_registry_under_its_name() -> None:
 
 
 def test_make_policy_names_the_known_policies_when_asked_for_an_unknown_one() -> None:
-    with pytest.raises(ValueError, match="unknown policy 'nope'; known policies: .*bfgd"):
+    with pytest.raises(ValueError, match=r"unknown policy 'nope'; known policies: .*bfgd"):
         make_policy("nope")
     assert policy_names() == sorted(REGISTRY)
 
