@@ -50,7 +50,7 @@ MAX_QUANTITY_TEXT = 64
 _MAX_EXPONENT = 30
 #: exact arithmetic for every quantity we can read (at most 64 digits, 10^±30, Ei) and sums of them: the default
 #: context's 28 digits would round large or finely divided values, which Kubernetes' arbitrary precision does not
-_EXACT = Context(prec=400)
+EXACT = Context(prec=400)
 _ZERO = Decimal(0)
 _THOUSAND = Decimal(1000)
 
@@ -69,9 +69,9 @@ def _parse_text(raw: str) -> tuple[Decimal, str]:
         exponent = int(suffix[1:])  # the pattern admits only digits here
         if abs(exponent) > _MAX_EXPONENT:
             raise InvalidQuantity(f"{text!r}: exponent out of range")
-        multiplier = _EXACT.power(Decimal(10), exponent)
+        multiplier = EXACT.power(Decimal(10), exponent)
     try:
-        return _EXACT.multiply(Decimal(number), multiplier), suffix
+        return EXACT.multiply(Decimal(number), multiplier), suffix
     except InvalidOperation:
         raise InvalidQuantity(f"{text!r} is not a Kubernetes quantity") from None
 
@@ -97,7 +97,7 @@ def _ceil(amount: Decimal) -> int:
 
 def quantity_milli(value: Any) -> int:
     """Quantity.MilliValue(): thousandths, rounded up ("500m" -> 500, "0.1" -> 100, "1" -> 1000)."""
-    return _ceil(_EXACT.multiply(parse_quantity(value), _THOUSAND))
+    return _ceil(EXACT.multiply(parse_quantity(value), _THOUSAND))
 
 
 def quantity_value(value: Any) -> int:
@@ -106,7 +106,7 @@ def quantity_value(value: Any) -> int:
 
 
 def _in_unit(resource: str, amount: Decimal) -> int:
-    return _ceil(_EXACT.multiply(amount, _THOUSAND)) if resource == RESOURCE_CPU else _ceil(amount)
+    return _ceil(EXACT.multiply(amount, _THOUSAND)) if resource == RESOURCE_CPU else _ceil(amount)
 
 
 def resource_amount(resource: str, value: Any) -> int:
@@ -146,7 +146,7 @@ def _container_exact(container: Mapping[str, Any], wanted: frozenset[str] | None
 
 def _add(into: _Exact, other: Mapping[str, Decimal]) -> None:
     for resource, amount in other.items():
-        into[resource] = _EXACT.add(into.get(resource, _ZERO), amount)
+        into[resource] = EXACT.add(into.get(resource, _ZERO), amount)
 
 
 def _max(into: _Exact, other: Mapping[str, Decimal]) -> None:
