@@ -15,6 +15,7 @@ from kube_vgpu.extender.engine.model import (
     ContainerPlacement,
     FitFailure,
     GpuState,
+    GpuUsage,
     NodeState,
     Placement,
     PlacementRequest,
@@ -136,9 +137,12 @@ def place(
     if not node.gpus:
         return FitFailure("no GPUs (no kube-vgpu GPU inventory on this node)", True, "no-gpus")
     size = len(node.gpus)
+    containers = gpu_request.containers
     init_placed: list[ContainerPlacement] = []
     running = Scratch(size)  # the sidecars started so far: they keep their GPUs
-    for container in gpu_request.init_containers:
+    for container in containers:
+        if not container.init:
+            continue
         # a sidecar is placed into `running` and stays there; an ordinary init container beside it, then gone
         scratch = running if container.sidecar else running.copy()
         devices = _place_container(node, request, container, scratch, gpu_policy)
@@ -146,13 +150,23 @@ def place(
             return devices
         init_placed.append(ContainerPlacement(container, tuple(devices)))
     placed: list[ContainerPlacement] = []
-    for container in gpu_request.app_containers:
+    for container in containers:
+        if container.init:
+            continue
         devices = _place_container(node, request, container, running, gpu_policy)
         if isinstance(devices, FitFailure):
             return devices
         placed.append(ContainerPlacement(container, tuple(devices)))
-    placed.extend(init_placed)  # app containers first, as assignments have always listed them
-    usage = peak_usage(node, ([d for c in phase for d in c.devices] for phase in container_phases(placed)))
+    if init_placed:
+        placed.extend(init_placed)  # app containers first, as assignments have always listed them
+        usage = peak_usage(node, ([d for c in phase for d in c.devices] for phase in container_phases(placed)))
+    else:
+        # the usual pod, one moment: its scratch is what peak_usage would return, without rebuilding it (hot path)
+        usage = tuple(
+            GpuUsage(p, running.memory_mib[p], running.cores[p], running.shares[p], running.exclusive[p])
+            for p in range(size)
+            if running.shares[p]
+        )
     unscored = Placement(node.name, tuple(placed), usage)
     return Placement(node.name, unscored.containers, usage, node_policy.score(node, request, unscored))
 

@@ -131,3 +131,14 @@ def test_placement_and_its_assignment_count_the_same() -> None:
     ]
     decoded = protocol.decode_assignment(protocol.encode_assignment(assignment))
     assert usage_from_assignment(target, decoded) == (placement.usage, [])
+
+
+def test_a_pod_without_init_containers_counts_the_same_from_its_assignment() -> None:
+    # fit's fast path for one moment (no init containers) must agree with the peak the state computes
+    target = node(gpus=3)
+    obj = gpu_pod([gpu_container("a", 1000, gpus=2, cores=30), gpu_container("b", 2000, cores=100)])
+    placement = try_place(target, obj)
+    assert isinstance(placement, Placement)
+    assert any(u.exclusive for u in placement.usage)
+    assignment = assignment_from_placement(target, placement)
+    assert usage_from_assignment(target, assignment) == (placement.usage, [])
