@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from cachetools import TTLCache
 
-from kube_vgpu import protocol
+from kube_vgpu import kubeapi, protocol
 from kube_vgpu.extender.engine.fit import place
 from kube_vgpu.extender.engine.model import (
     FitFailure,
@@ -35,7 +35,7 @@ from kube_vgpu.extender.engine.policies import (
     Policy,
     make_policy,
 )
-from kube_vgpu.extender.state import ClusterState, pod_cpu_request_milli
+from kube_vgpu.extender.state import ClusterState
 from kube_vgpu.extender.turns import NodeTurns, Wake
 from kube_vgpu.protocol import InvalidGpuRequest, PodGpuRequest
 
@@ -165,7 +165,11 @@ class Scheduler:
         """The engine's request; the pod's CPU request only when a policy reads it (it is then part of the cache
         key, so other policies keep sharing cache entries between pods of different CPU asks)."""
         if node_policy.uses_host_cpu or gpu_policy.uses_host_cpu:
-            return PlacementRequest(request, cpu_milli=pod_cpu_request_milli(pod))
+            try:
+                cpu_milli = kubeapi.pod_request(pod, kubeapi.RESOURCE_CPU)
+            except kubeapi.InvalidQuantity:
+                cpu_milli = 0  # only a scoring hint; the API server never stores such a pod, kube-scheduler refuses it
+            return PlacementRequest(request, cpu_milli=cpu_milli)
         return PlacementRequest(request)
 
     def _cache_key(self, request: PlacementRequest, node_policy: Policy, gpu_policy: Policy) -> int:

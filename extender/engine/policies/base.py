@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 
 
 class Scratch:
-    """Usage added by the containers already placed in the current phase (indexed by GPU position)."""
+    """Usage added by the containers already placed in the current phase (indexed by GPU position): the pod's own
+    containers that run at the same moment, sidecars started earlier included."""
 
     __slots__ = ("cores", "exclusive", "memory_mib", "shares")
 
@@ -27,6 +28,14 @@ class Scratch:
         self.cores = [0] * size
         self.shares = [0] * size
         self.exclusive = [False] * size
+
+    def copy(self) -> Scratch:
+        twin = Scratch(0)
+        twin.memory_mib = self.memory_mib[:]
+        twin.cores = self.cores[:]
+        twin.shares = self.shares[:]
+        twin.exclusive = self.exclusive[:]
+        return twin
 
 
 class Policy:
