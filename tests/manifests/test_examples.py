@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import datetime as dt
 import itertools
 from typing import Any
 
@@ -23,8 +24,14 @@ from tests.helpers import gpu_node
 from tests.manifests.render import find, render
 
 _uids = itertools.count()
-NODES = [gpu_node("a100-0", gpus=8), gpu_node("a100-1", gpus=8),
-         gpu_node("t4-0", gpus=4, model="Tesla-T4", memory_mib=15360, topology="pcie")]
+#: The nodes' heartbeat, and the only time the extender's state sees: nothing here depends on the wall clock, so the
+#: module passes however long after its import it runs (a first run builds the Go binaries in between).
+MOMENT = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+
+
+def nodes() -> list[dict[str, Any]]:
+    return [gpu_node("a100-0", gpus=8, heartbeat=MOMENT), gpu_node("a100-1", gpus=8, heartbeat=MOMENT),
+            gpu_node("t4-0", gpus=4, model="Tesla-T4", memory_mib=15360, topology="pcie", heartbeat=MOMENT)]
 
 
 def example_pods() -> list[dict[str, Any]]:
@@ -69,9 +76,9 @@ def admit(pod: dict[str, Any]) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def placed() -> dict[str, tuple[str, protocol.PodAssignment, dict[str, Any]]]:
     """Every example pod admitted, then scheduled in file order: pod name -> (node, assignment, admitted pod)."""
-    state = ClusterState()
-    nodes = copy.deepcopy(NODES)
-    cluster = SnapshotCluster(state, nodes)
+    state = ClusterState(clock=MOMENT.timestamp)
+    node_objects = nodes()
+    cluster = SnapshotCluster(state, node_objects)
     scheduler = Scheduler(state, cluster)
     result = {}
     for pod in example_pods():
@@ -80,7 +87,8 @@ def placed() -> dict[str, tuple[str, protocol.PodAssignment, dict[str, Any]]]:
         cluster.add_pod(admitted)
         # kube-scheduler's own filters first: only nodeSelector matters on these nodes
         selector = admitted["spec"].get("nodeSelector") or {}
-        candidates = [n["metadata"]["name"] for n in nodes if selector.items() <= n["metadata"]["labels"].items()]
+        candidates = [n["metadata"]["name"] for n in node_objects
+                      if selector.items() <= n["metadata"]["labels"].items()]
         outcome = scheduler.filter(admitted, candidates)
         assert outcome.passed and not outcome.error, (pod["metadata"]["name"], outcome)
         scores = dict(scheduler.prioritize(admitted, outcome.passed))
@@ -94,7 +102,7 @@ def placed() -> dict[str, tuple[str, protocol.PodAssignment, dict[str, Any]]]:
 
 
 def gpu_models(node: str) -> dict[str, str]:
-    [obj] = [n for n in NODES if n["metadata"]["name"] == node]
+    [obj] = [n for n in nodes() if n["metadata"]["name"] == node]
     inventory = protocol.decode_inventory(obj["metadata"]["annotations"][protocol.NODE_INVENTORY_ANNOTATION])
     return {gpu.uuid: gpu.model for gpu in inventory.gpus}
 
