@@ -12,13 +12,14 @@ FROM python:3.11.14-slim-bookworm AS build
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md requirements.lock ./
 COPY kube_vgpu/ kube_vgpu/
 COPY extender/ extender/
 COPY webhook/ webhook/
 COPY deviceplugin/ deviceplugin/
 COPY manifests/ manifests/
-RUN pip wheel --no-deps --wheel-dir /wheels .
+RUN pip wheel --no-deps --wheel-dir /wheels . \
+ && cp requirements.lock /wheels/
 
 # --- stage 2: the runtime --------------------------------------------------------------------------------------
 FROM python:3.11.14-slim-bookworm
@@ -40,9 +41,11 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
 RUN groupadd --system --gid 65532 kube-vgpu \
  && useradd --system --uid 65532 --gid 65532 --home-dir /nonexistent --no-create-home \
             --shell /usr/sbin/nologin kube-vgpu
-# the wheel's dependencies (grpcio, cryptography, orjson, ...) come as manylinux wheels: no compiler needed
+# the wheel's dependencies (grpcio, cryptography, orjson, ...) come as manylinux wheels: no compiler needed; exactly
+# the locked versions, hash-checked, then the wheel itself without resolving anything else
 COPY --from=build /wheels/ /tmp/wheels/
-RUN pip install /tmp/wheels/kube_vgpu-*.whl \
+RUN pip install --require-hashes -r /tmp/wheels/requirements.lock \
+ && pip install --no-deps /tmp/wheels/kube_vgpu-*.whl \
  && rm -rf /tmp/wheels \
  && kube-vgpu --help > /dev/null
 USER 65532:65532

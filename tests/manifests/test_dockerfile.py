@@ -127,7 +127,16 @@ def test_the_first_stage_builds_the_wheel_from_every_package_and_the_second_inst
     assert any(i.keyword == "RUN" and re.search(r"pip wheel .*--no-deps|python -m build", i.arguments) for i in BUILD)
     runtime_copies = [i.arguments for i in RUNTIME if i.keyword == "COPY"]
     assert runtime_copies and all(arguments.startswith("--from=build ") for arguments in runtime_copies)
-    assert any(i.keyword == "RUN" and re.search(r"pip install [^&]*\.whl", i.arguments) for i in RUNTIME)
+    assert any(i.keyword == "RUN" and re.search(r"pip install --no-deps [^&]*\.whl", i.arguments) for i in RUNTIME)
+
+
+def test_the_runtime_installs_exactly_the_locked_dependencies() -> None:
+    """Reproducible images: the dependencies come from requirements.lock, hash-checked, and the wheel adds no
+    resolution of its own (--no-deps)."""
+    assert "requirements.lock" in {part for i in BUILD if i.keyword == "COPY" for part in i.arguments.split()[:-1]}
+    runs = " && ".join(i.arguments for i in RUNTIME if i.keyword == "RUN")
+    assert re.search(r"pip install --require-hashes -r \S*requirements\.lock", runs)
+    assert runs.index("requirements.lock") < runs.index("--no-deps")
 
 
 def test_a_numeric_non_root_user_that_the_manifests_run_as() -> None:
