@@ -85,6 +85,7 @@ class _Connection:
         self.client = client
         self.upstream: socket.socket | None = None
         self.silent = silent
+        self.upstream_closed = False
         self.dropped = False
         self.raw = not proxy.http  # forward bytes without reading requests
         self.request_buffer = b""
@@ -137,7 +138,7 @@ class _Connection:
 
     def _readable(self) -> list[socket.socket]:
         assert self.upstream is not None
-        ends = [self.client, self.upstream]
+        ends = [self.client] if self.upstream_closed else [self.client, self.upstream]
         pending = [s for s in ends if isinstance(s, ssl.SSLSocket) and s.pending()]
         if pending:
             return pending
@@ -155,6 +156,10 @@ class _Connection:
                 except (TimeoutError, ssl.SSLWantReadError):
                     continue
                 if not data:
+                    if sock is self.upstream and self.silent:
+                        # the server ended its side; on a dead path the client never hears of it
+                        self.upstream_closed = True
+                        continue
                     return
                 if self.silent:
                     continue  # a dead path: the bytes go nowhere

@@ -42,8 +42,10 @@ def get(url: str, path: str = "/api/v1/nodes", *, timeout_s: float = SILENCE_S,
         return client.get(path)
 
 
-def watch_lines(client: httpx.Client) -> Iterator[str]:
-    with client.stream("GET", "/api/v1/nodes", params={"watch": "true", "resourceVersion": "0"}) as response:
+def watch_lines(client: httpx.Client, server_timeout_s: float = 60) -> Iterator[str]:
+    params = {"watch": "true", "resourceVersion": "0", "timeoutSeconds": str(server_timeout_s)}
+    # Connection: close: the server closes the connection when it ends the stream
+    with client.stream("GET", "/api/v1/nodes", params=params, headers={"Connection": "close"}) as response:
         yield from response.iter_lines()
 
 
@@ -79,11 +81,11 @@ def test_half_open_silences_open_connections_without_closing_them(
 ) -> None:
     server, _ = upstream
     with httpx.Client(base_url=proxy.url, timeout=SILENCE_S) as client:
-        lines = watch_lines(client)
+        lines = watch_lines(client, server_timeout_s=0.2)  # the server ends the stream while the path is dead
         assert "ADDED" in next(lines)
         proxy.set_fault(Fault.HALF_OPEN)
         server.put("nodes", gpu_node("n2"))
-        with pytest.raises(httpx.ReadTimeout):  # silence, not an end of stream: the client learns nothing
+        with pytest.raises(httpx.ReadTimeout):  # silence, not an event or an end of stream: nothing gets through
             next(lines)
     with pytest.raises(httpx.ReadTimeout):
         get(proxy.url)
