@@ -73,9 +73,19 @@ class ApiTimeouts:
             raise ValueError("ApiTimeouts.watch_server_timeout_s must be positive and below watch_progress_s")
 
     @property
+    def commit_worst_case_s(self) -> float:
+        """The most a bind holds its node's turn: the Binding, then the check after a failed one."""
+        return self.bind_s + self.read_s
+
+    @property
     def bind_worst_case_s(self) -> float:
         """The most one bind verb spends in API calls: prepare's pod read, the Binding, the check after it."""
-        return self.read_s + self.bind_s + self.read_s
+        return self.read_s + self.commit_worst_case_s
+
+    @property
+    def turn_wait_limit_s(self) -> float:
+        """How long a bind may wait for its node's turn and still be answered within kube-scheduler's timeout."""
+        return SCHEDULER_EXTENDER_TIMEOUT_S - self.bind_worst_case_s
 
 
 DEFAULT_TIMEOUTS = ApiTimeouts()
