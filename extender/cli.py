@@ -61,6 +61,7 @@ class Extender:
 def build(args: argparse.Namespace) -> Extender:
     """Everything but the HTTP listener; tests and the dev cluster build in-process through this."""
     from kube_vgpu.extender.server import create_app
+    from kube_vgpu.extender.sources.metrics import SourceCollector
 
     known = policy_names()
     for name in (args.policy, args.gpu_policy):
@@ -105,6 +106,7 @@ def build(args: argparse.Namespace) -> Extender:
 
     app = create_app(scheduler, on_startup=start_all)
     app.state.gates = gates
+    app.state.registry.register(SourceCollector(state, getattr(source, "health", None)))
     return Extender(state, scheduler, app, source)
 
 

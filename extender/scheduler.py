@@ -392,7 +392,10 @@ class Scheduler:
             if pod is None:
                 pod = self._recent_pods.get(uid)  # under the state lock: filter writes it, and a read may expire
         if pod is None:
-            pod = self.binder.get_pod(namespace, name)
+            try:
+                pod = self.binder.get_pod(namespace, name)
+            except Exception as exc:  # the API server did not answer in time: an Error for kube-scheduler, not a 500
+                raise BindError(f"reading pod {namespace}/{name} failed: {exc}") from None
         if pod is None:
             raise BindError(f"pod {namespace}/{name} not found")
         if (pod.get("metadata") or {}).get("uid") not in (None, uid):

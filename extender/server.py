@@ -314,9 +314,10 @@ def create_app(scheduler: Scheduler, *, on_startup: Callable[[], None] | None = 
 
     @app.get("/readyz")
     async def readyz() -> Response:
-        if state.synced.is_set():
+        reason = state.unready_reason()  # the initial sync, then the watches (a dead one: 503)
+        if reason is None:
             return Response("ok", media_type="text/plain")
-        return Response("initial sync with the API server not finished", status_code=503, media_type="text/plain")
+        return Response(reason, status_code=503, media_type="text/plain")
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -350,9 +351,9 @@ def serve_probes(registry: CollectorRegistry, state: ClusterState, host: str, po
             elif path == "/healthz":
                 status, content_type, body = 200, "text/plain", b"ok"
             elif path == "/readyz":
-                ready = state.synced.is_set()
-                status, content_type = (200 if ready else 503), "text/plain"
-                body = b"ok" if ready else b"initial sync with the API server not finished"
+                reason = state.unready_reason()
+                status, content_type = (200 if reason is None else 503), "text/plain"
+                body = b"ok" if reason is None else reason.encode()
             else:
                 status, content_type, body = 404, "text/plain", b"not found"
             self.send_response(status)

@@ -115,7 +115,12 @@ class ClusterState:
         #: called with (uid, pod object, or None when deleted) on every pod event, under the lock, before the
         #: state applies it (quota gate, issue 6: pending pods for StrictFIFO, priority of counted pods)
         self.pod_listeners: list[Callable[[str, Mapping[str, Any] | None], None]] = []
+        #: node -> why its GPU inventory is ignored (the node is GPU-less for us until a readable one arrives)
         self.inventory_errors: dict[str, str] = {}
+        #: objects that could not be applied at all, by kind ("nodes", "pods"): logged, counted and skipped
+        self.ingest_errors: dict[str, int] = {}
+        #: called by /readyz once synced; each returns why the extender is not ready, or None (live watches)
+        self.readiness_checks: list[Callable[[], str | None]] = []
         # host CPU: uid -> (node, milli-CPU) of each non-finished bound pod asking CPU, and the sum per node (kept
         # for nodes not known yet, applied when they arrive)
         self.pod_cpu: dict[str, tuple[str, int]] = {}
@@ -125,10 +130,18 @@ class ClusterState:
 
     # --- nodes ----------------------------------------------------------------------------------
     def upsert_node(self, obj: Mapping[str, Any]) -> None:
+        """Add or update a node. A node object that cannot be applied costs only that node: it is made GPU-less
+        with the reason in /state (inventoryError), a log line and kube_vgpu_extender_ingest_errors_total."""
         metadata = obj.get("metadata") or {}
-        name = metadata.get("name")
-        if not name:
+        name = metadata.get("name") if isinstance(metadata, Mapping) else None
+        if not name or not isinstance(name, str):
             return
+        try:
+            self._upsert_node(name, metadata, obj)
+        except Exception as exc:
+            self._node_unusable(name, exc)
+
+    def _upsert_node(self, name: str, metadata: Mapping[str, Any], obj: Mapping[str, Any]) -> None:
         annotations = metadata.get("annotations") or {}
         inventory_text = annotations.get(protocol.NODE_INVENTORY_ANNOTATION)
         heartbeat_text = annotations.get(protocol.NODE_HEARTBEAT_ANNOTATION)
@@ -159,10 +172,10 @@ class ClusterState:
 
     def _set_inventory(self, node: NodeState, inventory_text: str | None) -> None:
         inventory = None
+        self.inventory_errors.pop(node.name, None)
         if inventory_text:
             try:
                 inventory = protocol.decode_inventory(inventory_text)
-                self.inventory_errors.pop(node.name, None)
             except ProtocolError as exc:
                 # a broken annotation makes the node GPU-less for us; it is reported, not guessed at
                 log.error("node %s: ignoring invalid GPU inventory: %s", node.name, exc)
@@ -174,6 +187,34 @@ class ClusterState:
             record = self.pods[uid]
             record.applied = False
             self._apply(record)
+
+    def _node_unusable(self, name: str, exc: Exception) -> None:
+        """The node object raised while being applied: no GPUs on it for us until an update reads cleanly."""
+        with self.lock:
+            reason = f"node object could not be applied: {exc!r}"
+            log.error("node %s: ignoring its GPUs: %s", name, reason, exc_info=exc)
+            self.ingest_errors["nodes"] = self.ingest_errors.get("nodes", 0) + 1
+            try:
+                node = self.nodes.get(name)
+                if node is None:
+                    node = NodeState(name, None)
+                    self.nodes[name] = node
+                    self.pods_by_node.setdefault(name, set())
+                node.inventory_text = None  # the next update decodes its inventory afresh
+                node.set_inventory(None)
+                for uid in self.pods_by_node.get(name, ()):
+                    self.pods[uid].applied = False  # counted again once the node's GPUs are known
+            except Exception:  # never let one node stop the others from syncing
+                log.exception("node %s: could not be made unusable either; dropping it", name)
+                self.nodes.pop(name, None)
+            self.inventory_errors[name] = reason
+            self.generation += 1
+
+    def object_failed(self, kind: str, name: str, exc: Exception) -> None:
+        """An object (kind: "nodes", "pods") whose event could not be applied: log and count it, go on."""
+        with self.lock:
+            self.ingest_errors[kind] = self.ingest_errors.get(kind, 0) + 1
+        log.error("%s %s: could not be applied, skipped: %r", kind, name or "(unnamed)", exc, exc_info=exc)
 
     def delete_node(self, name: str) -> None:
         with self.lock:
@@ -266,6 +307,16 @@ class ClusterState:
                 self.upsert_node(node)
             self.replace_pods(pods)
 
+    def unready_reason(self) -> str | None:
+        """Why /readyz answers 503 (the initial sync is not done, a watch is dead), or None when ready."""
+        if not self.synced.is_set():
+            return "initial sync with the API server not finished"
+        for check in self.readiness_checks:
+            reason = check()
+            if reason:
+                return reason
+        return None
+
     def mark_synced(self) -> None:
         """The first full sync is done: ready to serve. The objects loaded so far live as long as the
         process, so move them out of the cyclic GC's reach (gc.freeze): full collections over
@@ -284,7 +335,10 @@ class ClusterState:
                 uid = (pod.get("metadata") or {}).get("uid")
                 if uid:
                     seen.add(uid)
-                    self.upsert_pod(pod)
+                    try:
+                        self.upsert_pod(pod)
+                    except Exception as exc:  # one pod that cannot be applied does not stop the others
+                        self.object_failed("pods", str((pod.get("metadata") or {}).get("name") or uid), exc)
             for uid, record in list(self.pods.items()):
                 if uid not in seen and record.confirmed:
                     self._remove(uid)

@@ -17,7 +17,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from kube_vgpu import protocol
-from kube_vgpu.extender.sources.live import Gone, _list_all, _watch_lines
+from kube_vgpu.extender.sources.watch import Gone, list_all, watch_events
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class KueueWatcher:
         versions = ("v1",) if kind == NAMESPACE else KINDS[kind][1]
         for version in versions:
             try:
-                items, resource_version = _list_all(self._list_call(kind, version))
+                items, resource_version = list_all(self._list_call(kind, version))
             except ApiException as exc:
                 if exc.status == 404:
                     continue
@@ -114,7 +114,7 @@ class KueueWatcher:
                         self.stop_event.wait(self.absent_retry_s)
                         continue
                 assert version is not None
-                for event in _watch_lines(self._list_call(kind, version), resource_version, self.stop_event):
+                for event in watch_events(self._list_call(kind, version), resource_version, self.stop_event):
                     event_type = event.get("type")
                     obj = event.get("object") or {}
                     if event_type == "ERROR":

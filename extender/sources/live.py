@@ -1,8 +1,11 @@
 """Live mode: list + watch Nodes and Pods through the official kubernetes client, and a Binder that
-writes assignments and Bindings through it.
+writes Bindings through it.
 
-Objects are read as raw JSON (orjson) instead of the client's generated models: at tens of thousands
-of pods the model deserialisation would dominate start-up and event handling.
+Connections, deadlines and keepalive: extender/sources/apiclient.py. List/watch and the watch watchdog:
+extender/sources/watch.py. A watch that makes no progress for `ApiTimeouts.watch_progress_s` is opened again, and
+/readyz answers 503 while it is dead. One object that cannot be applied (a malformed inventory, anything that
+raises) is logged, counted and skipped, and a node's is made unusable, with the reason in /state: the rest of
+the cluster keeps syncing.
 """
 
 from __future__ import annotations
@@ -10,95 +13,76 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import orjson
-from kubernetes import client, config
+from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from kube_vgpu.extender.sources.apiclient import (
+    CONNECTION_POOL_SIZE,
+    DEFAULT_TIMEOUTS,
+    ApiTimeouts,
+    make_api_client,
+    read_body,
+    urllib3_timeout,
+)
+from kube_vgpu.extender.sources.watch import (
+    LIST_PAGE_SIZE,
+    Gone,
+    WatchHealth,
+    WatchStalled,
+    list_all,
+    watch_events,
+)
 from kube_vgpu.extender.state import ClusterState
+
+__all__ = [
+    "CONNECTION_POOL_SIZE",
+    "LIST_PAGE_SIZE",
+    "Gone",
+    "LiveBinder",
+    "LiveSource",
+    "make_api_client",
+    "wait_until",
+]
 
 log = logging.getLogger(__name__)
 
-LIST_PAGE_SIZE = 500
-CONNECTION_POOL_SIZE = 64
-WATCH_TIMEOUT_S = 300
-
-
-def make_api_client(kubeconfig: str | None) -> client.ApiClient:
-    """A client from --kubeconfig, else in-cluster config, else the default kubeconfig."""
-    if kubeconfig:
-        api_client = config.new_client_from_config(config_file=kubeconfig)
-    else:
-        try:
-            config.load_incluster_config()
-            api_client = client.ApiClient()
-        except config.ConfigException:
-            api_client = config.new_client_from_config()
-    # binds run concurrently (one per node at a time): keep enough kept-alive connections for them
-    api_client.configuration.connection_pool_maxsize = CONNECTION_POOL_SIZE
-    api_client.rest_client.pool_manager.connection_pool_kw["maxsize"] = CONNECTION_POOL_SIZE
-    made: client.ApiClient = api_client
-    return made
-
-
-class Gone(Exception):
-    """The watch's resourceVersion is too old (HTTP 410): relist."""
-
-
-def _list_all(list_call: Callable[..., Any]) -> tuple[list[dict[str, Any]], str]:
-    items: list[dict[str, Any]] = []
-    token = None
-    while True:
-        kwargs: dict[str, Any] = {"limit": LIST_PAGE_SIZE, "_preload_content": False}
-        if token:
-            kwargs["_continue"] = token
-        response = list_call(**kwargs)
-        doc = orjson.loads(response.data)
-        items.extend(doc.get("items") or [])
-        metadata = doc.get("metadata") or {}
-        token = metadata.get("continue")
-        if not token:
-            return items, metadata.get("resourceVersion", "")
-
-
-def _watch_lines(
-    list_call: Callable[..., Any], resource_version: str, stop: threading.Event
-) -> Iterator[dict[str, Any]]:
-    response = list_call(
-        watch=True,
-        resource_version=resource_version,
-        allow_watch_bookmarks=True,
-        timeout_seconds=WATCH_TIMEOUT_S,
-        _preload_content=False,
-    )
-    buffer = b""
-    try:
-        for chunk in response.stream(amt=None, decode_content=True):
-            if stop.is_set():
-                return
-            buffer += chunk
-            while b"\n" in buffer:
-                line, buffer = buffer.split(b"\n", 1)
-                if line.strip():
-                    yield orjson.loads(line)
-    finally:
-        response.release_conn()
+INITIAL_BACKOFF_S = 0.5
+MAX_BACKOFF_S = 30.0
 
 
 class LiveSource:
     """Keeps ClusterState in step with the API server (one thread per resource)."""
 
-    def __init__(self, state: ClusterState, api_client: client.ApiClient) -> None:
+    def __init__(
+        self,
+        state: ClusterState,
+        api_client: client.ApiClient,
+        *,
+        timeouts: ApiTimeouts = DEFAULT_TIMEOUTS,
+        max_backoff_s: float = MAX_BACKOFF_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.state = state
         self.core = client.CoreV1Api(api_client)
+        self.timeouts = timeouts
+        self.max_backoff_s = max_backoff_s
         self.stop_event = threading.Event()
         self._nodes_synced = threading.Event()
         self._pods_synced = threading.Event()
         self._threads: list[threading.Thread] = []
+        #: resource -> how its watch is doing (/readyz, /metrics)
+        self.health = {
+            resource: WatchHealth(resource, timeouts.watch_progress_s, clock) for resource in ("nodes", "pods")
+        }
 
     def start(self) -> None:
+        if self._threads:
+            return
+        self.state.readiness_checks.append(self.unready_reason)
         for target, name in ((self._run_nodes, "watch-nodes"), (self._run_pods, "watch-pods")):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
@@ -106,6 +90,14 @@ class LiveSource:
 
     def stop(self) -> None:
         self.stop_event.set()
+
+    def unready_reason(self) -> str | None:
+        """Why the watches cannot be trusted right now (a watch silent past its progress timeout), or None."""
+        for health in self.health.values():
+            problem = health.problem()
+            if problem is not None:
+                return problem
+        return None
 
     def _mark_synced(self) -> None:
         if self._nodes_synced.is_set() and self._pods_synced.is_set() and not self.state.synced.is_set():
@@ -119,55 +111,83 @@ class LiveSource:
         apply_event: Callable[[str, dict[str, Any]], None],
         list_call: Callable[..., Any],
     ) -> None:
-        backoff_s = 0.5
+        health = self.health[name]
+        backoff_s = INITIAL_BACKOFF_S
         resource_version = ""
         while not self.stop_event.is_set():
             try:
                 if not resource_version:
                     resource_version = resync() or ""
-                for event in _watch_lines(list_call, resource_version, self.stop_event):
+                    health.progressed()
+                for event in watch_events(
+                    list_call, resource_version, self.stop_event, timeouts=self.timeouts,
+                    on_progress=health.progressed,
+                ):
                     kind = str(event.get("type"))
-                    obj = event.get("object") or {}
+                    obj = event.get("object")
+                    if not isinstance(obj, dict):
+                        obj = {}
                     if kind == "ERROR":
                         if obj.get("code") == 410:
                             raise Gone()
                         raise RuntimeError(obj.get("message", "watch error"))
-                    resource_version = (obj.get("metadata") or {}).get("resourceVersion", resource_version)
                     if kind in ("ADDED", "MODIFIED", "DELETED"):
-                        apply_event(kind, obj)
-                backoff_s = 0.5
+                        self._apply(name, apply_event, kind, obj)
+                    metadata = obj.get("metadata")
+                    version = metadata.get("resourceVersion") if isinstance(metadata, dict) else None
+                    if isinstance(version, str) and version:
+                        resource_version = version
+                backoff_s = INITIAL_BACKOFF_S
             except Gone:
                 log.info("%s watch expired; relisting", name)
+                health.restarted("expired")
                 resource_version = ""
+            except WatchStalled as exc:
+                # no backoff: the connection was dead, not the API server (if it is, the next attempt says so)
+                log.warning("%s watch stalled (%s); opening it again", name, exc)
+                health.restarted("stalled", str(exc))
             except ApiException as exc:
                 if exc.status == 410:
+                    health.restarted("expired")
                     resource_version = ""
                     continue
+                health.restarted("error", f"{exc.status} {exc.reason}")
                 log.warning("%s watch failed (%s); retrying in %.1fs", name, exc.reason, backoff_s)
                 self.stop_event.wait(backoff_s)
-                backoff_s = min(backoff_s * 2, 30.0)
-            except Exception as exc:  # network errors: keep the state, retry the watch
-                log.warning("%s watch failed (%s); retrying in %.1fs", name, exc, backoff_s)
+                backoff_s = min(backoff_s * 2, self.max_backoff_s)
+            except Exception as exc:  # network errors, deadlines: keep the state, retry the watch
+                health.restarted("error", repr(exc))
+                log.warning("%s watch failed (%r); retrying in %.1fs", name, exc, backoff_s)
                 self.stop_event.wait(backoff_s)
-                backoff_s = min(backoff_s * 2, 30.0)
+                backoff_s = min(backoff_s * 2, self.max_backoff_s)
+
+    def _apply(
+        self, resource: str, apply_event: Callable[[str, dict[str, Any]], None], kind: str, obj: dict[str, Any]
+    ) -> None:
+        """One event; an object that cannot be applied is reported and skipped, never ends the watch (which
+        would relist, meet the same object again, and stop the whole cluster from syncing)."""
+        try:
+            apply_event(kind, obj)
+        except Exception as exc:
+            self.state.object_failed(resource, _object_name(obj), exc)
 
     def _run_nodes(self) -> None:
         def resync() -> str:
-            items, version = _list_all(self.core.list_node)
+            items, version = list_all(self.core.list_node, timeouts=self.timeouts)
             with self.state.lock:
-                names = {item["metadata"]["name"] for item in items}
+                names = {_object_name(item) for item in items}
                 for known in list(self.state.nodes):
                     if known not in names:
                         self.state.delete_node(known)
                 for item in items:
-                    self.state.upsert_node(item)
+                    self.state.upsert_node(item)  # a node that cannot be read is made unusable there
             self._nodes_synced.set()
             self._mark_synced()
             return version
 
         def apply_event(kind: str, obj: dict[str, Any]) -> None:
             if kind == "DELETED":
-                self.state.delete_node(obj["metadata"]["name"])
+                self.state.delete_node(_object_name(obj))
             else:
                 self.state.upsert_node(obj)
 
@@ -175,52 +195,53 @@ class LiveSource:
 
     def _run_pods(self) -> None:
         def resync() -> str:
-            items, version = _list_all(self.core.list_pod_for_all_namespaces)
-            self.state.replace_pods(items)
+            items, version = list_all(self.core.list_pod_for_all_namespaces, timeouts=self.timeouts)
+            self.state.replace_pods(items)  # a pod that cannot be applied is reported and skipped there
             self._pods_synced.set()
             self._mark_synced()
             return version
 
         def apply_event(kind: str, obj: dict[str, Any]) -> None:
             if kind == "DELETED":
-                self.state.delete_pod(obj["metadata"]["uid"])
+                uid = (obj.get("metadata") or {}).get("uid")
+                if isinstance(uid, str):
+                    self.state.delete_pod(uid)
             else:
                 self.state.upsert_pod(obj)
 
         self._loop("pods", resync, apply_event, self.core.list_pod_for_all_namespaces)
 
 
-#: kube-scheduler gives the whole bind verb 30 s (the manifests' httpTimeout); the Binding call gets less, so a
-#: lost reply is still verified by reading the pod back inside that budget
-BIND_TIMEOUT_S = 20.0
-
-
-def _drain(response: Any) -> bytes:
-    """Read a raw response to the end and hand its connection back to the pool. Unread responses keep their
-    connection, so every later call would open (and TLS-handshake) a new one."""
-    try:
-        data: bytes = response.data
-        return data
-    finally:
-        response.release_conn()
+def _object_name(obj: Any) -> str:
+    metadata = obj.get("metadata") if isinstance(obj, dict) else None
+    name = metadata.get("name") if isinstance(metadata, dict) else None
+    return name if isinstance(name, str) else ""
 
 
 class LiveBinder:
-    """Binder over the API server. The assignment patch carries the pod's UID, which the API server
-    treats as a precondition: a recreated pod of the same name is never given another pod's GPUs."""
+    """Binder over the API server. The Binding carries the pod's UID, which the API server treats as a
+    precondition: a recreated pod of the same name is never given another pod's GPUs. Every call has a deadline
+    (ApiTimeouts: read_s, bind_s), so a bind holds its node's turn for at most bind_s + read_s."""
 
-    def __init__(self, api_client: client.ApiClient) -> None:
+    def __init__(self, api_client: client.ApiClient, *, timeouts: ApiTimeouts = DEFAULT_TIMEOUTS) -> None:
         self.api_client = api_client
         self.core = client.CoreV1Api(api_client)
+        self.timeouts = timeouts
 
     def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
+        deadline = time.monotonic() + self.timeouts.read_s
         try:
-            response: Any = self.core.read_namespaced_pod(name, namespace, _preload_content=False)
+            response: Any = self.core.read_namespaced_pod(
+                name,
+                namespace,
+                _preload_content=False,
+                _request_timeout=self.timeouts.read_s,  # connect and headers; the body: read_body
+            )
         except ApiException as exc:
             if exc.status == 404:
                 return None
             raise
-        pod: dict[str, Any] = orjson.loads(_drain(response))
+        pod: dict[str, Any] = orjson.loads(read_body(response, deadline, f"reading pod {namespace}/{name}"))
         return pod
 
     def remember_pod(self, pod: Any) -> None:
@@ -231,6 +252,7 @@ class LiveBinder:
         # (409) if the pod's UID differs or the pod is already bound. A raw body through the client's own
         # connection pool and auth: the generated method's model validation and serialisation cost more CPU than
         # the rest of a bind (it runs once per pod, one node at a time).
+        deadline = time.monotonic() + self.timeouts.bind_s
         body = {
             "apiVersion": "v1",
             "kind": "Binding",
@@ -245,9 +267,14 @@ class LiveBinder:
             auth_settings=["BearerToken"],
         )
         response = self.api_client.rest_client.pool_manager.request(
-            "POST", url, body=orjson.dumps(body), headers=headers, preload_content=False, timeout=BIND_TIMEOUT_S
+            "POST",
+            url,
+            body=orjson.dumps(body),
+            headers=headers,
+            preload_content=False,
+            timeout=urllib3_timeout(self.timeouts.bind_s, self.timeouts.connect_s),
         )
-        data = _drain(response)
+        data = read_body(response, deadline, f"binding pod {namespace}/{name}")
         if not 200 <= response.status < 300:
             raise ApiException(status=response.status, reason=response.reason, body=data.decode(errors="replace"))
 

@@ -132,6 +132,7 @@ class PcieLevel(StrEnum):
 
 
 _PCIE_RANK = {level: rank for rank, level in enumerate(PcieLevel)}
+_PCIE_LEVELS = {level.value: level for level in PcieLevel}
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +182,23 @@ class ProtocolError(ValueError):
     """An annotation that does not follow the schema; the message says which field."""
 
 
+#: Bounds of the inventory's numbers. NVML numbers a node's GPUs from 0 and no machine has close to this many; a
+#: bound keeps a corrupt annotation from passing as a node with absurd indexes or link counts.
+MAX_GPUS_PER_NODE = 256
+MAX_NUMA_NODE = 1023
+MAX_NVLINKS = 1024
+
+
+def _integer(value: Any, where: str, field_name: str, low: int, high: int | None = None) -> int:
+    """An integer (not a bool, not a float) in [low, high]."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ProtocolError(f"{where}: field {field_name!r} must be an integer, not {type(value).__name__}")
+    if value < low or (high is not None and value > high):
+        bound = f"between {low} and {high}" if high is not None else f"at least {low}"
+        raise ProtocolError(f"{where}: field {field_name!r} must be {bound}, got {value}")
+    return value
+
+
 def encode_inventory(inventory: NodeInventory) -> str:
     """Deterministic compact JSON for the node inventory annotation."""
     doc = {
@@ -217,7 +235,12 @@ def _require(doc: Mapping[str, Any], key: str, kind: type | tuple[type, ...], wh
 
 
 def decode_inventory(text: str) -> NodeInventory:
-    """Parse the node inventory annotation; raises ProtocolError naming the bad field."""
+    """Parse the node inventory annotation; raises ProtocolError (and nothing else) naming the bad field.
+
+    Beyond the types: GPU indexes in [0, MAX_GPUS_PER_NODE), UUIDs non-empty and unique, and every link's peer
+    another GPU of the same node, named once per GPU."""
+    if not isinstance(text, str | bytes):
+        raise ProtocolError(f"inventory must be a JSON string, not {type(text).__name__}")
     try:
         doc = orjson.loads(text)
     except orjson.JSONDecodeError as exc:
@@ -231,30 +254,49 @@ def decode_inventory(text: str) -> NodeInventory:
         )
     gpus = []
     seen_indexes: set[int] = set()
-    for position, raw in enumerate(_require(doc, "gpus", list, "inventory")):
+    seen_uuids: set[str] = set()
+    raw_gpus = _require(doc, "gpus", list, "inventory")
+    if len(raw_gpus) > MAX_GPUS_PER_NODE:
+        raise ProtocolError(f"inventory: {len(raw_gpus)} GPUs; at most {MAX_GPUS_PER_NODE} are supported")
+    for position, raw in enumerate(raw_gpus):
         where = f"inventory gpus[{position}]"
         if not isinstance(raw, dict):
             raise ProtocolError(f"{where}: must be an object")
         numa = raw.get("numa")
-        if numa is not None and (not isinstance(numa, int) or isinstance(numa, bool)):
-            raise ProtocolError(f"{where}: field 'numa' must be an integer or null")
+        if numa is not None:
+            numa = _integer(numa, where, "numa", 0, MAX_NUMA_NODE)
         links = []
+        peers: set[int] = set()
         for link_position, raw_link in enumerate(_require(raw, "links", list, where)):
+            link_where = f"{where} links[{link_position}]"
             if not (isinstance(raw_link, list) and len(raw_link) == 4):
-                raise ProtocolError(f"{where} links[{link_position}]: must be [peer, nvlinks, nvswitch, pcie]")
+                raise ProtocolError(f"{link_where}: must be [peer, nvlinks, nvswitch, pcie]")
             peer, nvlinks, via_nvswitch, pcie = raw_link
-            try:
-                level = PcieLevel(pcie)
-            except ValueError:
-                raise ProtocolError(f"{where} links[{link_position}]: unknown PCIe level {pcie!r}") from None
-            links.append(GpuLink(int(peer), int(nvlinks), bool(via_nvswitch), level))
+            peer = _integer(peer, link_where, "peer", 0, MAX_GPUS_PER_NODE - 1)
+            if peer in peers:
+                raise ProtocolError(f"{link_where}: peer {peer} is described twice")
+            peers.add(peer)
+            nvlinks = _integer(nvlinks, link_where, "nvlinks", 0, MAX_NVLINKS)
+            if not isinstance(via_nvswitch, bool):
+                raise ProtocolError(f"{link_where}: field 'nvswitch' must be true or false")
+            if not isinstance(pcie, str) or pcie not in _PCIE_LEVELS:
+                raise ProtocolError(f"{link_where}: unknown PCIe level {pcie!r}")
+            links.append(GpuLink(peer, nvlinks, via_nvswitch, _PCIE_LEVELS[pcie]))
         external = raw.get("external", [])  # optional (device plugin, issue 5)
         if not isinstance(external, list) or not all(isinstance(item, str) for item in external):
             raise ProtocolError(f"{where}: field 'external' must be a list of strings")
-        index = _require(raw, "index", int, where)
+        index = _integer(_require(raw, "index", int, where), where, "index", 0, MAX_GPUS_PER_NODE - 1)
         if index in seen_indexes:
             raise ProtocolError(f"{where}: duplicate GPU index {index}")
         seen_indexes.add(index)
+        if index in peers:
+            raise ProtocolError(f"{where}: GPU {index} lists a link to itself")
+        uuid = _require(raw, "uuid", str, where)
+        if not uuid:
+            raise ProtocolError(f"{where}: field 'uuid' must not be empty")
+        if uuid in seen_uuids:
+            raise ProtocolError(f"{where}: duplicate GPU UUID {uuid}")
+        seen_uuids.add(uuid)
         memory_mib = _require(raw, "memoryMiB", int, where)
         cores = _require(raw, "cores", int, where)
         max_shares = _require(raw, "maxShares", int, where)
@@ -262,7 +304,7 @@ def decode_inventory(text: str) -> NodeInventory:
             raise ProtocolError(f"{where}: memoryMiB, cores and maxShares must be positive")
         gpus.append(
             GpuInfo(
-                uuid=_require(raw, "uuid", str, where),
+                uuid=uuid,
                 index=index,
                 model=_require(raw, "model", str, where),
                 memory_mib=memory_mib,
@@ -276,6 +318,12 @@ def decode_inventory(text: str) -> NodeInventory:
                 external_pods=tuple(external),
             )
         )
+    for position, gpu in enumerate(gpus):
+        for link in gpu.links:
+            if link.peer_index not in seen_indexes:
+                raise ProtocolError(
+                    f"inventory gpus[{position}]: link to GPU {link.peer_index}, which is not on this node"
+                )
     return NodeInventory(gpus=tuple(gpus), version=version)
 
 
@@ -368,6 +416,9 @@ def encode_assignment(assignment: PodAssignment) -> str:
 
 
 def decode_assignment(text: str) -> PodAssignment:
+    """Parse a pod's assignment annotation; raises ProtocolError (and nothing else) naming the bad field."""
+    if not isinstance(text, str | bytes):
+        raise ProtocolError(f"assignment must be a JSON string, not {type(text).__name__}")
     try:
         doc = orjson.loads(text)
     except orjson.JSONDecodeError as exc:
@@ -387,10 +438,14 @@ def decode_assignment(text: str) -> PodAssignment:
             if not (isinstance(raw_device, list) and len(raw_device) == 3):
                 raise ProtocolError(f"{where}: each device must be [uuid, memoryMiB, cores]")
             uuid, memory_mib, cores = raw_device
-            if not isinstance(uuid, str) or not isinstance(memory_mib, int) or not isinstance(cores, int):
-                raise ProtocolError(f"{where}: device fields have the wrong types")
+            if not isinstance(uuid, str) or not uuid:
+                raise ProtocolError(f"{where}: a device's UUID must be a non-empty string")
+            memory_mib = _integer(memory_mib, where, "memoryMiB", 0)
+            cores = _integer(cores, where, "cores", 0)
             devices.append(DeviceShare(uuid, memory_mib, cores))
-        init = bool(raw.get("init", False))
+        init = raw.get("init", False)
+        if not isinstance(init, bool):
+            raise ProtocolError(f"{where}: field 'init' must be true or false")
         sidecar = raw.get("sidecar", False)  # absent in assignments written before sidecars were counted
         if not isinstance(sidecar, bool):
             raise ProtocolError(f"{where}: field 'sidecar' must be true or false")

@@ -179,3 +179,77 @@ def test_default_policies_put_a_multi_gpu_pod_on_the_best_connected_node() -> No
                                       gpu_node("nvswitch", gpus=8, topology="nvswitch")])
     scores = dict(Scheduler(state, cluster).prioritize(pod(gpus=4, cores=100), ["pcie", "nvswitch"]))
     assert scores["nvswitch"] > scores["pcie"]
+
+
+# --- issue 20 item 3: a bad object costs only itself ----------------------------------------------------------
+
+
+def _bad_link_node(name: str) -> dict:
+    """The reported probe: one malformed link entry (a non-integer peer) in one node's inventory."""
+    import orjson
+
+    node = gpu_node(name)
+    doc = orjson.loads(node["metadata"]["annotations"][protocol.NODE_INVENTORY_ANNOTATION])
+    doc["gpus"][0]["links"][0][0] = "x"
+    node["metadata"]["annotations"][protocol.NODE_INVENTORY_ANNOTATION] = orjson.dumps(doc).decode()
+    return node
+
+
+def test_a_malformed_inventory_costs_only_its_node() -> None:
+    state = ClusterState()
+    cluster = SnapshotCluster(state, [gpu_node("good-1"), _bad_link_node("bad"), gpu_node("good-2")])
+    assert state.synced.is_set() and state.unready_reason() is None
+    assert [len(state.nodes[n].gpus) for n in ("good-1", "bad", "good-2")] == [4, 0, 4]
+    view = {node["name"]: node for node in state.snapshot()["nodes"]}
+    assert "field 'peer' must be an integer" in view["bad"]["inventoryError"]
+    assert view["good-1"]["inventoryError"] is None
+    outcome = Scheduler(state, cluster).filter(pod(memory_mib=100), ["good-1", "bad", "good-2"])
+    assert outcome.passed == ["good-1", "good-2"]
+    assert "invalid GPU inventory (inventory gpus[0] links[0]: field 'peer'" in outcome.unresolvable["bad"]
+    # the device plugin publishes a readable inventory: the node is usable again and the reason is gone
+    state.upsert_node(gpu_node("bad"))
+    assert len(state.nodes["bad"].gpus) == 4 and "bad" not in state.inventory_errors
+
+
+def test_a_node_object_that_raises_anywhere_is_made_unusable_and_the_others_sync() -> None:
+    state = ClusterState()
+    state.upsert_node(gpu_node("n1"))
+    stored = bound_pod(*_cluster_and_scheduler(state), "n1", memory_mib=3000)
+    broken = gpu_node("n1")
+    broken["status"] = "not an object"  # raises far from the inventory codec (reading allocatable CPU)
+    state.replace_all([broken, gpu_node("n2")], [stored])
+    assert state.nodes["n1"].gpus == [] and len(state.nodes["n2"].gpus) == 4
+    assert "node object could not be applied" in state.inventory_errors["n1"]
+    assert state.ingest_errors == {"nodes": 1}
+    # the pod's GPUs are counted again as soon as the node reads cleanly
+    state.upsert_node(gpu_node("n1"))
+    assert used_memory(state, "n1") == 3000 and "n1" not in state.inventory_errors
+
+
+def test_a_pod_that_cannot_be_applied_is_skipped_and_the_others_are_counted() -> None:
+    state = ClusterState()
+    cluster, scheduler = _cluster_and_scheduler(state, nodes=[gpu_node("n1")])
+    good = copy.deepcopy(bound_pod(cluster, scheduler, "n1", memory_mib=2000))
+    bad = copy.deepcopy(bound_pod(cluster, scheduler, "n1", memory_mib=1000))
+    bad["metadata"]["labels"] = ["not", "a", "map"]
+    fresh = ClusterState()
+    fresh.upsert_node(gpu_node("n1"))
+    fresh.replace_pods([bad, good])
+    assert used_memory(fresh, "n1") == 2000
+    assert fresh.ingest_errors == {"pods": 1}
+
+
+def test_readiness_names_the_first_failing_check_once_synced() -> None:
+    state = ClusterState()
+    problems: list[str | None] = [None]
+    state.readiness_checks.append(lambda: problems[0])
+    assert state.unready_reason() == "initial sync with the API server not finished"
+    state.mark_synced()
+    assert state.unready_reason() is None
+    problems[0] = "the nodes watch has delivered nothing for 95 s"
+    assert state.unready_reason() == "the nodes watch has delivered nothing for 95 s"
+
+
+def _cluster_and_scheduler(state: ClusterState, nodes: list | None = None) -> tuple[SnapshotCluster, Scheduler]:
+    cluster = SnapshotCluster(state, nodes if nodes is not None else [copy.deepcopy(gpu_node("n1"))])
+    return cluster, Scheduler(state, cluster)

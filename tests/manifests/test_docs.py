@@ -20,7 +20,9 @@ from kube_vgpu.cli import build_parser
 from kube_vgpu.extender.quota.gate import build_gate
 from kube_vgpu.extender.scheduler import Scheduler
 from kube_vgpu.extender.server import create_app
+from kube_vgpu.extender.sources.metrics import SourceCollector
 from kube_vgpu.extender.sources.snapshot import SnapshotCluster
+from kube_vgpu.extender.sources.watch import WatchHealth
 from kube_vgpu.extender.state import ClusterState
 from kube_vgpu.webhook.metrics import WebhookMetrics
 from tests.manifests.render import INSTALLABLE, KUSTOMIZATIONS, MANIFESTS, ROOT, containers, render, workloads
@@ -149,6 +151,8 @@ def exported_metrics() -> set[str]:
     gate = build_gate(state, quota_config=str(MANIFESTS / "examples" / "kueue" / "quota.yaml"))
     assert gate is not None
     app = create_app(Scheduler(state, SnapshotCluster(state, []), gates=[gate]))
+    # as extender/cli.py build() adds it in live mode (with the watches of nodes and pods)
+    app.state.registry.register(SourceCollector(state, {"nodes": WatchHealth("nodes", 90.0)}))
 
     async def scrape() -> str:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://extender") as client:

@@ -219,7 +219,7 @@ def allowed(role_name: str) -> set[tuple[str, str, str]]:
 def test_every_api_call_in_the_code_is_granted(role: str, sources: tuple[str, ...], watched: bool) -> None:
     calls = api_calls(*sources)
     assert calls, "the call pattern found nothing: update the test"
-    if watched:  # the extender's lists feed its watches (sources/live.py _watch_lines)
+    if watched:  # the extender's lists feed its watches (sources/watch.py watch_events)
         calls |= {(group, resource, "watch") for group, resource, verb in calls if verb == "list"}
     missing = calls - allowed(role)
     assert not missing, f"{role} lacks {sorted(missing)}"
