@@ -26,7 +26,7 @@ from typing import Any
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kube_vgpu import protocol
+from kube_vgpu import kubeapi, protocol
 from kube_vgpu.extender.engine.fit import gpu_eligible
 from kube_vgpu.extender.engine.model import NodeState
 from kube_vgpu.extender.quota.accounting import FlavorResource, QuotaTree, Shortfall
@@ -43,7 +43,6 @@ from kube_vgpu.extender.quota.objects import (
     build_config,
     load_documents,
     parse_tolerations,
-    pod_quantity,
 )
 from kube_vgpu.extender.state import FINISHED_PHASES, ClusterState, PodRecord
 from kube_vgpu.protocol import PodAssignment, PodGpuRequest
@@ -84,20 +83,18 @@ def _creation_seconds(text: Any, default: float) -> float:
         return default
 
 
-def _host_requests(spec: Mapping[str, Any], resource: str) -> int:
-    """Kueue's pod request: max(sum over app containers, largest init container) + overhead."""
-
-    def of(container: Mapping[str, Any]) -> int:
-        resources = container.get("resources") or {}
-        value = (resources.get("requests") or {}).get(resource)
-        if value is None:
-            value = (resources.get("limits") or {}).get(resource)
-        return pod_quantity(value, resource) if value is not None else 0
-
-    app = sum(of(c) for c in spec.get("containers") or ())
-    init = max((of(c) for c in spec.get("initContainers") or ()), default=0)
-    overhead = (spec.get("overhead") or {}).get(resource)
-    return max(app, init) + (pod_quantity(overhead, resource) if overhead is not None else 0)
+def _host_requests(pod: Mapping[str, Any]) -> tuple[int, int]:
+    """The pod's CPU (millicores) and memory (bytes) as Kueue and kube-scheduler count them (native sidecars with
+    the app containers, init containers at their peak, overhead; kube_vgpu.kubeapi). A quantity the API server
+    would never have stored counts 0 rather than failing the pod's events."""
+    try:
+        requests = kubeapi.pod_requests(pod, (kubeapi.RESOURCE_CPU, kubeapi.RESOURCE_MEMORY))
+    except kubeapi.InvalidQuantity as exc:
+        metadata = pod.get("metadata") or {}
+        log.warning("pod %s/%s: unreadable CPU or memory request (%s); charged 0", metadata.get("namespace"),
+                    metadata.get("name"), exc)
+        return 0, 0
+    return requests.get(kubeapi.RESOURCE_CPU, 0), requests.get(kubeapi.RESOURCE_MEMORY, 0)
 
 
 def pod_info(pod: Mapping[str, Any], now_s: float) -> PodInfo:
@@ -109,22 +106,23 @@ def pod_info(pod: Mapping[str, Any], now_s: float) -> PodInfo:
         tolerations = parse_tolerations(spec.get("tolerations"), "spec.tolerations")
     except ValueError:
         tolerations = ()
+    cpu_milli, memory_bytes = _host_requests(pod)
     return PodInfo(
         spec_priority=priority if isinstance(priority, int) and not isinstance(priority, bool) else 0,
         priority_class=labels.get(protocol.LABEL_KUEUE_PRIORITY_CLASS) or None,
         created_s=_creation_seconds(metadata.get("creationTimestamp"), now_s),
         tolerations=tolerations,
-        cpu_milli=_host_requests(spec, "cpu"),
-        memory_bytes=_host_requests(spec, "memory"),
+        cpu_milli=cpu_milli,
+        memory_bytes=memory_bytes,
     )
 
 
 def assignment_usage(assignment: PodAssignment) -> dict[str, int]:
-    """vGPUs, MiB and cores % a written assignment holds: app containers together, init containers one at a
-    time, the larger of the two per resource (Kueue's pod-request rule)."""
+    """vGPUs, MiB and cores % a written assignment holds at its peak: the largest, per resource, of the moments
+    that hold devices at once (protocol.container_phases: each init container beside the sidecars started before
+    it, then the app containers beside every sidecar), as Kueue's pod-request rule counts them."""
     totals = {r: 0 for r in GPU_RESOURCES}
-    phases = [[c for c in assignment.containers if not c.init]] + [[c] for c in assignment.containers if c.init]
-    for phase in phases:
+    for phase in assignment.phases:
         devices = [d for c in phase for d in c.devices]
         values = (len(devices), sum(d.memory_mib for d in devices), sum(d.cores for d in devices))
         for resource, value in zip(GPU_RESOURCES, values, strict=True):
@@ -139,7 +137,7 @@ def request_usage_fixed(request: PodGpuRequest) -> dict[str, int] | None:
     if any(c.memory_mib is None for c in request.containers):
         return None
     totals = {r: 0 for r in GPU_RESOURCES}
-    for phase in [request.app_containers] + [(c,) for c in request.init_containers]:
+    for phase in request.phases:
         values = (sum(c.count for c in phase), sum(c.count * (c.memory_mib or 0) for c in phase),
                   sum(c.count * c.cores for c in phase))
         for resource, value in zip(GPU_RESOURCES, values, strict=True):
@@ -153,8 +151,7 @@ def request_usage_on(request: PodGpuRequest, node: NodeState) -> dict[str, int]:
     then counted never exceeds what was checked."""
     eligible = [g for g in node.gpus if g.schedulable and gpu_eligible(g, request.selectors, ())]
     totals = {r: 0 for r in GPU_RESOURCES}
-    phases = [request.app_containers] + [(c,) for c in request.init_containers]
-    for phase in phases:
+    for phase in request.phases:
         count = memory_mib = cores = 0
         for container in phase:
             per_memory = container.memory_mib if container.memory_mib is not None else max(

@@ -257,16 +257,6 @@ def parse_quantity(value: Any, resource: str, where: str) -> int:
     return int(amount)
 
 
-def pod_quantity(value: Any, resource: str) -> int:
-    """Deprecated: a pod's requests come from kubeapi.pod_requests (init containers, sidecars, overhead as
-    kube-scheduler counts them). Kept, as a thin wrapper, only until the quota gate switches over: one quantity
-    in the unit kube-scheduler counts `resource` in, an unreadable value counting 0."""
-    try:
-        return max(0, kubeapi.resource_amount(resource, value))
-    except kubeapi.InvalidQuantity:
-        return 0
-
-
 # ---------------------------------------------------------------------------------------------
 # Parsing
 # ---------------------------------------------------------------------------------------------
