@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kube_vgpu.extender.engine.policies import DEFAULT_GPU_POLICY, DEFAULT_NODE_POLICY, policy_names
-from kube_vgpu.extender.scheduler import Scheduler
+from kube_vgpu.extender.gates import ClusterSource, Gate
+from kube_vgpu.extender.scheduler import Binder, Scheduler
 from kube_vgpu.extender.state import ClusterState
 
 log = logging.getLogger("kube_vgpu.extender")
@@ -55,7 +57,15 @@ class Extender:
     state: ClusterState
     scheduler: Scheduler
     app: Any
-    source: Any  # LiveSource | SnapshotCluster
+    source: ClusterSource
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """The extender's configuration from command-line words, exactly as `kube-vgpu extender` reads them (tests and
+    tools build one through here, so every option has its real default)."""
+    parser = argparse.ArgumentParser(prog="kube-vgpu extender")
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
 
 
 def build(args: argparse.Namespace) -> Extender:
@@ -70,13 +80,15 @@ def build(args: argparse.Namespace) -> Extender:
     # a snapshot is a still picture: its heartbeats are as old as the file, never "stale"
     ttl_s = float("inf") if args.snapshot else args.heartbeat_ttl_seconds
     state = ClusterState(heartbeat_ttl_s=ttl_s, freeze_gc_when_synced=True)
-    gates: list[Any] = []
-    quota_config = getattr(args, "quota_config", None)
+    gates: list[Gate] = []
+    quota_config: str | None = args.quota_config
+    source: ClusterSource
+    binder: Binder
     if args.snapshot:
         from kube_vgpu.extender.sources.snapshot import SnapshotCluster, load_snapshot
 
-        source: Any = SnapshotCluster(state, load_snapshot(args.snapshot))
-        binder: Any = source
+        snapshot = SnapshotCluster(state, load_snapshot(args.snapshot))
+        source, binder = snapshot, snapshot
         api_client = None
     else:
         from kube_vgpu.extender.sources.live import LiveBinder, LiveSource, make_api_client
@@ -85,28 +97,20 @@ def build(args: argparse.Namespace) -> Extender:
         source = LiveSource(state, api_client)
         binder = LiveBinder(api_client)
     if quota_config or api_client is not None:
-        try:
-            from kube_vgpu.extender.quota.gate import build_gate
-        except ImportError:  # the quota gate is optional while it is being built
-            build_gate = None  # type: ignore[assignment]
-        if build_gate is not None:
-            gate = build_gate(state, quota_config=quota_config, api_client=api_client,
-                              unqueued=getattr(args, "quota_unqueued", "admit"))
-            if gate is not None:
-                gates.append(gate)
-        elif quota_config:
-            raise SystemExit("kube-vgpu extender: --quota-config given but the quota gate is not available")
+        from kube_vgpu.extender.quota.gate import build_gate
+
+        gate = build_gate(state, quota_config=quota_config, api_client=api_client, unqueued=args.quota_unqueued)
+        if gate is not None:
+            gates.append(gate)
     scheduler = Scheduler(state, binder, node_policy=args.policy, gpu_policy=args.gpu_policy, gates=gates)
     # the source's watches and those of gates that have their own (quota: Kueue objects in live mode) start with the app
-    starters = [s for s in (getattr(source, "start", None), *(getattr(g, "start", None) for g in gates)) if s]
-
     def start_all() -> None:
-        for start in starters:
-            start()
+        source.start()
+        for started in gates:
+            started.start()
 
     app = create_app(scheduler, on_startup=start_all)
-    app.state.gates = gates
-    app.state.registry.register(SourceCollector(state, getattr(source, "health", None)))
+    app.state.registry.register(SourceCollector(state, source.health))
     return Extender(state, scheduler, app, source)
 
 

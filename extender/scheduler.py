@@ -23,7 +23,6 @@ from kube_vgpu import kubeapi, protocol
 from kube_vgpu.extender.engine.fit import place
 from kube_vgpu.extender.engine.model import (
     FitFailure,
-    NodeState,
     Placement,
     PlacementRequest,
     assignment_from_placement,
@@ -35,6 +34,7 @@ from kube_vgpu.extender.engine.policies import (
     Policy,
     make_policy,
 )
+from kube_vgpu.extender.gates import Gate
 from kube_vgpu.extender.state import ClusterState
 from kube_vgpu.extender.turns import NodeTurns, Wake
 from kube_vgpu.protocol import InvalidGpuRequest, PodGpuRequest
@@ -68,18 +68,6 @@ class Binder(Protocol):
 
     def bind(self, namespace: str, name: str, uid: str, node: str, annotations: dict[str, str]) -> None:
         """Bind the pod (UID as precondition) and set these annotations on it, in one API call."""
-        ...
-
-
-class Gate(Protocol):
-    """An admission gate consulted by filter and bind (the quota gate implements it)."""
-
-    def check(self, pod: Mapping[str, Any], request: PodGpuRequest, node: NodeState) -> str | None:
-        """None if the pod may use this node, else a reason."""
-        ...
-
-    def reserve(self, pod: Mapping[str, Any], request: PodGpuRequest, node: NodeState, uid: str) -> str | None:
-        """Atomically re-check and take the pod's share (called under the state lock); None or a reason."""
         ...
 
 
@@ -283,9 +271,7 @@ class Scheduler:
                 outcome.passed.append(name)
                 placements[name] = result
             for gate in self.gates:  # gates that track waiting pods (quota StrictFIFO) learn the whole outcome
-                observe = getattr(gate, "observe_filter", None)
-                if observe is not None:
-                    observe(pod, request, outcome.passed)
+                gate.observe_filter(pod, request, outcome.passed)
         return outcome, placements
 
     def filter(self, pod: Mapping[str, Any], node_names: Iterable[str]) -> FilterOutcome:

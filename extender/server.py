@@ -201,9 +201,9 @@ def create_app(scheduler: Scheduler, *, on_startup: Callable[[], None] | None = 
     bad_requests = Counter("kube_vgpu_extender_bad_requests_total", "malformed requests", ["verb"], registry=registry)
     registry.register(GpuCollector(state))
     for gate in scheduler.gates:  # gates may publish their own gauges (the quota gate: issue 6)
-        make_collector = getattr(gate, "collector", None)
-        if make_collector is not None:
-            registry.register(make_collector())
+        gate_collector = gate.collector()
+        if gate_collector is not None:
+            registry.register(gate_collector)
     rejection_children: dict[str, Any] = {}
 
     def count_rejection(code: str) -> None:
@@ -331,9 +331,9 @@ def create_app(scheduler: Scheduler, *, on_startup: Callable[[], None] | None = 
     async def quota_view() -> Response:
         """Per ClusterQueue and flavor: nominal, borrowed, lent, used, pending pods (issue 6)."""
         for gate in scheduler.gates:
-            quota_snapshot = getattr(gate, "snapshot", None)
-            if quota_snapshot is not None:
-                return _json(await run_in_threadpool(quota_snapshot))
+            view = await run_in_threadpool(gate.snapshot)
+            if view is not None:
+                return _json(view)
         return _json({"Error": "no quota gate: start the extender with --quota-config or in live mode"}, 404)
 
     return app

@@ -264,3 +264,18 @@ def test_the_checker_finds_a_cycle_hidden_in_a_function(tmp_path: Path) -> None:
     })
     edges = [e for e in all_edges(root) if not _is_parent_package_edge(e)]
     assert cycles(edges) == [["kube_vgpu.extender.quota.gate", "kube_vgpu.extender.state"]]
+
+
+def test_no_hook_or_flag_is_looked_up_by_name() -> None:
+    """Optional behaviour is declared on an interface (extender/gates.py, engine Policy flags), never found with
+    getattr(obj, "literal") at a call site (kube-scheduler's plugin model)."""
+    found = []
+    for module, path in discover(ROOT).items():
+        if not module.startswith(("kube_vgpu.extender", "kube_vgpu.dev.simulator")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            is_lookup = isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in (
+                "getattr", "hasattr")
+            if is_lookup and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant):
+                found.append(f"{module}:{node.lineno} {node.func.id}(..., {node.args[1].value!r})")
+    assert found == []

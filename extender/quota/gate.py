@@ -300,9 +300,7 @@ class QuotaGate:
         self._last_expiry_s = 0.0
         with state.lock:
             state.usage_listeners.append(self._on_usage)
-            pod_listeners = getattr(state, "pod_listeners", None)
-            if pod_listeners is not None:
-                pod_listeners.append(self._on_pod)
+            state.pod_listeners.append(self._on_pod)
             self._reload()
 
     # --- configuration --------------------------------------------------------------------------

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import copy
 import threading
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import orjson
 import yaml
 
+from kube_vgpu.extender.sources.watch import WatchHealth
 from kube_vgpu.extender.state import ClusterState
 
 
@@ -39,6 +42,9 @@ def load_snapshot(path: str | Path) -> list[dict[str, Any]]:
 class SnapshotCluster:
     """In-memory API objects plus a Binder over them."""
 
+    #: a snapshot has no watches (ClusterSource)
+    health: Mapping[str, WatchHealth] = MappingProxyType({})
+
     def __init__(self, state: ClusterState, items: list[dict[str, Any]]) -> None:
         self.state = state
         self._lock = threading.Lock()
@@ -52,6 +58,12 @@ class SnapshotCluster:
                 self.pods[(metadata["namespace"], metadata["name"])] = item
         state.replace_all(self.nodes.values(), self.pods.values())
         state.mark_synced()
+
+    def start(self) -> None:
+        """Nothing to start: the snapshot is complete at construction (ClusterSource)."""
+
+    def stop(self) -> None:
+        """Nothing to stop (ClusterSource)."""
 
     def add_pod(self, pod: dict[str, Any]) -> None:
         metadata = pod["metadata"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import socket
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -14,7 +13,7 @@ import orjson
 import pytest
 
 from kube_vgpu import protocol
-from kube_vgpu.extender.cli import Extender, build
+from kube_vgpu.extender.cli import Extender, build, parse_args
 from tests.helpers import gpu_node, pod
 from tests.servers import serve
 
@@ -33,14 +32,7 @@ def snapshot_file(tmp_path: Path) -> Path:
 
 @pytest.fixture()
 def extender(snapshot_file: Path) -> Extender:
-    args = argparse.Namespace(
-        snapshot=str(snapshot_file),
-        kubeconfig=None,
-        policy="binpack",
-        gpu_policy="topology",
-        heartbeat_ttl_seconds=120.0,
-        quota_config=None,
-    )
+    args = parse_args(["--snapshot", str(snapshot_file), "--policy", "binpack", "--gpu-policy", "topology"])
     return build(args)
 
 

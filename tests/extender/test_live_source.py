@@ -16,7 +16,7 @@ import orjson
 import pytest
 
 from kube_vgpu import protocol
-from kube_vgpu.extender.cli import Extender, build
+from kube_vgpu.extender.cli import Extender, build, parse_args
 from kube_vgpu.extender.scheduler import Scheduler
 from kube_vgpu.extender.server import create_app
 from kube_vgpu.extender.sources.apiclient import ApiTimeouts, make_api_client
@@ -43,8 +43,7 @@ def bad_link_node(name: str, value: Any = "x") -> dict[str, Any]:
 
 
 def extender_args(kubeconfig: Path) -> argparse.Namespace:
-    return argparse.Namespace(snapshot=None, kubeconfig=str(kubeconfig), policy="binpack", gpu_policy="topology",
-                              heartbeat_ttl_seconds=120.0, quota_config=None, quota_unqueued="admit")
+    return parse_args(["--kubeconfig", str(kubeconfig), "--policy", "binpack", "--gpu-policy", "topology"])
 
 
 @pytest.fixture()

@@ -3,7 +3,6 @@ scheduler and the cluster state, over the extender's HTTP verbs, and again after
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,7 @@ import orjson
 import pytest
 
 from kube_vgpu import protocol
-from kube_vgpu.extender.cli import Extender, build
+from kube_vgpu.extender.cli import Extender, build, parse_args
 from kube_vgpu.extender.scheduler import BindError, Scheduler
 from kube_vgpu.extender.sources.snapshot import SnapshotCluster
 from kube_vgpu.extender.state import ClusterState
@@ -89,14 +88,7 @@ def test_a_restarted_extender_counts_the_sidecar_from_the_assignment() -> None:
 def extender(tmp_path: Path) -> Extender:
     path = tmp_path / "snapshot.json"
     path.write_bytes(orjson.dumps({"apiVersion": "v1", "kind": "List", "items": [one_gpu_node()]}))
-    args = argparse.Namespace(
-        snapshot=str(path),
-        kubeconfig=None,
-        policy="binpack",
-        gpu_policy="binpack",
-        heartbeat_ttl_seconds=120.0,
-        quota_config=None,
-    )
+    args = parse_args(["--snapshot", str(path), "--policy", "binpack", "--gpu-policy", "binpack"])
     return build(args)
 
 

@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from kube_vgpu.cli import main as kube_vgpu_main
-from kube_vgpu.extender.cli import Extender, build
+from kube_vgpu.extender.cli import Extender, build, parse_args
 from kube_vgpu.extender.quota import cli as quota_cli
 from tests.quota.helpers import a100_node, queued_pod, v100_node
 from tests.servers import serve
@@ -25,8 +25,8 @@ def make_extender(tmp_path: Path, quota_config: str | None) -> Extender:
     snapshot = tmp_path / "snapshot.json"
     nodes = [a100_node("a100-0"), a100_node("a100-1"), v100_node("v100-0")]
     snapshot.write_bytes(orjson.dumps({"apiVersion": "v1", "kind": "List", "items": nodes}))
-    args = argparse.Namespace(snapshot=str(snapshot), kubeconfig=None, policy="binpack", gpu_policy="topology",
-                              heartbeat_ttl_seconds=120.0, quota_config=quota_config, quota_unqueued="admit")
+    args = parse_args(["--snapshot", str(snapshot), "--policy", "binpack", "--gpu-policy", "topology",
+                       *(["--quota-config", quota_config] if quota_config else [])])
     return build(args)
 
 

@@ -7,7 +7,7 @@ CPU-only pods score 0 everywhere (random node). GPUs by best fit.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from kube_vgpu.extender.engine.policies._milli import (
     MAX_NODE_SCORE,
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 class Clustering(BestFitGpuChoice):
     name = "clustering"
     #: the score reads NodeState.pod_kinds besides GPU usage (state-keyed memos must include it)
-    uses_pod_kinds = True
+    uses_pod_kinds: ClassVar[bool] = True
 
 
     def score(self, node: NodeState, request: PlacementRequest, placement: Placement) -> float:

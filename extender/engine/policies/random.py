@@ -6,7 +6,7 @@ simulator's) makes the choice random, as the FGD simulator's RandomScore plugin 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from kube_vgpu.extender.engine.policies._milli import BestFitGpuChoice
 
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 class RandomPolicy(BestFitGpuChoice):
     name = "random"
     #: the choice among equal scores must be uniform (a simulator that breaks ties by node order must not)
-    random_tie_break = True
+    random_tie_break: ClassVar[bool] = True
 
 
     def score(self, node: NodeState, request: PlacementRequest, placement: Placement) -> float:

@@ -112,9 +112,9 @@ def simulate(
     rank = list(range(len(nodes)))
     rng.shuffle(rank)
     # the random policy needs a uniform choice even where ties otherwise go by node order
-    by_order = tie_break == "order" and not getattr(policy, "random_tie_break", False)
+    by_order = tie_break == "order" and not policy.random_tie_break
     capacity = sum(len(node.gpus) for node in nodes) * GPU_CORES
-    uses_kinds = bool(getattr(policy, "uses_pod_kinds", False))
+    uses_kinds = policy.uses_pod_kinds
 
     # hardware classes: nodes that are interchangeable when empty
     hw_ids: dict[tuple[Any, ...], int] = {}
