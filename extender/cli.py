@@ -97,7 +97,7 @@ def build(args: argparse.Namespace) -> Extender:
         source = LiveSource(state, api_client)
         binder = LiveBinder(api_client)
     if quota_config or api_client is not None:
-        from kube_vgpu.extender.quota.gate import build_gate
+        from kube_vgpu.extender.quota.factory import build_gate
 
         gate = build_gate(state, quota_config=quota_config, api_client=api_client, unqueued=args.quota_unqueued)
         if gate is not None:

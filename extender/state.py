@@ -70,7 +70,6 @@ class PodRecord:
     usage: tuple[GpuUsage, ...] = ()
     applied: bool = False  # usage is counted on the node
     labels: dict[str, str] = field(default_factory=dict)
-    quota_data: Any = None  # the quota gate's accounting for this pod (issue 6)
 
 
 def usage_from_assignment(node: NodeState, assignment: PodAssignment) -> tuple[tuple[GpuUsage, ...], list[str]]:

@@ -229,7 +229,6 @@ class NodeState:
         "models_lower",
         "name",
         "pod_kinds",
-        "user_data",
         "version",
     )
 
@@ -254,7 +253,6 @@ class NodeState:
         # scheduler's request key -> Placement | FitFailure; valid for this node version only (after a learning
         # policy's model changes, the scheduler re-places these a few nodes at a time)
         self.fit_cache: dict[Any, Any] = {}
-        self.user_data: Any = None  # a policy may keep per-node derived data here (invalidated with version)
         self.free_milli_cache: tuple[int, ...] | None = None  # engine.shares free share per GPU (policies._milli)
         # how many pods of each GPU kind ("share", "1-gpu", "2-gpu", ...) hold GPUs here (kept by apply_usage;
         # the gpu-clustering policy groups pods of one kind on the same nodes)
@@ -304,7 +302,6 @@ class NodeState:
         self.version += 1
         if self.fit_cache:
             self.fit_cache = {}
-        self.user_data = None
         self.free_milli_cache = None
 
     def apply_usage(self, usage: tuple[GpuUsage, ...], sign: int = 1) -> None:

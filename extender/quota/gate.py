@@ -17,19 +17,17 @@ carries (and whose nodeTaints the pod tolerates); StrictFIFO blocks a pod while 
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kube_vgpu import kubeapi, protocol
-from kube_vgpu.extender.engine.fit import gpu_eligible
+from kube_vgpu import protocol
 from kube_vgpu.extender.engine.model import NodeState
-from kube_vgpu.extender.quota.accounting import FlavorResource, QuotaTree, Shortfall
+from kube_vgpu.extender.quota.accounting import QuotaTree, Shortfall
+from kube_vgpu.extender.quota.admission import Admission, DecisionCache, Refusal
+from kube_vgpu.extender.quota.metrics import QuotaCollector
 from kube_vgpu.extender.quota.objects import (
     RESOURCE_CPU,
     RESOURCE_MEMORY,
@@ -41,11 +39,19 @@ from kube_vgpu.extender.quota.objects import (
     QuotaConfig,
     Toleration,
     build_config,
-    load_documents,
-    parse_tolerations,
 )
+from kube_vgpu.extender.quota.usage import (
+    Charge,
+    PendingPod,
+    PodInfo,
+    assignment_usage,
+    pod_info,
+    request_usage_fixed,
+    request_usage_on,
+)
+from kube_vgpu.extender.quota.views import quota_view
 from kube_vgpu.extender.state import FINISHED_PHASES, ClusterState, PodRecord
-from kube_vgpu.protocol import PodAssignment, PodGpuRequest
+from kube_vgpu.protocol import PodGpuRequest
 
 log = logging.getLogger(__name__)
 
@@ -54,201 +60,6 @@ UNQUEUED_POLICIES = ("admit", "default", "refuse")
 #: A pending pod not seen by filter for this long is forgotten (kube-scheduler retries unschedulable pods at least
 #: every 5 minutes, so a live one is seen again well before; this only clears pods whose deletion was missed).
 PENDING_TTL_S = 900.0
-GPU_RESOURCES = (protocol.RESOURCE_GPU, protocol.RESOURCE_GPU_MEMORY, protocol.RESOURCE_GPU_CORES)
-
-
-# ---------------------------------------------------------------------------------------------
-# What a pod asks for / holds
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class PodInfo:
-    """What the gate needs from a pod object beyond the state's PodRecord."""
-
-    spec_priority: int
-    priority_class: str | None  # kueue.x-k8s.io/priority-class label
-    created_s: float
-    tolerations: tuple[Toleration, ...]
-    cpu_milli: int
-    memory_bytes: int
-
-
-def _creation_seconds(text: Any, default: float) -> float:
-    if not isinstance(text, str) or not text:
-        return default
-    try:
-        return dt.datetime.fromisoformat(text).timestamp()
-    except ValueError:
-        return default
-
-
-def _host_requests(pod: Mapping[str, Any]) -> tuple[int, int]:
-    """The pod's CPU (millicores) and memory (bytes) as Kueue and kube-scheduler count them (native sidecars with
-    the app containers, init containers at their peak, overhead; kube_vgpu.kubeapi). A quantity the API server
-    would never have stored counts 0 rather than failing the pod's events."""
-    try:
-        requests = kubeapi.pod_requests(pod, (kubeapi.RESOURCE_CPU, kubeapi.RESOURCE_MEMORY))
-    except kubeapi.InvalidQuantity as exc:
-        metadata = pod.get("metadata") or {}
-        log.warning("pod %s/%s: unreadable CPU or memory request (%s); charged 0", metadata.get("namespace"),
-                    metadata.get("name"), exc)
-        return 0, 0
-    return requests.get(kubeapi.RESOURCE_CPU, 0), requests.get(kubeapi.RESOURCE_MEMORY, 0)
-
-
-def pod_info(pod: Mapping[str, Any], now_s: float) -> PodInfo:
-    metadata = pod.get("metadata") or {}
-    spec = pod.get("spec") or {}
-    labels = metadata.get("labels") or {}
-    priority = spec.get("priority")
-    try:
-        tolerations = parse_tolerations(spec.get("tolerations"), "spec.tolerations")
-    except ValueError:
-        tolerations = ()
-    cpu_milli, memory_bytes = _host_requests(pod)
-    return PodInfo(
-        spec_priority=priority if isinstance(priority, int) and not isinstance(priority, bool) else 0,
-        priority_class=labels.get(protocol.LABEL_KUEUE_PRIORITY_CLASS) or None,
-        created_s=_creation_seconds(metadata.get("creationTimestamp"), now_s),
-        tolerations=tolerations,
-        cpu_milli=cpu_milli,
-        memory_bytes=memory_bytes,
-    )
-
-
-def assignment_usage(assignment: PodAssignment) -> dict[str, int]:
-    """vGPUs, MiB and cores % a written assignment holds at its peak: the largest, per resource, of the moments
-    that hold devices at once (protocol.container_phases: each init container beside the sidecars started before
-    it, then the app containers beside every sidecar), as Kueue's pod-request rule counts them."""
-    totals = {r: 0 for r in GPU_RESOURCES}
-    for phase in assignment.phases:
-        devices = [d for c in phase for d in c.devices]
-        values = (len(devices), sum(d.memory_mib for d in devices), sum(d.cores for d in devices))
-        for resource, value in zip(GPU_RESOURCES, values, strict=True):
-            totals[resource] = max(totals[resource], value)
-    return totals
-
-
-def request_usage_fixed(request: PodGpuRequest) -> dict[str, int] | None:
-    """What the pod will hold on any node, when that does not depend on the node's GPUs (every container names
-    its MiB per vGPU); None otherwise. Cores: what the engine assigns on a GPU of 100 compute units (for
-    exclusive use it assigns the GPU's units, never more than the 100 requested)."""
-    if any(c.memory_mib is None for c in request.containers):
-        return None
-    totals = {r: 0 for r in GPU_RESOURCES}
-    for phase in request.phases:
-        values = (sum(c.count for c in phase), sum(c.count * (c.memory_mib or 0) for c in phase),
-                  sum(c.count * c.cores for c in phase))
-        for resource, value in zip(GPU_RESOURCES, values, strict=True):
-            totals[resource] = max(totals[resource], value)
-    return totals
-
-
-def request_usage_on(request: PodGpuRequest, node: NodeState) -> dict[str, int]:
-    """What the pod will hold if placed on `node`, before the GPUs are chosen. Exact when the node's eligible GPUs
-    are alike (the usual case); otherwise an upper bound (the largest eligible GPU), so the assignment that is
-    then counted never exceeds what was checked."""
-    eligible = [g for g in node.gpus if g.schedulable and gpu_eligible(g, request.selectors, ())]
-    totals = {r: 0 for r in GPU_RESOURCES}
-    for phase in request.phases:
-        count = memory_mib = cores = 0
-        for container in phase:
-            per_memory = container.memory_mib if container.memory_mib is not None else max(
-                (container.memory_on(g.memory_mib) for g in eligible), default=0)
-            per_cores = max((g.cores if container.cores >= g.cores else container.cores for g in eligible),
-                            default=container.cores)
-            count += container.count
-            memory_mib += container.count * per_memory
-            cores += container.count * per_cores
-        for resource, value in zip(GPU_RESOURCES, (count, memory_mib, cores), strict=True):
-            totals[resource] = max(totals[resource], value)
-    return totals
-
-
-# ---------------------------------------------------------------------------------------------
-# Records
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class Charge:
-    """One pod's counted usage. Kept per pod, with priority, so a preemptor can pick victims later."""
-
-    uid: str
-    namespace: str
-    name: str
-    cluster_queue: str
-    node_name: str
-    resources: dict[str, int]  # what the pod holds, per resource (only resources the queue covers)
-    amounts: dict[FlavorResource, int] = field(default_factory=dict)  # what is counted in the tree
-    priority: int = 0
-    created_s: float = 0.0
-    counted: bool = False
-    problem: str = ""  # why it is not counted (node unknown yet, node outside the queue's flavors)
-
-
-@dataclass(slots=True)
-class PendingPod:
-    """A pod of a ClusterQueue seen by filter and not admitted yet."""
-
-    uid: str
-    namespace: str
-    name: str
-    cluster_queue: str
-    priority: int
-    created_s: float
-    last_seen_s: float
-    waiting_for_quota: bool = False
-    reason: str = ""
-
-    @property
-    def order(self) -> tuple[int, float, str, str]:
-        """Kueue's queue order: higher priority first, then older, then name (a total order: no ties)."""
-        return (-self.priority, self.created_s, self.namespace, self.name)
-
-
-@dataclass(frozen=True, slots=True)
-class Admission:
-    """A pod resolved to a ClusterQueue that may be admitted, subject to the per-node quota check."""
-
-    uid: str
-    cluster_queue: ClusterQueue
-    local_queue: LocalQueue
-    tolerations: tuple[Toleration, ...]
-    info: PodInfo
-    covered: frozenset[str]  # the queue's covered resources
-    host_needs: tuple[tuple[str, int], ...]  # cpu / memory / pods, when covered (node-independent)
-    label_keys: tuple[str, ...]  # every node label key the queue's flavors select on
-
-
-@dataclass(slots=True)
-class _DecisionCache:
-    """filter asks once per node for the same pod. The answer depends on the node only through the values of the
-    labels the queue's flavors select on and (for requests in percent or whole GPUs) the sizes of its GPUs, so it
-    is computed once per distinct (label values, GPU signature) rather than once per node."""
-
-    pod: Mapping[str, Any]
-    version: int
-    result: Admission | Refusal | None
-    request: PodGpuRequest | None = None
-    label_keys: tuple[str, ...] = ()
-    single_key: str | None = None  # the one label key, when the flavors select on exactly one (the usual case)
-    fixed_needs: tuple[tuple[str, int], ...] | None = None  # when the needs do not depend on the node
-    plain: bool = True  # no GPU type / UUID selectors: GPU eligibility depends on GPU sizes only
-    needs_by_signature: dict[Any, tuple[tuple[str, int], ...]] = field(default_factory=dict)
-    fits: dict[Any, Refusal | None] = field(default_factory=dict)  # (label values, needs) -> answer
-    fast: dict[Any, Refusal | None] = field(default_factory=dict)  # label values [, GPU signature] -> answer
-
-
-_MISSING: Any = object()
-
-
-@dataclass(frozen=True, slots=True)
-class Refusal:
-    reason: str
-    #: the pod waits for quota (blocks pods behind it under StrictFIFO); False when waiting cannot help
-    waiting: bool
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,7 +104,7 @@ class QuotaGate:
         self._admitted_to: dict[str, str] = {}
         self._round: dict[str, Refusal] = {}  # refusals of the filter call under way, per pod
         self._version = 0  # bumped on anything that can change a decision
-        self._decision: _DecisionCache | None = None
+        self._decision: DecisionCache | None = None
         #: inventory text -> id of its usable GPUs' (model, MiB, cores) set; see _signature
         self._signatures: dict[str | None, int] = {}
         self._signature_ids: dict[frozenset[tuple[str, int, int]], int] = {}
@@ -422,7 +233,7 @@ class QuotaGate:
         self._unresolved.discard(charge.uid)
         self.tree.add(charge.cluster_queue, charge.amounts, 1)
 
-    def _resolve_unresolved(self) -> None:
+    def resolve_unresolved(self) -> None:
         for uid in list(self._unresolved):
             charge = self.charges.get(uid)
             if charge is None:
@@ -539,17 +350,17 @@ class QuotaGate:
         return chosen
 
     # --- decisions ------------------------------------------------------------------------------
-    def _decide(self, pod: Mapping[str, Any]) -> _DecisionCache:
+    def _decide(self, pod: Mapping[str, Any]) -> DecisionCache:
         """Node-independent part: queue, namespace, stop policy, StrictFIFO (result None: not managed, admit).
         Kept while the pod object and the gate's version stay the same (one filter call, all its nodes)."""
         cache = self._decision
         if cache is not None and cache.pod is pod and cache.version == self._version:
             return cache
         if self._unresolved:
-            self._resolve_unresolved()
+            self.resolve_unresolved()
         uid = str((pod.get("metadata") or {}).get("uid") or "")
         result = self._decide_uncached(pod, uid)
-        cache = self._decision = _DecisionCache(pod, self._version, result)
+        cache = self._decision = DecisionCache(pod, self._version, result)
         return cache
 
     def _decide_uncached(self, pod: Mapping[str, Any], uid: str) -> Admission | Refusal | None:
@@ -613,7 +424,7 @@ class QuotaGate:
                                    for key, _ in self.config.flavors[name].node_labels}))
         return Admission(uid, cluster_queue, local_queue, info.tolerations, info, covered, host_needs, label_keys)
 
-    def _prepare(self, cache: _DecisionCache, admission: Admission, request: PodGpuRequest) -> None:
+    def _prepare(self, cache: DecisionCache, admission: Admission, request: PodGpuRequest) -> None:
         cache.request = request
         cache.label_keys = admission.label_keys
         cache.single_key = admission.label_keys[0] if len(admission.label_keys) == 1 else None
@@ -636,7 +447,7 @@ class QuotaGate:
                 shape, len(self._signature_ids))
         return found
 
-    def _node_key(self, cache: _DecisionCache, node: NodeState) -> Any:
+    def _node_key(self, cache: DecisionCache, node: NodeState) -> Any:
         """What the answer for this pod depends on, of the node."""
         labels = node.labels
         single = cache.single_key
@@ -645,7 +456,7 @@ class QuotaGate:
             return values
         return (values, self._signature(node) if cache.plain else node.inventory_text)
 
-    def _needs_on(self, cache: _DecisionCache, admission: Admission, request: PodGpuRequest,
+    def _needs_on(self, cache: DecisionCache, admission: Admission, request: PodGpuRequest,
                   node: NodeState) -> tuple[tuple[str, int], ...]:
         """(resource, amount) the pod needs on this node, for the resources its queue covers."""
         if cache.fixed_needs is not None:
@@ -662,19 +473,18 @@ class QuotaGate:
         covered = admission.covered
         return tuple((r, v) for r, v in gpu_needs.items() if v > 0 and r in covered) + admission.host_needs
 
-    def _fit(self, cache: _DecisionCache, admission: Admission, request: PodGpuRequest,
+    def _fit(self, cache: DecisionCache, admission: Admission, request: PodGpuRequest,
              node: NodeState) -> Refusal | None:
         if cache.request is not request:
             self._prepare(cache, admission, request)
         key = self._node_key(cache, node)
-        found: Refusal | None = cache.fast.get(key, _MISSING)
-        if found is _MISSING:
-            needs = self._needs_on(cache, admission, request, node)
-            labels = node.labels
-            full_key = (tuple(map(labels.get, cache.label_keys)), needs)
-            cached = cache.fits.get(full_key, _MISSING)
-            found = self._fit_uncached(admission, labels, dict(needs)) if cached is _MISSING else cached
-            cache.fits[full_key] = cache.fast[key] = found
+        if key in cache.fast:
+            return cache.fast[key]
+        needs = self._needs_on(cache, admission, request, node)
+        labels = node.labels
+        full_key = (tuple(map(labels.get, cache.label_keys)), needs)
+        found = cache.fits[full_key] if full_key in cache.fits else self._fit_uncached(admission, labels, dict(needs))
+        cache.fits[full_key] = cache.fast[key] = found
         return found
 
     def _fit_uncached(self, admission: Admission, labels: Mapping[str, str], needs: dict[str, int]) -> Refusal | None:
@@ -714,8 +524,7 @@ class QuotaGate:
             return None
         if isinstance(result, Admission):
             # fast path: a node like one already answered for this pod (same flavor labels, same GPU sizes)
-            found = cache.fast.get(self._node_key(cache, node), _MISSING) if cache.request is request else _MISSING
-            refusal = found if found is not _MISSING else self._fit(cache, result, request, node)
+            refusal = self._fit(cache, result, request, node)  # answered from cache.fast for a node like one seen
             if refusal is None:
                 return None
         else:
@@ -775,75 +584,8 @@ class QuotaGate:
         return sorted(found, key=lambda c: (c.priority, -c.created_s))
 
     def snapshot(self) -> dict[str, Any]:
-        """JSON-ready view for GET /quota."""
-        with self.state.lock:
-            if self._unresolved:
-                self._resolve_unresolved()
-            config = self.config
-            queues = []
-            for cluster_queue in sorted(config.cluster_queues.values(), key=lambda q: q.name):
-                pending = sorted((p for p in self.pending.values() if p.cluster_queue == cluster_queue.name),
-                                 key=lambda p: p.order)
-                charges = [c for c in self.charges.values() if c.cluster_queue == cluster_queue.name]
-                flavors = []
-                for group in cluster_queue.resource_groups:
-                    for flavor_quotas in group.flavors:
-                        resources = []
-                        for resource, _ in flavor_quotas.resources:
-                            status = self.tree.status(cluster_queue.name, (flavor_quotas.name, resource))
-                            resources.append({
-                                "resource": resource,
-                                "unit": RESOURCE_UNITS.get(resource, ""),
-                                "nominal": status.nominal,
-                                "borrowingLimit": status.borrowing_limit,
-                                "lendingLimit": status.lending_limit,
-                                "used": status.used,
-                                "borrowed": status.borrowed,
-                                "lent": status.lent,
-                                "available": status.available,
-                                "limit": status.potential,
-                            })
-                        flavors.append({"flavor": flavor_quotas.name, "resources": resources})
-                queues.append({
-                    "name": cluster_queue.name,
-                    "cohort": cluster_queue.cohort,
-                    "queueingStrategy": cluster_queue.queueing_strategy,
-                    "stopPolicy": cluster_queue.stop_policy,
-                    "inactiveReason": self.inactive_reason(cluster_queue),
-                    "admittedPods": sum(1 for c in charges if c.counted),
-                    "uncountedPods": [{"pod": f"{c.namespace}/{c.name}", "problem": c.problem}
-                                      for c in charges if not c.counted],
-                    "pendingPods": len(pending),
-                    "waitingForQuota": sum(1 for p in pending if p.waiting_for_quota),
-                    "flavors": flavors,
-                    "pending": [{"pod": f"{p.namespace}/{p.name}", "priority": p.priority,
-                                 "waitingForQuota": p.waiting_for_quota, "reason": p.reason}
-                                for p in pending[:100]],
-                })
-            cohorts = []
-            cohort_names = sorted({k[1] for k in self.tree.parent if k[0] == "Cohort"})
-            all_frs = sorted({fr for quotas in self.tree.quotas.values() for fr in quotas})
-            for name in cohort_names:
-                totals = []
-                for fr in all_frs:
-                    subtree, usage = self.tree.cohort_totals(name, fr)
-                    if subtree or usage:
-                        totals.append({"flavor": fr[0], "resource": fr[1], "subtreeQuota": subtree, "usage": usage})
-                parent = self.tree.parent.get(("Cohort", name))
-                cohorts.append({"name": name, "parent": parent[1] if parent else None,
-                                "inCycle": name in self.tree.cyclic, "resources": totals})
-            return {
-                "synced": self.synced,
-                "sources": list(self.sources),
-                "unqueuedPods": self.unqueued,
-                "errors": list(config.errors),
-                "warnings": list(config.warnings),
-                "clusterQueues": queues,
-                "cohorts": cohorts,
-                "localQueues": [{"namespace": q.namespace, "name": q.name, "clusterQueue": q.cluster_queue,
-                                 "stopPolicy": q.stop_policy}
-                                for q in sorted(config.local_queues.values(), key=lambda q: (q.namespace, q.name))],
-            }
+        """JSON-ready view for GET /quota (quota/views.py)."""
+        return quota_view(self)
 
     def collector(self) -> Collector:
         return QuotaCollector(self)
@@ -858,77 +600,3 @@ class QuotaGate:
             self.watcher.stop()
 
 
-class QuotaCollector(Collector):
-    """The /quota numbers as Prometheus gauges, computed at scrape time (no cost per bind)."""
-
-    def __init__(self, gate: QuotaGate) -> None:
-        self.gate = gate
-
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        labels = ["cluster_queue", "flavor", "resource"]
-        names = {
-            "nominal": "nominal quota",
-            "borrowingLimit": "borrowing limit (absent: none)",
-            "lendingLimit": "lending limit (absent: none)",
-            "used": "usage counted on the devices actually assigned",
-            "borrowed": "usage above nominal",
-            "lent": "unused lendable quota the rest of the cohort is using",
-            "available": "what can still be admitted now",
-            "limit": "the most the queue could hold (nominal plus what the cohort could lend)",
-        }
-        families = {
-            key: GaugeMetricFamily(
-                f"kube_vgpu_quota_{snake}", f"ClusterQueue {text}, in the resource's unit "
-                "(vGPUs, MiB, % of a GPU, millicores, bytes, pods)", labels=labels)
-            for key, text, snake in (
-                (k, t, "".join("_" + ch.lower() if ch.isupper() else ch for ch in k)) for k, t in names.items()
-            )
-        }
-        pending = GaugeMetricFamily("kube_vgpu_quota_pending_pods", "pods seen by filter and not admitted yet",
-                                    labels=["cluster_queue"])
-        waiting = GaugeMetricFamily("kube_vgpu_quota_waiting_pods", "pending pods waiting for quota",
-                                    labels=["cluster_queue"])
-        admitted = GaugeMetricFamily("kube_vgpu_quota_admitted_pods", "pods counted against the queue",
-                                     labels=["cluster_queue"])
-        errors = GaugeMetricFamily("kube_vgpu_quota_invalid_objects", "Kueue objects left out as invalid")
-        snapshot: dict[str, Any] = self.gate.snapshot()
-        for queue in snapshot["clusterQueues"]:
-            for flavor in queue["flavors"]:
-                for resource in flavor["resources"]:
-                    values = [queue["name"], flavor["flavor"], resource["resource"]]
-                    for key, family in families.items():
-                        if resource[key] is not None:
-                            family.add_metric(values, resource[key])
-            pending.add_metric([queue["name"]], queue["pendingPods"])
-            waiting.add_metric([queue["name"]], queue["waitingForQuota"])
-            admitted.add_metric([queue["name"]], queue["admittedPods"])
-        errors.add_metric([], len(snapshot["errors"]))
-        yield from families.values()
-        yield pending
-        yield waiting
-        yield admitted
-        yield errors
-
-
-def build_gate(
-    state: ClusterState,
-    *,
-    quota_config: str | None = None,
-    api_client: Any = None,
-    unqueued: str = "admit",
-) -> QuotaGate | None:
-    """The gate for `kube-vgpu extender`: objects from --quota-config and, in live mode, the cluster's Kueue
-    objects (watched while their CRDs exist). None when there is neither a file nor a cluster."""
-    if quota_config is None and api_client is None:
-        return None
-    documents: list[tuple[str, Mapping[str, Any]]] = []
-    if quota_config:
-        documents = [(quota_config, doc) for doc in load_documents(quota_config)]
-    gate = QuotaGate(state, documents, unqueued=unqueued, live=api_client is not None)
-    if gate.config.errors:
-        log.error("quota: %d invalid object(s) in %s were left out", len(gate.config.errors), quota_config)
-    if api_client is not None:
-        from kube_vgpu.extender.quota.live import KueueWatcher
-
-        gate.watcher = KueueWatcher(gate, api_client)
-    return gate

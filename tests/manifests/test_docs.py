@@ -17,7 +17,7 @@ import yaml
 from prometheus_client import generate_latest
 
 from kube_vgpu.cli import build_parser
-from kube_vgpu.extender.quota.gate import build_gate
+from kube_vgpu.extender.quota.factory import build_gate
 from kube_vgpu.extender.scheduler import Scheduler
 from kube_vgpu.extender.server import create_app
 from kube_vgpu.extender.sources.metrics import SourceCollector

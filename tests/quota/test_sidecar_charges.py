@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from kube_vgpu import protocol
-from kube_vgpu.extender.quota.gate import assignment_usage, pod_info, request_usage_fixed
+from kube_vgpu.extender.quota.usage import assignment_usage, pod_info, request_usage_fixed
 from tests.quota.helpers import FLAVORS, GPUMEM, a100_node, local_queue, make_env, queued_pod
 
 CPU_QUOTA = FLAVORS + """

@@ -1,0 +1,163 @@
+"""Who uses what (Kueue's cache side): what a pod asks for and holds, in the units a ClusterQueue counts, and the
+per-pod records the gate keeps (a counted charge; a pod waiting in its queue)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kube_vgpu import kubeapi, protocol
+from kube_vgpu.extender.engine.fit import gpu_eligible
+from kube_vgpu.extender.engine.model import NodeState
+from kube_vgpu.extender.quota.accounting import FlavorResource
+from kube_vgpu.extender.quota.objects import Toleration, parse_tolerations
+from kube_vgpu.protocol import PodAssignment, PodGpuRequest
+
+log = logging.getLogger(__name__)
+
+#: the GPU resources a ClusterQueue may budget, in the order usage tuples list them
+GPU_RESOURCES = (protocol.RESOURCE_GPU, protocol.RESOURCE_GPU_MEMORY, protocol.RESOURCE_GPU_CORES)
+
+
+@dataclass(frozen=True, slots=True)
+class PodInfo:
+    """What the gate needs from a pod object beyond the state's PodRecord."""
+
+    spec_priority: int
+    priority_class: str | None  # kueue.x-k8s.io/priority-class label
+    created_s: float
+    tolerations: tuple[Toleration, ...]
+    cpu_milli: int
+    memory_bytes: int
+
+
+def _creation_seconds(text: Any, default: float) -> float:
+    if not isinstance(text, str) or not text:
+        return default
+    try:
+        return dt.datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        return default
+
+
+def _host_requests(pod: Mapping[str, Any]) -> tuple[int, int]:
+    """The pod's CPU (millicores) and memory (bytes) as Kueue and kube-scheduler count them (native sidecars with
+    the app containers, init containers at their peak, overhead; kube_vgpu.kubeapi). A quantity the API server
+    would never have stored counts 0 rather than failing the pod's events."""
+    try:
+        requests = kubeapi.pod_requests(pod, (kubeapi.RESOURCE_CPU, kubeapi.RESOURCE_MEMORY))
+    except kubeapi.InvalidQuantity as exc:
+        metadata = pod.get("metadata") or {}
+        log.warning("pod %s/%s: unreadable CPU or memory request (%s); charged 0", metadata.get("namespace"),
+                    metadata.get("name"), exc)
+        return 0, 0
+    return requests.get(kubeapi.RESOURCE_CPU, 0), requests.get(kubeapi.RESOURCE_MEMORY, 0)
+
+
+def pod_info(pod: Mapping[str, Any], now_s: float) -> PodInfo:
+    metadata = pod.get("metadata") or {}
+    spec = pod.get("spec") or {}
+    labels = metadata.get("labels") or {}
+    priority = spec.get("priority")
+    try:
+        tolerations = parse_tolerations(spec.get("tolerations"), "spec.tolerations")
+    except ValueError:
+        tolerations = ()
+    cpu_milli, memory_bytes = _host_requests(pod)
+    return PodInfo(
+        spec_priority=priority if isinstance(priority, int) and not isinstance(priority, bool) else 0,
+        priority_class=labels.get(protocol.LABEL_KUEUE_PRIORITY_CLASS) or None,
+        created_s=_creation_seconds(metadata.get("creationTimestamp"), now_s),
+        tolerations=tolerations,
+        cpu_milli=cpu_milli,
+        memory_bytes=memory_bytes,
+    )
+
+
+def assignment_usage(assignment: PodAssignment) -> dict[str, int]:
+    """vGPUs, MiB and cores % a written assignment holds at its peak: the largest, per resource, of the moments
+    that hold devices at once (protocol.container_phases: each init container beside the sidecars started before
+    it, then the app containers beside every sidecar), as Kueue's pod-request rule counts them."""
+    totals = {r: 0 for r in GPU_RESOURCES}
+    for phase in assignment.phases:
+        devices = [d for c in phase for d in c.devices]
+        values = (len(devices), sum(d.memory_mib for d in devices), sum(d.cores for d in devices))
+        for resource, value in zip(GPU_RESOURCES, values, strict=True):
+            totals[resource] = max(totals[resource], value)
+    return totals
+
+
+def request_usage_fixed(request: PodGpuRequest) -> dict[str, int] | None:
+    """What the pod will hold on any node, when that does not depend on the node's GPUs (every container names
+    its MiB per vGPU); None otherwise. Cores: what the engine assigns on a GPU of 100 compute units (for
+    exclusive use it assigns the GPU's units, never more than the 100 requested)."""
+    if any(c.memory_mib is None for c in request.containers):
+        return None
+    totals = {r: 0 for r in GPU_RESOURCES}
+    for phase in request.phases:
+        values = (sum(c.count for c in phase), sum(c.count * (c.memory_mib or 0) for c in phase),
+                  sum(c.count * c.cores for c in phase))
+        for resource, value in zip(GPU_RESOURCES, values, strict=True):
+            totals[resource] = max(totals[resource], value)
+    return totals
+
+
+def request_usage_on(request: PodGpuRequest, node: NodeState) -> dict[str, int]:
+    """What the pod will hold if placed on `node`, before the GPUs are chosen. Exact when the node's eligible GPUs
+    are alike (the usual case); otherwise an upper bound (the largest eligible GPU), so the assignment that is
+    then counted never exceeds what was checked."""
+    eligible = [g for g in node.gpus if g.schedulable and gpu_eligible(g, request.selectors, ())]
+    totals = {r: 0 for r in GPU_RESOURCES}
+    for phase in request.phases:
+        count = memory_mib = cores = 0
+        for container in phase:
+            per_memory = container.memory_mib if container.memory_mib is not None else max(
+                (container.memory_on(g.memory_mib) for g in eligible), default=0)
+            per_cores = max((g.cores if container.cores >= g.cores else container.cores for g in eligible),
+                            default=container.cores)
+            count += container.count
+            memory_mib += container.count * per_memory
+            cores += container.count * per_cores
+        for resource, value in zip(GPU_RESOURCES, (count, memory_mib, cores), strict=True):
+            totals[resource] = max(totals[resource], value)
+    return totals
+
+
+@dataclass(slots=True)
+class Charge:
+    """One pod's counted usage. Kept per pod, with priority, so a preemptor can pick victims later."""
+
+    uid: str
+    namespace: str
+    name: str
+    cluster_queue: str
+    node_name: str
+    resources: dict[str, int]  # what the pod holds, per resource (only resources the queue covers)
+    amounts: dict[FlavorResource, int] = field(default_factory=dict)  # what is counted in the tree
+    priority: int = 0
+    created_s: float = 0.0
+    counted: bool = False
+    problem: str = ""  # why it is not counted (node unknown yet, node outside the queue's flavors)
+
+
+@dataclass(slots=True)
+class PendingPod:
+    """A pod of a ClusterQueue seen by filter and not admitted yet."""
+
+    uid: str
+    namespace: str
+    name: str
+    cluster_queue: str
+    priority: int
+    created_s: float
+    last_seen_s: float
+    waiting_for_quota: bool = False
+    reason: str = ""
+
+    @property
+    def order(self) -> tuple[int, float, str, str]:
+        """Kueue's queue order: higher priority first, then older, then name (a total order: no ties)."""
+        return (-self.priority, self.created_s, self.namespace, self.name)
