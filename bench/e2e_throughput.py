@@ -194,7 +194,8 @@ def _stop_profiler(process: subprocess.Popen[bytes] | None) -> None:
         process.wait(30)
 
 
-def run_trial(
+# complexity: one trial's steps in order (start, burst, wait, measure, tear down), read top to bottom
+def run_trial(  # noqa: C901
     cluster: DevCluster,
     nodes: int,
     mode: str,

@@ -4,7 +4,7 @@ filter and prioritize never call the API server; per-node results are cached on 
 (request shape, policies) and dropped whenever that node changes, so a burst of pods of few shapes
 costs one dict lookup per node per verb. bind has two steps: prepare_bind re-checks on fresh state and
 reserves the GPUs in memory as soon as the bind arrives; commit_bind, when the node's turn comes (one at a time
-per node, or together with identical assignments: extender/turns.py), writes the Binding that carries the
+per node, or together with identical assignments: extender/binding.py), writes the Binding that carries the
 assignment, and rolls the reservation back if it fails.
 """
 
@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from cachetools import TTLCache
 
 from kube_vgpu import kubeapi, protocol
+from kube_vgpu.extender.binding import BindError, BindOrdering, PreparedBind
 from kube_vgpu.extender.engine.fit import place
 from kube_vgpu.extender.engine.model import (
     FitFailure,
@@ -36,7 +37,6 @@ from kube_vgpu.extender.engine.policies import (
 )
 from kube_vgpu.extender.gates import Gate
 from kube_vgpu.extender.state import ClusterState
-from kube_vgpu.extender.turns import NodeTurns, Wake
 from kube_vgpu.protocol import InvalidGpuRequest, PodGpuRequest
 
 log = logging.getLogger(__name__)
@@ -53,10 +53,6 @@ REFRESHING_SHAPES = 64
 NOT_SYNCED = "kube-vgpu extender is still loading the cluster state (initial sync); the pod will be retried"
 
 
-class BindError(Exception):
-    """A bind that failed; the message goes back to kube-scheduler in the Error field."""
-
-
 class Binder(Protocol):
     """Writes decisions to the API server (live) or to the in-memory snapshot."""
 
@@ -69,17 +65,6 @@ class Binder(Protocol):
     def bind(self, namespace: str, name: str, uid: str, node: str, annotations: dict[str, str]) -> None:
         """Bind the pod (UID as precondition) and set these annotations on it, in one API call."""
         ...
-
-
-@dataclass(frozen=True, slots=True)
-class PreparedBind:
-    """A bind decided and reserved in memory, not yet written (Scheduler.prepare_bind -> commit_bind)."""
-
-    namespace: str
-    name: str
-    uid: str
-    node_name: str
-    assignment: str  # the encoded assignment annotation
 
 
 @dataclass(slots=True)
@@ -120,9 +105,9 @@ class Scheduler:
         # pods between prepare_bind and the end of commit_bind
         self._binding: set[str] = set()
         self._binding_lock = threading.Lock()
-        # node name -> whose turn it is to write (extender/turns.py); binds to different nodes stay concurrent,
-        # and nothing waits on kubelet
-        self._turns: dict[str, NodeTurns] = {}
+        #: node name -> whose turn it is to write (extender/binding.py); binds to different nodes stay concurrent,
+        #: and nothing waits on kubelet
+        self.ordering = BindOrdering()
         #: hooks for metrics: called with (verb outcome, FitFailure code)
         self.on_rejection: Callable[[str], None] = lambda code: None
 
@@ -190,7 +175,8 @@ class Scheduler:
         return self._outdated.get(key)
 
     # --- filter / prioritize ----------------------------------------------------------------------
-    def _evaluate(
+    # complexity: filter's per-node loop, inlined on purpose: it runs for every node of every pod
+    def _evaluate(  # noqa: C901
         self, pod: Mapping[str, Any], node_names: Iterable[str], refresh_budget: int = 0
     ) -> tuple[FilterOutcome, dict[str, Placement]]:
         outcome = FilterOutcome()
@@ -300,40 +286,11 @@ class Scheduler:
 
     # --- bind -----------------------------------------------------------------------------------
     def bind(self, namespace: str, name: str, uid: str, node_name: str) -> None:
-        """Decide the exact GPUs and commit. Raises BindError with a reason; idempotent for a repeat."""
+        """Decide the exact GPUs and commit in the node's turn, blocking this thread (the blocking face of
+        extender/binding.py; the HTTP server uses its async face). Raises BindError; idempotent for a repeat."""
         prepared = self.prepare_bind(namespace, name, uid, node_name)
-        if prepared is None:
-            return
-        turn = threading.Event()
-        if not self.request_turn(prepared, turn.set):
-            turn.wait()
-        try:
-            self.commit_bind(prepared)
-        finally:
-            self.finish_turn(prepared)
-
-    # Turns: which prepared binds of a node may write their Binding now (extender/turns.py says why). `wake` is
-    # called under the binding lock and must not block (an Event's set, an event loop's call_soon_threadsafe).
-    def request_turn(self, prepared: PreparedBind, wake: Wake) -> bool:
-        """True: commit now. False: `wake` is called when it is this bind's turn."""
-        with self._binding_lock:
-            turns = self._turns.get(prepared.node_name)
-            if turns is None:
-                turns = self._turns[prepared.node_name] = NodeTurns()
-            return turns.request(prepared.assignment, wake)
-
-    def withdraw_turn(self, prepared: PreparedBind, wake: Wake) -> bool:
-        """Stop waiting for a turn; False if it was granted meanwhile (then finish_turn() passes it on)."""
-        with self._binding_lock:
-            turns = self._turns.get(prepared.node_name)
-            return turns is not None and turns.withdraw(wake)
-
-    def finish_turn(self, prepared: PreparedBind) -> None:
-        with self._binding_lock:
-            turns = self._turns[prepared.node_name]
-            turns.finish()
-            if turns.idle:
-                del self._turns[prepared.node_name]
+        if prepared is not None:
+            self.ordering.commit_blocking(self, prepared)
 
     def recent_pod(self, uid: str) -> Mapping[str, Any] | None:
         """The pod as filter last saw it; given to prepare_bind, no API call is needed (it may run on an event

@@ -6,13 +6,13 @@ hand, so malformed input gets a 400 with a message and the service keeps serving
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -25,7 +25,7 @@ from prometheus_client.registry import Collector
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
-from kube_vgpu.extender.scheduler import BindError, PreparedBind, Scheduler
+from kube_vgpu.extender.scheduler import BindError, Scheduler
 from kube_vgpu.extender.state import ClusterState
 from kube_vgpu.protocol import InvalidGpuRequest
 
@@ -184,45 +184,58 @@ class ExtenderApp(FastAPI):
         await send({"type": "http.response.body", "body": body})
 
 
-def create_app(scheduler: Scheduler, *, on_startup: Callable[[], None] | None = None) -> ExtenderApp:
-    state = scheduler.state
+@dataclass(slots=True)
+class ExtenderMetrics:
+    """The extender's own Prometheus metrics, on a registry of its own (plus the GPU and gate collectors)."""
+
+    registry: CollectorRegistry
+    latency: Histogram
+    rejections: Counter
+    binds: Counter
+    bad_requests: Counter
+    rejection_children: dict[str, Any] = field(default_factory=dict)
+
+    def count_rejection(self, code: str) -> None:
+        child = self.rejection_children.get(code)
+        if child is None:
+            child = self.rejection_children[code] = self.rejections.labels(code)
+        child.inc()
+
+
+def extender_metrics(scheduler: Scheduler) -> ExtenderMetrics:
     registry = CollectorRegistry()
-    latency = Histogram(
-        "kube_vgpu_extender_request_seconds",
-        "extender verb latency",
-        ["verb"],
-        buckets=LATENCY_BUCKETS_S,
+    metrics = ExtenderMetrics(
         registry=registry,
+        latency=Histogram("kube_vgpu_extender_request_seconds", "extender verb latency", ["verb"],
+                          buckets=LATENCY_BUCKETS_S, registry=registry),
+        rejections=Counter("kube_vgpu_extender_rejections_total", "nodes rejected by filter, by reason", ["reason"],
+                           registry=registry),
+        binds=Counter("kube_vgpu_extender_binds_total", "bind calls by outcome", ["outcome"], registry=registry),
+        bad_requests=Counter("kube_vgpu_extender_bad_requests_total", "malformed requests", ["verb"],
+                             registry=registry),
     )
-    rejections = Counter(
-        "kube_vgpu_extender_rejections_total", "nodes rejected by filter, by reason", ["reason"], registry=registry
-    )
-    binds = Counter("kube_vgpu_extender_binds_total", "bind calls by outcome", ["outcome"], registry=registry)
-    bad_requests = Counter("kube_vgpu_extender_bad_requests_total", "malformed requests", ["verb"], registry=registry)
-    registry.register(GpuCollector(state))
-    for gate in scheduler.gates:  # gates may publish their own gauges (the quota gate: issue 6)
+    registry.register(GpuCollector(scheduler.state))
+    for gate in scheduler.gates:  # gates may publish their own gauges (the quota gate)
         gate_collector = gate.collector()
         if gate_collector is not None:
             registry.register(gate_collector)
-    rejection_children: dict[str, Any] = {}
+    scheduler.on_rejection = metrics.count_rejection
+    return metrics
 
-    def count_rejection(code: str) -> None:
-        child = rejection_children.get(code)
-        if child is None:
-            child = rejection_children[code] = rejections.labels(code)
-        child.inc()
 
-    scheduler.on_rejection = count_rejection
+class Verbs:
+    """kube-scheduler's three extender verbs: a decoded ExtenderArgs / ExtenderBindingArgs in, the reply out."""
 
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        if on_startup is not None:
-            on_startup()  # live mode: start the watches once the server is up
-        yield
+    def __init__(self, scheduler: Scheduler, metrics: ExtenderMetrics) -> None:
+        self.scheduler = scheduler
+        self.metrics = metrics
 
-    def filter_verb(doc: Any) -> Any:
+    def routes(self) -> dict[str, Verb]:
+        return {"/filter": self.filter, "/prioritize": self.prioritize, "/bind": self.bind}
+
+    def filter(self, doc: Any) -> Any:
         pod, names, node_objects = _extender_args(doc)
-        outcome = scheduler.filter(pod, names)
+        outcome = self.scheduler.filter(pod, names)
         result: dict[str, Any] = {
             "FailedNodes": outcome.failed,
             "FailedAndUnresolvableNodes": outcome.unresolvable,
@@ -237,43 +250,19 @@ def create_app(scheduler: Scheduler, *, on_startup: Callable[[], None] | None = 
             result["Nodes"] = {"items": [n for n in node_objects if (n.get("metadata") or {}).get("name") in passed]}
         return result
 
-    def prioritize_verb(doc: Any) -> Any:
+    def prioritize(self, doc: Any) -> Any:
         pod, names, _ = _extender_args(doc)
         try:
-            scores = scheduler.prioritize(pod, names)
+            scores = self.scheduler.prioritize(pod, names)
         except InvalidGpuRequest:
             scores = [(name, 0) for name in names]
         # kube-scheduler adds nothing for a node missing from the list, exactly as for a 0: leave those out (in a
         # burst onto an empty cluster that is nearly every node, and the reply shrinks from 500 entries to a few)
         return [{"Host": name, "Score": score} for name, score in scores if score]
 
-    # A bind is decided and reserved as soon as it arrives (the next pods' filter sees it), then waits for its
-    # node's turn (Scheduler.request_turn) here, in the event loop, rather than in a worker thread.
-    async def commit_in_turn(prepared: PreparedBind) -> None:
-        loop = asyncio.get_running_loop()
-        turn: asyncio.Future[None] = loop.create_future()
-
-        def grant() -> None:
-            if not turn.done():
-                turn.set_result(None)
-
-        def wake() -> None:  # called under the scheduler's lock, from whichever thread finished a turn
-            loop.call_soon_threadsafe(grant)
-
-        if not scheduler.request_turn(prepared, wake):
-            try:
-                await turn
-            except BaseException:  # cancelled while waiting (shutdown): give the reservation back
-                if not scheduler.withdraw_turn(prepared, wake):
-                    scheduler.finish_turn(prepared)  # granted meanwhile: pass it on
-                scheduler.abandon_bind(prepared)
-                raise
-        try:
-            await run_in_threadpool(scheduler.commit_bind, prepared)
-        finally:
-            scheduler.finish_turn(prepared)
-
-    async def bind_verb(doc: Any) -> Any:
+    @staticmethod
+    def _binding_args(doc: Any) -> tuple[str, str, str, str]:
+        """(namespace, name, uid, node) of an ExtenderBindingArgs; BadRequest names what is missing."""
         if not isinstance(doc, dict):
             raise BadRequest("ExtenderBindingArgs must be a JSON object")
         fields: dict[str, str] = {}
@@ -286,27 +275,31 @@ def create_app(scheduler: Scheduler, *, on_startup: Callable[[], None] | None = 
                 missing.append(key)
         if missing:
             raise BadRequest(f"ExtenderBindingArgs is missing {', '.join(missing)}")
-        args = (fields["PodNamespace"], fields["PodName"], fields["PodUID"], fields["Node"])
+        return fields["PodNamespace"], fields["PodName"], fields["PodUID"], fields["Node"]
+
+    async def bind(self, doc: Any) -> Any:
+        args = self._binding_args(doc)
+        scheduler = self.scheduler
         try:
-            pod = scheduler.recent_pod(fields["PodUID"])
+            pod = scheduler.recent_pod(args[2])
             if pod is not None:
                 prepared = scheduler.prepare_bind(*args, pod)  # no I/O: decide here, without a thread hop
             else:
                 prepared = await run_in_threadpool(scheduler.prepare_bind, *args)  # reads the pod from the API
             if prepared is not None:
-                await commit_in_turn(prepared)
-            binds.labels("success").inc()
+                # decided and reserved at once (the next pods' filter sees it), then written in the node's turn,
+                # waited for in the event loop (extender/binding.py)
+                await scheduler.ordering.commit_async(scheduler, prepared)
+            self.metrics.binds.labels("success").inc()
             return {"Error": ""}
         except BindError as exc:
-            binds.labels("failure").inc()
+            self.metrics.binds.labels("failure").inc()
             return {"Error": str(exc)}
 
-    app = ExtenderApp(title="kube-vgpu extender", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
-    app.state.scheduler = scheduler
-    app.state.registry = registry
-    app.verbs = {"/filter": filter_verb, "/prioritize": prioritize_verb, "/bind": bind_verb}
-    app.verb_latency = latency
-    app.bad_requests = bad_requests
+
+def add_views(app: FastAPI, scheduler: Scheduler, registry: CollectorRegistry) -> None:
+    """Probes, metrics and the debug views: served by FastAPI (not on kube-scheduler's hot path)."""
+    state = scheduler.state
 
     @app.get("/healthz")
     async def healthz() -> Response:
@@ -329,13 +322,30 @@ def create_app(scheduler: Scheduler, *, on_startup: Callable[[], None] | None = 
 
     @app.get("/quota")
     async def quota_view() -> Response:
-        """Per ClusterQueue and flavor: nominal, borrowed, lent, used, pending pods (issue 6)."""
+        """Per ClusterQueue and flavor: nominal, borrowed, lent, used, pending pods."""
         for gate in scheduler.gates:
             view = await run_in_threadpool(gate.snapshot)
             if view is not None:
                 return _json(view)
         return _json({"Error": "no quota gate: start the extender with --quota-config or in live mode"}, 404)
 
+
+def create_app(scheduler: Scheduler, *, on_startup: Callable[[], None] | None = None) -> ExtenderApp:
+    metrics = extender_metrics(scheduler)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if on_startup is not None:
+            on_startup()  # live mode: start the watches once the server is up
+        yield
+
+    app = ExtenderApp(title="kube-vgpu extender", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.scheduler = scheduler
+    app.state.registry = metrics.registry
+    app.verbs = Verbs(scheduler, metrics).routes()
+    app.verb_latency = metrics.latency
+    app.bad_requests = metrics.bad_requests
+    add_views(app, scheduler, metrics.registry)
     return app
 
 

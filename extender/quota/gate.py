@@ -363,7 +363,8 @@ class QuotaGate:
         cache = self._decision = DecisionCache(pod, self._version, result)
         return cache
 
-    def _decide_uncached(self, pod: Mapping[str, Any], uid: str) -> Admission | Refusal | None:
+    # complexity: Kueue's resolution steps (queue, local queue, stop policy, flavors) in their order
+    def _decide_uncached(self, pod: Mapping[str, Any], uid: str) -> Admission | Refusal | None:  # noqa: C901
         if not self.synced:
             return Refusal("quota: Kueue objects have not been listed from the cluster yet", waiting=False)
         if self.config.empty:

@@ -336,7 +336,8 @@ def parse_tolerations(value: Any, where: str) -> tuple[Toleration, ...]:
     return tuple(result)
 
 
-def _parse_resource_groups(
+# complexity: one check per field of Kueue's resourceGroups schema, each with its own message
+def _parse_resource_groups(  # noqa: C901
     value: Any, where: str, *, has_parent: bool, parent_word: str, limit_lending_to_nominal: bool
 ) -> tuple[ResourceGroup, ...]:
     groups = []

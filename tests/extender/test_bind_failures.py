@@ -173,12 +173,12 @@ def test_a_waiting_bind_is_reserved_at_once_so_filter_sees_it() -> None:
     outcome = scheduler.filter(cluster.pods[("default", third["name"])], ["n1"])
     assert outcome.passed == [] and "n1" in outcome.failed  # 3000 MiB left: not enough for the third pod
     turn = threading.Event()
-    assert not scheduler.request_turn(prepared, turn.set)  # another assignment is being written: wait
+    assert not scheduler.ordering.request_turn(prepared, turn.set)  # another assignment is being written: wait
     cluster.gate.set()
     writer.join(10)
     assert turn.wait(10)  # the first bind's end handed the turn on
     scheduler.commit_bind(prepared)
-    scheduler.finish_turn(prepared)
+    scheduler.ordering.finish_turn(prepared)
     assert cluster.order == [first["name"], second["name"]]
     annotations = [cluster.pods[("default", m["name"])]["metadata"]["annotations"] for m in (first, second)]
     bind_times = [protocol.parse_bind_time(a[protocol.POD_BIND_TIME_ANNOTATION]) for a in annotations]
@@ -229,7 +229,7 @@ def test_binds_to_one_node_overlap_only_with_identical_assignments() -> None:
     assert len(cluster.overlaps) == len(metas)
     assert all(len(set(seen)) == 1 for seen in cluster.overlaps)  # never two different assignments at once
     assert max(len(seen) for seen in cluster.overlaps) > 1  # identical ones did overlap
-    assert not scheduler._turns and not scheduler._binding  # nothing left behind
+    assert not scheduler.ordering.busy_nodes() and not scheduler._binding  # nothing left behind
     gpus = state.nodes["n1"].gpus
     assert sum(g.used_memory_mib for g in gpus) == 12 * 4096 + 6 * 8192
     assert all(g.used_cores <= g.cores for g in gpus)

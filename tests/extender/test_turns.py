@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kube_vgpu.extender.turns import NodeTurns
+from kube_vgpu.extender.binding import NodeTurns
 
 
 class Binds:

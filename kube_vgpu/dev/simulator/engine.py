@@ -90,7 +90,8 @@ class RunResult:
 ProgressFn = Callable[[int], None]
 
 
-def simulate(
+# complexity: the simulator's event loop, inlined on purpose (one experiment in seconds)
+def simulate(  # noqa: C901
     node_specs: Sequence[NodeSpec],
     arrivals: Sequence[Task],
     policy: Policy,
