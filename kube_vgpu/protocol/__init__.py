@@ -234,7 +234,8 @@ def _require(doc: Mapping[str, Any], key: str, kind: type | tuple[type, ...], wh
     return value
 
 
-def decode_inventory(text: str) -> NodeInventory:  # noqa: C901 (one check per inventory field, each with its own ProtocolError message)
+# complexity: one check per inventory field, each with its own ProtocolError message
+def decode_inventory(text: str) -> NodeInventory:  # noqa: C901
     """Parse the node inventory annotation; raises ProtocolError (and nothing else) naming the bad field.
 
     Beyond the types: GPU indexes in [0, MAX_GPUS_PER_NODE), UUIDs non-empty and unique, and every link's peer
