@@ -40,13 +40,12 @@ from typing import Any
 import orjson
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from kube_vgpu import protocol
+from kube_vgpu.dev.devcluster.cluster import ClusterOptions, DevCluster, NodeGroup, up
+from kube_vgpu.dev.devcluster.processes import ProcessRecord
+from kube_vgpu.dev.devcluster.workload import delete_pods, ensure_namespace, gpu_pod, wait_until_gone
 
-from kube_vgpu import protocol  # noqa: E402
-from kube_vgpu.dev.devcluster.cluster import ClusterOptions, DevCluster, NodeGroup, up  # noqa: E402
-from kube_vgpu.dev.devcluster.processes import ProcessRecord  # noqa: E402
-from kube_vgpu.dev.devcluster.workload import delete_pods, ensure_namespace, gpu_pod, wait_until_gone  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 NAMESPACE = "bench"
 REFERENCE = {"go_extender_pods_per_s": 111.0, "bare_pods_per_s": 991.0, "nodes": 500}

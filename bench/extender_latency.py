@@ -25,18 +25,17 @@ from typing import Any
 import httpx
 import orjson
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from kube_vgpu import protocol
+from kube_vgpu.dev.fixtures import gpu_pod_object, node_object, synth_inventory
+from kube_vgpu.dev.fixtures import scheduled_pod as make_pod
+from kube_vgpu.extender.engine.fit import place
+from kube_vgpu.extender.engine.model import NodeState, Placement, PlacementRequest, assignment_from_placement
+from kube_vgpu.extender.engine.policies import make_policy
+from kube_vgpu.extender.scheduler import Scheduler
+from kube_vgpu.extender.sources.snapshot import SnapshotCluster
+from kube_vgpu.extender.state import ClusterState
 
-from kube_vgpu import protocol  # noqa: E402
-from kube_vgpu.dev.synth import gpu_pod_object, node_object, synth_inventory  # noqa: E402
-from kube_vgpu.extender.engine.fit import place  # noqa: E402
-from kube_vgpu.extender.engine.model import NodeState, Placement, PlacementRequest, assignment_from_placement  # noqa: E402
-from kube_vgpu.extender.engine.policies import make_policy  # noqa: E402
-from kube_vgpu.extender.scheduler import Scheduler  # noqa: E402
-from kube_vgpu.extender.sources.snapshot import SnapshotCluster  # noqa: E402
-from kube_vgpu.extender.state import ClusterState  # noqa: E402
-from tests.helpers import pod as make_pod  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 GPU_MEMORY_MIB = 81920
 

@@ -18,11 +18,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from kube_vgpu.dev.simulator.plot import plot_curves
+from kube_vgpu.dev.simulator.runner import Job, PolicySummary, run_jobs, summarise
 
-from kube_vgpu.dev.simulator.plot import plot_curves  # noqa: E402
-from kube_vgpu.dev.simulator.runner import Job, PolicySummary, run_jobs, summarise  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 TRACES = ("default", "cpu100", "gpushare40", "gpuspec20", "multigpu30")
 REFERENCE = ("random", "dotprod", "clustering", "packing", "bestfit", "fgd")

@@ -30,12 +30,11 @@ from typing import Any
 
 import orjson
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from kube_vgpu.dev.fixtures.admission import admission_review, container, gpu_container, pod
+from kube_vgpu.webhook.config import WebhookConfig
+from kube_vgpu.webhook.mutate import Result, review
 
-from kube_vgpu.webhook.config import WebhookConfig  # noqa: E402
-from kube_vgpu.webhook.mutate import Result, review  # noqa: E402
-from tests.webhook.builders import admission_review, container, gpu_container, pod  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 TARGET_P99_MS = 5.0
 STARTUP_TIMEOUT_S = 60.0

@@ -36,7 +36,7 @@ class PluginConfig:
     node_name: str
     kubelet_dir: str = DEFAULT_KUBELET_DIR
     socket_name: str = DEFAULT_SOCKET_NAME
-    sharing_count: int = protocol.DEFAULT_MAX_SHARES
+    sharing_count: int = protocol.DEFAULT_MAX_VGPUS_PER_GPU
     heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS
     #: how often kubelet's sockets are checked (restart detection) and registration retried
     kubelet_poll_seconds: float = 1.0

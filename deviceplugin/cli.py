@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sharing-count",
         type=int,
-        default=protocol.DEFAULT_MAX_SHARES,
+        default=protocol.DEFAULT_MAX_VGPUS_PER_GPU,
         help="vGPUs each physical GPU may be split into (device IDs advertised per GPU)",
     )
     parser.add_argument(

@@ -79,7 +79,7 @@ class _Notes:
 def discover(
     nvml: Nvml,
     *,
-    sharing_count: int = protocol.DEFAULT_MAX_SHARES,
+    sharing_count: int = protocol.DEFAULT_MAX_VGPUS_PER_GPU,
     sysfs_root: Path = Path("/sys"),
 ) -> Discovery:
     """Initialise NVML (left initialised for the health monitor) and describe every GPU."""
@@ -132,7 +132,7 @@ def discover(
                 index=gpu.index,
                 model=gpu.model,
                 memory_mib=gpu.memory_mib,
-                max_shares=sharing_count,
+                max_vgpus=sharing_count,
                 numa_node=gpu.numa_node,
                 pci_bus_id=gpu.bus_id,
                 healthy=not gpu.lost,

@@ -2,8 +2,8 @@
 
 `PodSource` (pods on this node: list, guarded annotation patch, events) is what Allocate and the foreign-pod
 scan need; `NodeClient` (read the node, patch its annotations and labels) is what the publisher needs.
-`KubeClient` implements both with the official kubernetes client; `deviceplugin.memory.InMemoryCluster`
-implements both in memory (tests, and the dev cluster's simulated nodes). Objects travel as plain JSON dicts,
+`KubeClient` implements both with the official kubernetes client; `InMemoryCluster`
+(kube_vgpu/dev/fixtures/inmemory_api.py) implements both in memory, for tests. Objects travel as plain JSON dicts,
 exactly as the API server sends them.
 """
 

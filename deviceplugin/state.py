@@ -137,5 +137,5 @@ class DeviceState:
             AdvertisedDevice(device_id(gpu.uuid, replica), gpu.uuid, gpu.uuid not in unhealthy, gpu.numa_node)
             for gpu in self._base.gpus
             if not gpu.mig_mode
-            for replica in range(gpu.max_shares)
+            for replica in range(gpu.max_vgpus)
         ]

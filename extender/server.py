@@ -71,7 +71,7 @@ class GpuCollector(Collector):
                     families["memory_used"].add_metric(values, gpu.used_memory_mib)
                     families["cores_total"].add_metric(values, gpu.cores)
                     families["cores_used"].add_metric(values, gpu.used_cores)
-                    families["shares_used"].add_metric(values, gpu.used_shares)
+                    families["shares_used"].add_metric(values, gpu.used_vgpus)
                     families["healthy"].add_metric(values, 1 if gpu.healthy else 0)
             nodes = GaugeMetricFamily("kube_vgpu_nodes", "GPU nodes known to the extender")
             nodes.add_metric([], len(self.state.nodes))

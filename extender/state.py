@@ -469,8 +469,8 @@ class ClusterState:
                                 "usedMemoryMiB": gpu.used_memory_mib,
                                 "cores": gpu.cores,
                                 "usedCores": gpu.used_cores,
-                                "maxShares": gpu.max_shares,
-                                "usedShares": gpu.used_shares,
+                                "maxShares": gpu.max_vgpus,
+                                "usedShares": gpu.used_vgpus,
                                 "exclusive": gpu.exclusive_holders > 0,
                             }
                             for gpu in node.gpus

@@ -45,7 +45,7 @@ def fitting_gpus(
     found = []
     s_memory = scratch.memory_mib
     s_cores = scratch.cores
-    s_shares = scratch.shares
+    s_vgpus = scratch.vgpus
     s_exclusive = scratch.exclusive
     for gpu in node.gpus:
         if not gpu.healthy or gpu.mig_mode or gpu.exclusive_holders:
@@ -55,8 +55,8 @@ def fitting_gpus(
             continue
         if not plain and not gpu_eligible(gpu, selectors, request.gpu_spec):
             continue
-        shares = gpu.used_shares + s_shares[position]
-        if shares >= gpu.max_shares:
+        shares = gpu.used_vgpus + s_vgpus[position]
+        if shares >= gpu.max_vgpus:
             continue
         need_memory = fixed_memory if fixed_memory is not None else container.memory_on(gpu.memory_mib)
         if gpu.used_memory_mib + s_memory[position] + need_memory > gpu.memory_mib:
@@ -106,7 +106,7 @@ def _place_container(
         cores = gpu.cores if container.cores >= gpu.cores else container.cores
         scratch.memory_mib[position] += memory
         scratch.cores[position] += cores
-        scratch.shares[position] += 1
+        scratch.vgpus[position] += 1
         if container.cores >= gpu.cores:
             scratch.exclusive[position] = True
         devices.append((position, memory, cores))
@@ -163,9 +163,9 @@ def place(
     else:
         # the usual pod, one moment: its scratch is what peak_usage would return, without rebuilding it (hot path)
         usage = tuple(
-            GpuUsage(p, running.memory_mib[p], running.cores[p], running.shares[p], running.exclusive[p])
+            GpuUsage(p, running.memory_mib[p], running.cores[p], running.vgpus[p], running.exclusive[p])
             for p in range(size)
-            if running.shares[p]
+            if running.vgpus[p]
         )
     unscored = Placement(node.name, tuple(placed), usage)
     return Placement(node.name, unscored.containers, usage, node_policy.score(node, request, unscored))
@@ -222,8 +222,8 @@ def explain_failure(
         )
     exclusive = container.cores >= max(g.cores for g in usable)
     open_gpus = [g for g in usable if not g.exclusive_holders and not scratch.exclusive[g.position]]
-    with_shares = [g for g in open_gpus if g.used_shares + scratch.shares[g.position] < g.max_shares]
-    free_memory = [g.free_memory_mib - scratch.memory_mib[g.position] for g in with_shares]
+    with_free_slot = [g for g in open_gpus if g.used_vgpus + scratch.vgpus[g.position] < g.max_vgpus]
+    free_memory = [g.free_memory_mib - scratch.memory_mib[g.position] for g in with_free_slot]
     largest_free = max(free_memory, default=0)
     if len(open_gpus) < count:
         external = sum(1 for g in usable if node.inventory_external.get(g.uuid))
@@ -237,18 +237,18 @@ def explain_failure(
             f"{prefix}needs {count} {plural}, {len(usable) - len(open_gpus)} of {len(usable)} held exclusively",
             code="exclusive",
         )
-    if len(with_shares) < count:
+    if len(with_free_slot) < count:
         return FitFailure(
-            f"{prefix}needs {count} {plural} with a vGPU slot left, {len(with_shares)} have one", code="shares"
+            f"{prefix}needs {count} {plural} with a vGPU slot left, {len(with_free_slot)} have one", code="shares"
         )
     if exclusive:
-        idle = sum(1 for g in with_shares if g.used_shares + scratch.shares[g.position] == 0)
+        idle = sum(1 for g in with_free_slot if g.used_vgpus + scratch.vgpus[g.position] == 0)
         return FitFailure(
             f"{prefix}needs {count} idle {plural} for exclusive use (gpucores 100), {idle} idle", code="exclusive"
         )
     memory_ok = [
         g
-        for g in with_shares
+        for g in with_free_slot
         if g.free_memory_mib - scratch.memory_mib[g.position] >= container.memory_on(g.memory_mib)
     ]
     if len(memory_ok) < count:

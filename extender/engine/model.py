@@ -46,7 +46,7 @@ class GpuState:
         "exclusive_holders",
         "healthy",
         "index",
-        "max_shares",
+        "max_vgpus",
         "memory_mib",
         "mig_mode",
         "model",
@@ -55,7 +55,7 @@ class GpuState:
         "position",
         "used_cores",
         "used_memory_mib",
-        "used_shares",
+        "used_vgpus",
         "uuid",
     )
 
@@ -67,13 +67,13 @@ class GpuState:
         self.model_lower = info.model.lower()
         self.memory_mib = info.memory_mib
         self.cores = info.cores
-        self.max_shares = info.max_shares
+        self.max_vgpus = info.max_vgpus
         self.numa_node = info.numa_node
         self.healthy = info.healthy
         self.mig_mode = info.mig_mode
         self.used_memory_mib = 0
         self.used_cores = 0
-        self.used_shares = 0
+        self.used_vgpus = 0
         # pods that reached the GPU without kube-vgpu (reported by the device plugin) hold it entirely
         self.exclusive_holders = 1 if info.external_pods else 0
 
@@ -87,7 +87,7 @@ class GpuState:
 
     @property
     def free_shares(self) -> int:
-        return self.max_shares - self.used_shares
+        return self.max_vgpus - self.used_vgpus
 
     @property
     def schedulable(self) -> bool:
@@ -96,7 +96,7 @@ class GpuState:
 
     @property
     def idle(self) -> bool:
-        return self.used_shares == 0
+        return self.used_vgpus == 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +106,7 @@ class GpuUsage:
     position: int
     memory_mib: int
     cores: int
-    shares: int
+    vgpus: int  # vGPU slots taken (one per vGPU; inventory key maxShares bounds them)
     exclusive: bool
 
 
@@ -311,7 +311,7 @@ class NodeState:
             gpu = gpus[item.position]
             gpu.used_memory_mib += sign * item.memory_mib
             gpu.used_cores += sign * item.cores
-            gpu.used_shares += sign * item.shares
+            gpu.used_vgpus += sign * item.vgpus
             if item.exclusive:
                 gpu.exclusive_holders += sign
         kind = usage_kind(usage)

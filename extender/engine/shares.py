@@ -41,14 +41,14 @@ def free_share_milli(
     gpu: GpuState,
     extra_memory_mib: int = 0,
     extra_cores: int = 0,
-    extra_shares: int = 0,
+    extra_vgpus: int = 0,
     extra_exclusive: bool = False,
 ) -> int:
     """Free milli-GPU of one GPU, with `extra_*` usage (scratch of the pod being placed) added to what it holds."""
     # hot (every GPU of every node a fragmentation policy scores): inlined arithmetic, no helper calls
     if extra_exclusive or gpu.exclusive_holders or not gpu.healthy or gpu.mig_mode:
         return 0
-    if gpu.used_shares + extra_shares >= gpu.max_shares:
+    if gpu.used_vgpus + extra_vgpus >= gpu.max_vgpus:
         return 0
     cores = gpu.cores
     share = cores - gpu.used_cores - extra_cores

@@ -68,7 +68,7 @@ ENV_CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 #: Compute units of one physical GPU (gpucores are percent of one GPU).
 CORES_PER_GPU = 100
 #: Default number of vGPUs one physical GPU may be split into.
-DEFAULT_MAX_SHARES = 10
+DEFAULT_MAX_VGPUS_PER_GPU = 10
 
 INVENTORY_SCHEMA_VERSION = 1
 ASSIGNMENT_SCHEMA_VERSION = 1
@@ -152,7 +152,7 @@ class GpuInfo:
     model: str
     memory_mib: int
     cores: int = CORES_PER_GPU
-    max_shares: int = DEFAULT_MAX_SHARES
+    max_vgpus: int = DEFAULT_MAX_VGPUS_PER_GPU
     numa_node: int | None = None
     pci_bus_id: str = ""
     healthy: bool = True
@@ -210,7 +210,7 @@ def encode_inventory(inventory: NodeInventory) -> str:
                 "model": gpu.model,
                 "memoryMiB": gpu.memory_mib,
                 "cores": gpu.cores,
-                "maxShares": gpu.max_shares,
+                "maxShares": gpu.max_vgpus,
                 "numa": gpu.numa_node,
                 "pciBusId": gpu.pci_bus_id,
                 "healthy": gpu.healthy,
@@ -300,8 +300,8 @@ def decode_inventory(text: str) -> NodeInventory:  # noqa: C901
         seen_uuids.add(uuid)
         memory_mib = _require(raw, "memoryMiB", int, where)
         cores = _require(raw, "cores", int, where)
-        max_shares = _require(raw, "maxShares", int, where)
-        if memory_mib <= 0 or cores <= 0 or max_shares <= 0:
+        max_vgpus = _require(raw, "maxShares", int, where)
+        if memory_mib <= 0 or cores <= 0 or max_vgpus <= 0:
             raise ProtocolError(f"{where}: memoryMiB, cores and maxShares must be positive")
         gpus.append(
             GpuInfo(
@@ -310,7 +310,7 @@ def decode_inventory(text: str) -> NodeInventory:  # noqa: C901
                 model=_require(raw, "model", str, where),
                 memory_mib=memory_mib,
                 cores=cores,
-                max_shares=max_shares,
+                max_vgpus=max_vgpus,
                 numa_node=numa,
                 pci_bus_id=_require(raw, "pciBusId", str, where),
                 healthy=_require(raw, "healthy", bool, where),

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from kube_vgpu import protocol
+from kube_vgpu.dev.fixtures import gpu_limits
 
 NODE = "gpu-node-a"
 _uids = itertools.count(1)
@@ -35,13 +36,7 @@ def bind_time(seconds: float) -> str:
 
 
 def container(name: str, gpus: int | None, memory_mib: int | None = None, percent: int | None = None) -> dict[str, Any]:
-    limits: dict[str, str] = {"cpu": "1"}
-    if gpus is not None:
-        limits[protocol.RESOURCE_GPU] = str(gpus)
-    if memory_mib is not None:
-        limits[protocol.RESOURCE_GPU_MEMORY] = str(memory_mib)
-    if percent is not None:
-        limits[protocol.RESOURCE_GPU_MEMORY_PERCENTAGE] = str(percent)
+    limits = {"cpu": "1", **gpu_limits(gpus=gpus, memory_mib=memory_mib, memory_percent=percent)}
     return {"name": name, "image": "busybox", "resources": {"limits": limits, "requests": dict(limits)}}
 
 

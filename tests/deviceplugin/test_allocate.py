@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kube_vgpu import protocol
+from kube_vgpu.dev.fixtures.inmemory_api import InMemoryCluster
 from kube_vgpu.deviceplugin.allocate import (
     DEVICE_LIST_CDI,
     DEVICE_LIST_VOLUME_MOUNTS,
@@ -16,7 +17,6 @@ from kube_vgpu.deviceplugin.allocate import (
     DeliveryConfig,
 )
 from kube_vgpu.deviceplugin.discovery import discover
-from kube_vgpu.deviceplugin.memory import InMemoryCluster
 from kube_vgpu.deviceplugin.nvml import open_nvml
 from kube_vgpu.deviceplugin.state import DeviceState, device_id
 from tests.deviceplugin.builders import NODE, allocation_of, container, gpu_pod

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kube_vgpu import protocol
-from kube_vgpu.dev.synth import synth_inventory, synth_uuid
+from kube_vgpu.dev.fixtures import synth_inventory, synth_uuid
 from kube_vgpu.deviceplugin.discovery import discover
 from kube_vgpu.deviceplugin.fakenvml import FakeGpu, FakeHardware, FakeNvml, layout_hardware
 from kube_vgpu.deviceplugin.nvml import Nvml, open_nvml
@@ -82,7 +82,7 @@ def test_dgx_h100_8_nvswitch() -> None:
     """)
     assert nvlink_matrix(inventory) == [["." if a == b else "18*" for b in range(8)] for a in range(8)]
     assert [g.numa_node for g in inventory.gpus] == [0, 0, 0, 0, 1, 1, 1, 1]
-    assert {(g.model, g.memory_mib, g.max_shares, g.healthy, g.mig_mode) for g in inventory.gpus} == {
+    assert {(g.model, g.memory_mib, g.max_vgpus, g.healthy, g.mig_mode) for g in inventory.gpus} == {
         ("NVIDIA H100 80GB HBM3", 81559, 7, True, False)
     }
     assert [g.uuid for g in inventory.gpus] == [synth_uuid(NODE, i) for i in range(8)]

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from kube_vgpu import protocol
-from kube_vgpu.dev.synth import synth_inventory
+from kube_vgpu.dev.fixtures import synth_inventory
+from kube_vgpu.dev.fixtures.inmemory_api import InMemoryCluster
 from kube_vgpu.deviceplugin.foreign import EVENT_REASON, ForeignPodMonitor, PodResourcesClient, uuids_in_device_ids
 from kube_vgpu.deviceplugin.kube import ApiUnavailable
-from kube_vgpu.deviceplugin.memory import InMemoryCluster
 from kube_vgpu.deviceplugin.state import DeviceState
 from tests.deviceplugin.builders import NODE, gpu_pod
 from tests.deviceplugin.kubelet import PodResourcesStandIn

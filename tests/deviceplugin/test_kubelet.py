@@ -10,11 +10,11 @@ import grpc
 import pytest
 
 from kube_vgpu import protocol
+from kube_vgpu.dev.fixtures.inmemory_api import InMemoryCluster
 from kube_vgpu.deviceplugin.allocate import DeliveryConfig
 from kube_vgpu.deviceplugin.api import deviceplugin_pb2 as pb
 from kube_vgpu.deviceplugin.app import DevicePluginApp, PluginConfig
 from kube_vgpu.deviceplugin.fakenvml import FakeNvml, load_profile
-from kube_vgpu.deviceplugin.memory import InMemoryCluster
 from kube_vgpu.deviceplugin.nvml import Nvml
 from kube_vgpu.deviceplugin.server import DEFAULT_SOCKET_NAME
 from tests.deviceplugin.builders import NODE, allocation_of, container, gpu_pod, wait_until

@@ -9,9 +9,9 @@ import orjson
 
 from kube_vgpu import protocol
 from kube_vgpu.cli import main as kube_vgpu_main
-from kube_vgpu.dev.synth import node_object, synth_inventory
+from kube_vgpu.dev.fixtures import node_object, synth_inventory
+from kube_vgpu.dev.fixtures.inmemory_api import InMemoryCluster
 from kube_vgpu.deviceplugin.discovery import discover
-from kube_vgpu.deviceplugin.memory import InMemoryCluster
 from kube_vgpu.deviceplugin.nvml import open_nvml
 from kube_vgpu.deviceplugin.publisher import Publisher
 from kube_vgpu.deviceplugin.state import DeviceState

@@ -20,7 +20,7 @@ def assert_no_overcommit(cluster: DevCluster) -> dict[str, GpuUse]:
     over = [use for use in usage.values() if use.overcommitted]
     assert not over, "over-committed GPUs:\n" + "\n".join(
         f"{u.node} {u.uuid}: {u.used_memory_mib}/{u.memory_mib} MiB, {u.used_cores}/{u.cores} cores, "
-        f"{u.shares}/{u.max_shares} vGPUs, pods {u.pods}"
+        f"{u.vgpus}/{u.max_vgpus} vGPUs, pods {u.pods}"
         for u in over
     )
     for pod in pods:

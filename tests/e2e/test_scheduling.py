@@ -20,7 +20,7 @@ from kube_vgpu.dev.devcluster.workload import (
     pod_outcome,
     wait_for_pods,
 )
-from kube_vgpu.dev.synth import synth_uuid
+from kube_vgpu.dev.fixtures import synth_uuid
 from tests.e2e.checks import assert_assignments_match, assert_no_overcommit, links_between, settle
 from tests.e2e.conftest import NodeSet
 
@@ -70,7 +70,7 @@ def test_fractional_pods_share_gpus_without_overcommit(
     assert len(outcome.refused) == 2, outcome.describe()
     usage = assert_no_overcommit(dev_cluster)
     mine = [use for use in usage.values() if use.node in nodes.names]
-    assert sorted(use.shares for use in mine) == [4, 4], [(u.uuid, u.pods) for u in mine]
+    assert sorted(use.vgpus for use in mine) == [4, 4], [(u.uuid, u.pods) for u in mine]
     assert all(use.used_memory_mib == 81920 for use in mine)
     assert_assignments_match(outcome)
     for message in outcome.refused.values():
@@ -203,7 +203,7 @@ def test_extender_crash_in_the_middle_of_a_burst_loses_and_overcommits_nothing(
     assert_assignments_match(outcome)
     usage = assert_no_overcommit(dev_cluster)
     mine = [use for use in usage.values() if use.node in nodes.names]
-    assert sum(use.shares for use in mine) == count
+    assert sum(use.vgpus for use in mine) == count
     assert all(use.used_memory_mib <= use.memory_mib for use in mine)
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from kube_vgpu import protocol
-from kube_vgpu.dev.synth import synth_inventory
+from kube_vgpu.dev.fixtures import synth_inventory
 from kube_vgpu.extender.engine.fit import place
 from kube_vgpu.extender.engine.model import NodeState, Placement, PlacementRequest
 from kube_vgpu.extender.engine.policies import make_policy

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from kube_vgpu import protocol
-from kube_vgpu.dev.synth import synth_inventory
+from kube_vgpu.dev.fixtures import synth_inventory
 from kube_vgpu.extender.engine.fit import place
 from kube_vgpu.extender.engine.model import FitFailure, NodeState, Placement, PlacementRequest
 from kube_vgpu.extender.engine.policies import make_policy
@@ -37,7 +37,7 @@ def node_with(
         )
     node = NodeState("n1", inventory)
     for gpu, (memory, cores, shares) in zip(node.gpus, used or [], strict=False):
-        gpu.used_memory_mib, gpu.used_cores, gpu.used_shares = memory, cores, shares
+        gpu.used_memory_mib, gpu.used_cores, gpu.used_vgpus = memory, cores, shares
         gpu.exclusive_holders = 1 if cores >= 100 else 0
     return node
 
@@ -128,7 +128,7 @@ def test_uuid_selector() -> None:
 
 def test_numa_bind_keeps_vgpus_on_one_numa_node() -> None:
     node = NodeState("n1", synth_inventory("n1", 4, "T4", 16000, "pcie"))  # GPUs 0,1 on NUMA 0; 2,3 on NUMA 1
-    node.gpus[0].used_memory_mib, node.gpus[0].used_shares = 15000, 1
+    node.gpus[0].used_memory_mib, node.gpus[0].used_vgpus = 15000, 1
     result = try_place(node, pod(gpus=2, memory_mib=2000, annotations={protocol.ANNOTATION_NUMA_BIND: "true"}), SPREAD)
     assert isinstance(result, Placement)
     assert {node.gpus[p].numa_node for p, _, _ in result.containers[0].devices} == {1}
@@ -145,7 +145,7 @@ def test_init_container_peak_not_sum() -> None:
     result = try_place(node, pod(memory_mib=10000, init_gpus=1, init_memory_mib=12000))
     assert isinstance(result, Placement)
     (usage,) = result.usage
-    assert usage.memory_mib == 12000 and usage.shares == 1
+    assert usage.memory_mib == 12000 and usage.vgpus == 1
 
 
 def test_exclusive_usage_recorded_with_full_cores() -> None:

@@ -117,8 +117,8 @@ def check_invariants(cluster: SnapshotCluster, state: ClusterState) -> None:
     for node in state.nodes.values():
         for gpu in node.gpus:
             memory, cores, shares = held.get(gpu.uuid, [0, 0, 0])
-            assert memory <= gpu.memory_mib and cores <= gpu.cores and shares <= gpu.max_shares
-            assert (gpu.used_memory_mib, gpu.used_cores, gpu.used_shares) == (memory, cores, shares)
+            assert memory <= gpu.memory_mib and cores <= gpu.cores and shares <= gpu.max_vgpus
+            assert (gpu.used_memory_mib, gpu.used_cores, gpu.used_vgpus) == (memory, cores, shares)
             if gpu.uuid in exclusive:
                 assert holders[gpu.uuid] == 1, "an exclusive GPU is held by another pod too"
 

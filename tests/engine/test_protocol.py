@@ -5,7 +5,7 @@ import re
 import pytest
 
 from kube_vgpu import protocol
-from kube_vgpu.dev.synth import synth_inventory
+from kube_vgpu.dev.fixtures import synth_inventory
 from kube_vgpu.protocol import InvalidGpuRequest, parse_pod_gpu_request
 from tests.helpers import pod
 

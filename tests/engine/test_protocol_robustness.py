@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kube_vgpu import protocol
-from kube_vgpu.dev.synth import TOPOLOGIES, synth_inventory
+from kube_vgpu.dev.fixtures import TOPOLOGIES, synth_inventory
 from kube_vgpu.extender.engine.model import NodeState
 from kube_vgpu.extender.state import usage_from_assignment
 

@@ -57,11 +57,11 @@ def test_request_share(case: str, request_kwargs: dict[str, Any], gpu_memory_mib
         ("idle", {}, 1000),
         ("memory binds: 40% memory, 10% cores used", {"used_memory_mib": 32768, "used_cores": 10}, 600),
         ("cores bind: 10% memory, 70% cores used", {"used_memory_mib": 8192, "used_cores": 70}, 300),
-        ("memory-only pods leave cores but not memory", {"used_memory_mib": 61440, "used_shares": 3}, 250),
+        ("memory-only pods leave cores but not memory", {"used_memory_mib": 61440, "used_vgpus": 3}, 250),
         ("held exclusively", {"exclusive_holders": 1}, 0),
         ("unhealthy", {"healthy": False}, 0),
         ("MIG mode", {"mig_mode": True}, 0),
-        ("every vGPU slot taken", {"used_shares": 10, "used_memory_mib": 100}, 0),
+        ("every vGPU slot taken", {"used_vgpus": 10, "used_memory_mib": 100}, 0),
     ],
 )
 def test_free_share(case: str, gpu_kwargs: dict[str, Any], expected_milli: int) -> None:
@@ -70,7 +70,7 @@ def test_free_share(case: str, gpu_kwargs: dict[str, Any], expected_milli: int) 
 
 def test_openb_gpus_keep_the_reference_milli_numbers() -> None:
     """cores = 1000, no memory asked: shares are the milli-GPU of the FGD paper's simulator, unchanged."""
-    openb = gpu(15109, cores=1000, used_cores=300, used_shares=1)
+    openb = gpu(15109, cores=1000, used_cores=300, used_vgpus=1)
     sharing = ContainerGpuRequest("main", 1, memory_mib=0, cores=250)
     whole = ContainerGpuRequest("main", 2, memory_mib=0, cores=1000)
     assert free_share_milli(openb) == 700
@@ -117,7 +117,7 @@ def test_fragmentation_of_a_memory_only_workload_depends_on_gpu_size() -> None:
 
 
 def real_node(gpus: int = 2, memory_mib: int = 81920, topology: str = "nvswitch") -> NodeState:
-    from kube_vgpu.dev.synth import synth_inventory
+    from kube_vgpu.dev.fixtures import synth_inventory
 
     return NodeState("n", synth_inventory("n", gpus, "A100", memory_mib, topology), cpu_milli_total=64000)
 

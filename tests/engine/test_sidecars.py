@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from kube_vgpu import protocol
-from kube_vgpu.dev.synth import synth_inventory
+from kube_vgpu.dev.fixtures import synth_inventory
 from kube_vgpu.extender.engine.fit import place
 from kube_vgpu.extender.engine.model import (
     FitFailure,

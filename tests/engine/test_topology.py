@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from kube_vgpu import protocol
-from kube_vgpu.dev.synth import synth_inventory
+from kube_vgpu.dev.fixtures import synth_inventory
 from kube_vgpu.extender.engine.fit import place
 from kube_vgpu.extender.engine.model import NodeState, Placement, PlacementRequest
 from kube_vgpu.extender.engine.policies import DEFAULT_GPU_POLICY, DEFAULT_NODE_POLICY, make_policy
@@ -23,7 +23,7 @@ POLICIES = sorted({"topology", "bfgd", DEFAULT_GPU_POLICY})
 def occupy(node: NodeState, *positions: int) -> None:
     for position in positions:
         gpu = node.gpus[position]
-        gpu.used_memory_mib, gpu.used_cores, gpu.used_shares, gpu.exclusive_holders = gpu.memory_mib, 100, 1, 1
+        gpu.used_memory_mib, gpu.used_cores, gpu.used_vgpus, gpu.exclusive_holders = gpu.memory_mib, 100, 1, 1
     node.touch()
 
 

@@ -48,7 +48,7 @@ def test_sidecar_and_app_fill_the_gpu_and_a_third_pod_is_refused() -> None:
     assert scheduler.filter(first, ["n1"]).passed == ["n1"]
     bind(scheduler, first)
     (gpu,) = state.nodes["n1"].gpus
-    assert (gpu.used_memory_mib, gpu.used_shares) == (GPU_MIB, 2)  # both counted, not 40960
+    assert (gpu.used_memory_mib, gpu.used_vgpus) == (GPU_MIB, 2)  # both counted, not 40960
 
     neighbour = pod(memory_mib=HALF_MIB)
     cluster.add_pod(neighbour)
@@ -78,7 +78,7 @@ def test_a_restarted_extender_counts_the_sidecar_from_the_assignment() -> None:
     restarted = ClusterState()  # a new process: only the API objects
     restarted.replace_all([one_gpu_node()], [stored])
     (gpu,) = restarted.nodes["n1"].gpus
-    assert (gpu.used_memory_mib, gpu.used_shares) == (GPU_MIB, 2)
+    assert (gpu.used_memory_mib, gpu.used_vgpus) == (GPU_MIB, 2)
 
 
 # --- over HTTP, as kube-scheduler calls the extender -----------------------------------------------------------

@@ -36,11 +36,11 @@ def test_restart_rebuilds_identical_usage_from_annotations() -> None:
     SnapshotCluster(restarted, objects)
     for name in ("n1", "n2"):
         before = [
-            (g.uuid, g.used_memory_mib, g.used_cores, g.used_shares, g.exclusive_holders)
+            (g.uuid, g.used_memory_mib, g.used_cores, g.used_vgpus, g.exclusive_holders)
             for g in state.nodes[name].gpus
         ]
         after = [
-            (g.uuid, g.used_memory_mib, g.used_cores, g.used_shares, g.exclusive_holders)
+            (g.uuid, g.used_memory_mib, g.used_cores, g.used_vgpus, g.exclusive_holders)
             for g in restarted.nodes[name].gpus
         ]
         assert before == after

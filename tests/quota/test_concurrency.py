@@ -44,7 +44,7 @@ def test_binds_race_for_the_last_quota(nominal: int, vgpus_per_pod: int, winners
     assert results.count(True) == winners
     assert env.used("team-a", "a100") == winners * vgpus_per_pod
     assert len(env.gate.charges) == winners
-    assert sum(g.used_shares for g in env.state.nodes["a100-0"].gpus) == winners * vgpus_per_pod
+    assert sum(g.used_vgpus for g in env.state.nodes["a100-0"].gpus) == winners * vgpus_per_pod
 
 
 def test_two_queues_race_for_a_shared_cohort() -> None:

@@ -44,8 +44,8 @@ def free_milli_list(node: NodeState) -> list[int]:
 def free_with_scratch(node: NodeState, scratch: Scratch) -> list[int]:
     """Free milli-GPU per GPU once the containers already placed in this phase (scratch) are counted."""
     free = free_milli_list(node)
-    s_memory, s_cores, s_shares, s_exclusive = scratch.memory_mib, scratch.cores, scratch.shares, scratch.exclusive
-    for position, shares in enumerate(s_shares):
+    s_memory, s_cores, s_vgpus, s_exclusive = scratch.memory_mib, scratch.cores, scratch.vgpus, scratch.exclusive
+    for position, shares in enumerate(s_vgpus):
         if shares:  # only GPUs this phase already uses differ from the node's own free share
             free[position] = free_share_milli(
                 node.gpus[position], s_memory[position], s_cores[position], shares, s_exclusive[position]
@@ -81,7 +81,7 @@ def usage_milli(node: NodeState, placement: Placement) -> dict[int, int]:
     for usage in placement.usage:
         gpu = gpus[usage.position]
         taken[usage.position] = free_share_milli(gpu) - free_share_milli(
-            gpu, usage.memory_mib, usage.cores, usage.shares, usage.exclusive
+            gpu, usage.memory_mib, usage.cores, usage.vgpus, usage.exclusive
         )
     return taken
 
@@ -92,7 +92,7 @@ def free_after(node: NodeState, placement: Placement) -> list[int]:
     gpus = node.gpus
     for usage in placement.usage:
         free[usage.position] = free_share_milli(
-            gpus[usage.position], usage.memory_mib, usage.cores, usage.shares, usage.exclusive
+            gpus[usage.position], usage.memory_mib, usage.cores, usage.vgpus, usage.exclusive
         )
     return free
 

@@ -21,19 +21,19 @@ class Scratch:
     """Usage added by the containers already placed in the current phase (indexed by GPU position): the pod's own
     containers that run at the same moment, sidecars started earlier included."""
 
-    __slots__ = ("cores", "exclusive", "memory_mib", "shares")
+    __slots__ = ("cores", "exclusive", "memory_mib", "vgpus")
 
     def __init__(self, size: int) -> None:
         self.memory_mib = [0] * size
         self.cores = [0] * size
-        self.shares = [0] * size
+        self.vgpus = [0] * size
         self.exclusive = [False] * size
 
     def copy(self) -> Scratch:
         twin = Scratch(0)
         twin.memory_mib = self.memory_mib[:]
         twin.cores = self.cores[:]
-        twin.shares = self.shares[:]
+        twin.vgpus = self.vgpus[:]
         twin.exclusive = self.exclusive[:]
         return twin
 

@@ -141,7 +141,7 @@ class BalancedFGD(FragPolicyBase):
         if reference_node(node):
             return tied[0]  # the reference: lowest index
         # as policies.topology: a GPU already split first (fullest memory), else the least damaging idle one
-        shared = [gpu for gpu in tied if gpu.used_shares + scratch.shares[gpu.position] > 0]
+        shared = [gpu for gpu in tied if gpu.used_vgpus + scratch.vgpus[gpu.position] > 0]
         if shared:
             return min(shared, key=lambda g: (g.free_memory_mib - scratch.memory_mib[g.position], g.index))
         return least_damaging_gpu(node, tied, scratch)

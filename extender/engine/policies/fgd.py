@@ -106,7 +106,7 @@ class FragPolicyBase(Policy):
         cpu_free, cpu_known = frag_cpu_free_milli(node)
         cpu_after = cpu_free - request.cpu_milli if cpu_known else cpu_free
         before = self.measure(node, cpu_free, cpu_known, free)
-        s_memory, s_cores, s_shares, s_exclusive = scratch.memory_mib, scratch.cores, scratch.shares, scratch.exclusive
+        s_memory, s_cores, s_vgpus, s_exclusive = scratch.memory_mib, scratch.cores, scratch.vgpus, scratch.exclusive
         # GPUs with the same free share before and after lead to the same node state
         by_change: dict[tuple[int, int], int] = {}
         tied: list[GpuState] = []
@@ -119,7 +119,7 @@ class FragPolicyBase(Policy):
                 gpu,
                 s_memory[position] + memory,
                 s_cores[position] + cores,
-                s_shares[position] + 1,
+                s_vgpus[position] + 1,
                 s_exclusive[position] or exclusive,
             )
             score = by_change.get((left, taken))

@@ -27,7 +27,7 @@ class Spread(Policy):
             candidates,
             key=lambda gpu: (
                 -free_memory_after(gpu, container, scratch) / gpu.memory_mib,
-                gpu.used_shares + scratch.shares[gpu.position],
+                gpu.used_vgpus + scratch.vgpus[gpu.position],
                 gpu.index,
             ),
         )

@@ -63,7 +63,7 @@ def least_damaging_gpu(node: NodeState, candidates: Sequence[GpuState], scratch:
     """The candidate whose loss least breaks up well-connected idle GPUs (weakest best link to the other idle
     GPUs, then least total link, then lowest index)."""
     matrix = node.link_matrix
-    idle_positions = [g.position for g in node.gpus if g.schedulable and g.idle and not scratch.shares[g.position]]
+    idle_positions = [g.position for g in node.gpus if g.schedulable and g.idle and not scratch.vgpus[g.position]]
 
     def damage(gpu: GpuState) -> tuple[int, int, int]:
         links = [matrix[gpu.position][p] for p in idle_positions if p != gpu.position]
@@ -114,7 +114,7 @@ class Topology(Policy):
         scratch: Scratch,
     ) -> Sequence[GpuState]:
         if container.count == 1:
-            shared = [g for g in candidates if g.used_shares + scratch.shares[g.position] > 0]
+            shared = [g for g in candidates if g.used_vgpus + scratch.vgpus[g.position] > 0]
             if shared:  # binpack onto GPUs that are already split
                 return [min(shared, key=lambda g: (free_memory_after(g, container, scratch), g.index))]
             return [least_damaging_gpu(node, candidates, scratch)]

@@ -26,7 +26,7 @@ from kube_vgpu.dev.devcluster.cluster import (
     sigterm_as_interrupt,
     up,
 )
-from kube_vgpu.dev.synth import TOPOLOGIES
+from kube_vgpu.dev.fixtures import TOPOLOGIES
 
 
 def _progress(message: str) -> None:

@@ -44,7 +44,7 @@ import yaml
 
 from kube_vgpu.dev.devcluster import pki as pki_module
 from kube_vgpu.dev.devcluster.processes import ProcessRecord, is_running, kill, log_tail, spawn, stop
-from kube_vgpu.dev.synth import node_object, synth_inventory
+from kube_vgpu.dev.fixtures import node_object, synth_inventory
 
 STATE_VERSION = 1
 STATE_FILE = "state.json"

@@ -174,7 +174,7 @@ def render(outcome: Outcome, nodes: list[dict[str, Any]], names: list[str]) -> s
                 _table(["POD", "NODE", "GPU", "MEMORY", "COMPUTE"], placement_rows)]
 
     usage_rows = []
-    busy_nodes = {use.node for use in gpus.values() if use.shares}
+    busy_nodes = {use.node for use in gpus.values() if use.vgpus}
     idle_nodes = sorted({use.node for use in gpus.values()} - busy_nodes)
     for use in sorted(gpus.values(), key=lambda g: (g.node, index_of.get(g.uuid, 0))):
         if use.node not in busy_nodes:
@@ -188,7 +188,7 @@ def render(outcome: Outcome, nodes: list[dict[str, Any]], names: list[str]) -> s
                 use.model,
                 f"{_bar(memory_fraction)} {use.used_memory_mib}/{use.memory_mib} MiB",
                 f"{_bar(use.used_cores / use.cores if use.cores else 0.0)} {use.used_cores}%",
-                str(use.shares),
+                str(use.vgpus),
             ]
         )
     sections += ["", "Per-GPU utilisation (from the pods' kube-vgpu.io/gpu-assignment annotations)",

@@ -15,6 +15,7 @@ from typing import Any
 import orjson
 
 from kube_vgpu import protocol
+from kube_vgpu.dev.fixtures import gpu_limits
 
 #: never pulled (no kubelet runs the pods), but a real image name keeps the objects realistic
 PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
@@ -42,13 +43,7 @@ def gpu_pod(
     containers: int = 1,
 ) -> dict[str, Any]:
     """A GPU pod in HAMi's pod API. scheduler_name None leaves routing to the webhook (as users do)."""
-    limits: dict[str, str] = {protocol.RESOURCE_GPU: str(gpus)}
-    if memory_mib is not None:
-        limits[protocol.RESOURCE_GPU_MEMORY] = str(memory_mib)
-    if memory_percent is not None:
-        limits[protocol.RESOURCE_GPU_MEMORY_PERCENTAGE] = str(memory_percent)
-    if cores is not None:
-        limits[protocol.RESOURCE_GPU_CORES] = str(cores)
+    limits = gpu_limits(gpus=gpus, memory_mib=memory_mib, memory_percent=memory_percent, cores=cores)
     spec: dict[str, Any] = {
         "containers": [
             {
@@ -205,15 +200,15 @@ class GpuUse:
     model: str
     memory_mib: int
     cores: int
-    max_shares: int
+    max_vgpus: int
     used_memory_mib: int = 0
     used_cores: int = 0
-    shares: int = 0
+    vgpus: int = 0
     pods: list[str] = field(default_factory=list)
 
     @property
     def overcommitted(self) -> bool:
-        return self.used_memory_mib > self.memory_mib or self.used_cores > self.cores or self.shares > self.max_shares
+        return self.used_memory_mib > self.memory_mib or self.used_cores > self.cores or self.vgpus > self.max_vgpus
 
 
 def gpu_usage(nodes: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]]) -> dict[str, GpuUse]:
@@ -226,7 +221,7 @@ def gpu_usage(nodes: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, An
         if not text:
             continue
         for gpu in protocol.decode_inventory(text).gpus:
-            gpus[gpu.uuid] = GpuUse(metadata["name"], gpu.uuid, gpu.model, gpu.memory_mib, gpu.cores, gpu.max_shares)
+            gpus[gpu.uuid] = GpuUse(metadata["name"], gpu.uuid, gpu.model, gpu.memory_mib, gpu.cores, gpu.max_vgpus)
     for pod in pods:
         assignment = assignment_of(pod)
         if assignment is None or not (pod.get("spec") or {}).get("nodeName"):
@@ -238,7 +233,7 @@ def gpu_usage(nodes: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, An
                 use = gpus[device.uuid] = GpuUse(assignment.node, device.uuid, "?", 0, 0, 0)
             use.used_memory_mib += device.memory_mib
             use.used_cores += device.cores
-            use.shares += 1
+            use.vgpus += 1
             use.pods.append(label)
     return gpus
 

@@ -30,7 +30,7 @@ from kube_vgpu.protocol import ContainerGpuRequest, GpuInfo, NodeInventory, PodG
 
 #: engine view of an openb GPU: 1000 "cores" = 1000 milli-GPU; memory is not asked by openb tasks
 GPU_CORES = 1000
-GPU_MAX_SHARES = 1000  # never binds: the smallest openb share is several milli-GPU
+GPU_MAX_VGPUS = 1000  # never binds: the smallest openb share is several milli-GPU
 #: nominal memory per model (only reported; openb tasks ask no GPU memory)
 MODEL_MEMORY_MIB = {"T4": 15109, "P100": 16280, "V100M16": 16160, "V100M32": 32510, "A10": 22731}
 DEFAULT_GPU_MEMORY_MIB = 16384
@@ -44,7 +44,7 @@ def build_node(spec: NodeSpec) -> NodeState:
             model=spec.model,
             memory_mib=MODEL_MEMORY_MIB.get(spec.model, DEFAULT_GPU_MEMORY_MIB),
             cores=GPU_CORES,
-            max_shares=GPU_MAX_SHARES,
+            max_vgpus=GPU_MAX_VGPUS,
         )
         for index in range(spec.gpu_count)
     )
@@ -129,7 +129,7 @@ def simulate(  # noqa: C901
             node.cpu_milli_used,
             node.memory_mib_used,
             tuple([g.used_cores for g in gpus]),
-            tuple([g.used_shares for g in gpus]),
+            tuple([g.used_vgpus for g in gpus]),
             tuple([g.used_memory_mib for g in gpus]),
             tuple([g.exclusive_holders for g in gpus]),
             tuple(sorted(node.pod_kinds.items())) if uses_kinds else (),
