@@ -65,6 +65,9 @@ ENV_CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 
 #: Compute units of one physical GPU (gpucores are percent of one GPU).
 CORES_PER_GPU = 100
+#: The most gpumem a vGPU may ask for: 1 TiB, several times the largest GPU made (288 GB). More is a unit mistake
+#: (bytes, or `8Gi`, which reads as 8589934592 MiB) that no node could ever fit, so it is refused, not left Pending.
+MAX_GPU_MEMORY_MIB = 1024 * 1024
 #: Default number of vGPUs one physical GPU may be split into.
 DEFAULT_MAX_SHARES = 10
 
@@ -541,6 +544,8 @@ _INTEGER = re.compile(r"^[0-9]+$")
 _DECIMAL_SUFFIXES = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 _BINARY_SUFFIXES = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
 _QUANTITY = re.compile(r"^([0-9]+)(Ki|Mi|Gi|Ti|k|M|G|T)?$")
+#: Longer quantity text is refused before int() sees it (5000 digits would raise a ValueError of its own).
+_MAX_QUANTITY_TEXT = 64
 
 
 def parse_count_quantity(value: Any, *, what: str) -> int:
@@ -558,6 +563,8 @@ def parse_count_quantity(value: Any, *, what: str) -> int:
             raise InvalidGpuRequest(f"{what} must be a non-negative whole number, got {value}")
         return int(value)
     text = str(value).strip()
+    if len(text) > _MAX_QUANTITY_TEXT:
+        raise InvalidGpuRequest(f"{what} must be a whole number, got {text[:20]!r}... ({len(text)} characters)")
     match = _QUANTITY.match(text)
     if not match:
         if text.startswith("-"):
@@ -585,6 +592,25 @@ def _container_resources(container: Mapping[str, Any]) -> dict[str, Any]:
     return merged
 
 
+def _parse_gpu_memory_mib(value: Any, what: str) -> int:
+    """gpumem counts MiB: a byte unit (`8Gi`) would be read as that many MiB, so it is refused with the number to
+    write instead; so is anything above MAX_GPU_MEMORY_MIB."""
+    text = value.strip() if isinstance(value, str) else ""
+    if text.endswith(tuple(_BINARY_SUFFIXES)) and len(text) <= _MAX_QUANTITY_TEXT:
+        as_bytes = parse_count_quantity(text, what=what)
+        hint = f"; for {text} write {as_bytes // 2**20}" if as_bytes and as_bytes % 2**20 == 0 else ""
+        raise InvalidGpuRequest(f"{what} counts MiB, so it takes no Ki/Mi/Gi/Ti unit, got {text!r}{hint}")
+    memory_mib = parse_count_quantity(value, what=what)
+    if memory_mib <= 0:
+        raise InvalidGpuRequest(f"{what} must be greater than 0 MiB, got {memory_mib}")
+    if memory_mib > MAX_GPU_MEMORY_MIB:
+        raise InvalidGpuRequest(
+            f"{what} must be at most {MAX_GPU_MEMORY_MIB} MiB (more than any GPU has; it counts MiB, not bytes), "
+            f"got {memory_mib}"
+        )
+    return memory_mib
+
+
 def parse_container_request(container: Mapping[str, Any], *, init: bool) -> ContainerGpuRequest | None:
     """The container's GPU request, or None when it asks for no GPU resource."""
     name = str(container.get("name", "?"))
@@ -595,9 +621,7 @@ def parse_container_request(container: Mapping[str, Any], *, init: bool) -> Cont
     count = parse_count_quantity(resources.get(RESOURCE_GPU, 1), what=prefix + RESOURCE_GPU)
     memory_mib = memory_percent = None
     if RESOURCE_GPU_MEMORY in resources:
-        memory_mib = parse_count_quantity(resources[RESOURCE_GPU_MEMORY], what=prefix + RESOURCE_GPU_MEMORY)
-        if memory_mib <= 0:
-            raise InvalidGpuRequest(f"{prefix}{RESOURCE_GPU_MEMORY} must be greater than 0 MiB, got {memory_mib}")
+        memory_mib = _parse_gpu_memory_mib(resources[RESOURCE_GPU_MEMORY], prefix + RESOURCE_GPU_MEMORY)
     if RESOURCE_GPU_MEMORY_PERCENTAGE in resources:
         memory_percent = parse_count_quantity(
             resources[RESOURCE_GPU_MEMORY_PERCENTAGE], what=prefix + RESOURCE_GPU_MEMORY_PERCENTAGE
