@@ -55,13 +55,26 @@ def test_url_registration_for_the_dev_cluster() -> None:
     for needle in ("object.spec.containers.exists", "object.spec.initContainers", "'nvidia.com/gpucores'",
                    "startsWith('kube-vgpu.io/')"):
         assert needle in condition["expression"]
+    # only updates that add, change or remove an internal annotation, from anyone but our own components, reach the
+    # UPDATE webhook: an outage cannot block a label change, a finalizer removal or a scheduling gate (issue 20, 5)
     assert update["matchConditions"] == [
         {
             "name": "not-from-kube-vgpu-components",
             "expression": "!(request.userInfo.username in ["
             "'system:serviceaccount:kube-vgpu:kube-vgpu-device-plugin', "
             "'system:serviceaccount:kube-vgpu:kube-vgpu-extender'])",
-        }
+        },
+        {
+            "name": "changes-internal-annotations",
+            "expression": "(has(object.metadata.annotations) && object.metadata.annotations.exists(k, "
+            "k.startsWith('kube-vgpu.io/') && !(has(oldObject.metadata.annotations) && "
+            "k in oldObject.metadata.annotations && oldObject.metadata.annotations[k] == "
+            "object.metadata.annotations[k]))) || "
+            "(has(oldObject.metadata.annotations) && oldObject.metadata.annotations.exists(k, "
+            "k.startsWith('kube-vgpu.io/') && !(has(object.metadata.annotations) && "
+            "k in object.metadata.annotations && object.metadata.annotations[k] == "
+            "oldObject.metadata.annotations[k])))",
+        },
     ]
 
 
@@ -85,7 +98,7 @@ def test_service_registration_and_options() -> None:
     assert (create["timeoutSeconds"], create["failurePolicy"], update["failurePolicy"]) == (3, "Fail", "Ignore")
     assert update["matchConditions"][0]["expression"] == "!(request.userInfo.username in ['it\\'s-me'])"
     no_trust = mutating_webhook_configuration(PEM, service=ServiceReference(), trusted_usernames=())
-    assert "matchConditions" not in no_trust["webhooks"][1]
+    assert [c["name"] for c in no_trust["webhooks"][1]["matchConditions"]] == ["changes-internal-annotations"]
     assert (
         "caBundle" not in mutating_webhook_configuration(b"", service=ServiceReference())["webhooks"][0]["clientConfig"]
     )
