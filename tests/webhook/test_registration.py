@@ -187,3 +187,22 @@ def test_deployment_is_highly_available_and_its_flags_exist() -> None:
         "capabilities": {"drop": ["ALL"]},
     }
     assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
+
+
+def test_network_policy_admits_only_the_api_server_to_the_webhook_port() -> None:
+    """Issue 20, item 5: pods cannot reach the webhook at all; the API server (not a pod) reaches its port only."""
+    objects = _objects()
+    policy, deployment = objects["NetworkPolicy"], objects["Deployment"]
+    assert policy["metadata"]["namespace"] == deployment["metadata"]["namespace"]
+    assert policy["spec"]["podSelector"] == {"matchLabels": deployment["spec"]["template"]["metadata"]["labels"]}
+    assert policy["spec"]["policyTypes"] == ["Ingress"]  # egress: the webhook makes no calls, left alone
+    (rule,) = policy["spec"]["ingress"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    (port,) = container["ports"]
+    assert rule["ports"] == [{"port": port["name"], "protocol": "TCP"}]
+    # address peers only: no podSelector / namespaceSelector, so no pod is admitted by label, and each peer
+    # excepts the pod network so no pod is admitted by address either
+    assert [sorted(peer) for peer in rule["from"]] == [["ipBlock"], ["ipBlock"]]
+    blocks = {peer["ipBlock"]["cidr"]: peer["ipBlock"]["except"] for peer in rule["from"]}
+    assert set(blocks) == {"0.0.0.0/0", "::/0"}
+    assert all(blocks.values())
