@@ -14,6 +14,7 @@ a JSON description; `layout_hardware` is the synthetic layout `kube-vgpu cluster
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 from collections import deque
@@ -115,11 +116,10 @@ def layout_hardware(
 
 
 def profile_uuid(seed: str, index: int) -> str:
-    """Stable GPU UUID for fake hardware; the same derivation as `cluster synth` so a node's UUIDs do not
-    depend on which tool described it."""
-    from kube_vgpu.dev.synth import synth_uuid
-
-    return synth_uuid(seed, index)
+    """Stable, unique-looking GPU UUID for fake hardware, derived from a seed (the node name) and the index.
+    `cluster synth` uses this same function, so a node's UUIDs do not depend on which tool described it."""
+    digest = hashlib.sha1(f"{seed}/{index}".encode()).hexdigest()
+    return f"GPU-{digest[:8]}-{digest[8:12]}-{digest[12:16]}-{digest[16:20]}-{digest[20:32]}"
 
 
 def _uuids(seed: str, count: int) -> list[str]:

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from cachetools import TTLCache
 
-from kube_vgpu import protocol
+from kube_vgpu import kubeapi, protocol
 from kube_vgpu.extender.engine.fit import place
 from kube_vgpu.extender.engine.model import (
     FitFailure,
@@ -28,8 +28,14 @@ from kube_vgpu.extender.engine.model import (
     PlacementRequest,
     assignment_from_placement,
 )
-from kube_vgpu.extender.engine.policies import DEFAULT_GPU_POLICY, DEFAULT_NODE_POLICY, Policy, make_policy
-from kube_vgpu.extender.state import ClusterState, pod_cpu_request_milli
+from kube_vgpu.extender.engine.policies import (
+    DEFAULT_GPU_POLICY,
+    DEFAULT_NODE_POLICY,
+    REGISTRY,
+    Policy,
+    make_policy,
+)
+from kube_vgpu.extender.state import ClusterState
 from kube_vgpu.extender.turns import NodeTurns, Wake
 from kube_vgpu.protocol import InvalidGpuRequest, PodGpuRequest
 
@@ -105,9 +111,11 @@ class Scheduler:
         node_policy: str = DEFAULT_NODE_POLICY,
         gpu_policy: str = DEFAULT_GPU_POLICY,
         gates: Iterable[Gate] = (),
+        policies: Mapping[str, type[Policy]] = REGISTRY,
     ) -> None:
         self.state = state
         self.binder = binder
+        self._registry = policies  # name -> policy class; REGISTRY unless a caller adds policies of its own
         self._policies: dict[str, Policy] = {}
         self.default_node_policy = self.policy(node_policy)
         self.default_gpu_policy = self.policy(gpu_policy)
@@ -134,7 +142,7 @@ class Scheduler:
     def policy(self, name: str) -> Policy:
         found = self._policies.get(name)
         if found is None:
-            found = make_policy(name)
+            found = make_policy(name, self._registry)
             self._policies[name] = found
             if found.uses_host_cpu:
                 # from now on a node's CPU changes invalidate its cached results (see ClusterState)
@@ -157,7 +165,11 @@ class Scheduler:
         """The engine's request; the pod's CPU request only when a policy reads it (it is then part of the cache
         key, so other policies keep sharing cache entries between pods of different CPU asks)."""
         if node_policy.uses_host_cpu or gpu_policy.uses_host_cpu:
-            return PlacementRequest(request, cpu_milli=pod_cpu_request_milli(pod))
+            try:
+                cpu_milli = kubeapi.pod_request(pod, kubeapi.RESOURCE_CPU)
+            except kubeapi.InvalidQuantity:
+                cpu_milli = 0  # only a scoring hint; the API server never stores such a pod, kube-scheduler refuses it
+            return PlacementRequest(request, cpu_milli=cpu_milli)
         return PlacementRequest(request)
 
     def _cache_key(self, request: PlacementRequest, node_policy: Policy, gpu_policy: Policy) -> int:

@@ -26,63 +26,35 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kube_vgpu import protocol
-from kube_vgpu.extender.engine.model import GpuUsage, NodeState
-from kube_vgpu.extender.quota.objects import RESOURCE_CPU, pod_quantity
+from kube_vgpu import kubeapi, protocol
+from kube_vgpu.extender.engine.model import GpuUsage, NodeState, peak_usage
 from kube_vgpu.protocol import PodAssignment, ProtocolError
 
 log = logging.getLogger(__name__)
 
 FINISHED_PHASES = frozenset({"Succeeded", "Failed"})
 
-_cpu_text_milli: dict[str, int] = {}  # quantity text -> milli-CPU; pods repeat a handful of values
 
-
-def cpu_milli(value: Any) -> int:
-    """A CPU quantity ("500m", "2", "0.5", 2) in milli-CPU, rounded up; unreadable = 0."""
-    text = value if isinstance(value, str) else str(value)
-    milli = _cpu_text_milli.get(text)
-    if milli is None:
-        milli = pod_quantity(text, RESOURCE_CPU)
-        if len(_cpu_text_milli) < 10_000:  # bounded: odd values are parsed each time instead
-            _cpu_text_milli[text] = milli
-    return milli
-
-
-def _container_cpu_milli(container: Mapping[str, Any]) -> int:
-    resources = container.get("resources")
-    if not resources:
+def bound_pod_cpu_milli(obj: Mapping[str, Any]) -> int:
+    """A bound pod's CPU request as kube-scheduler counts it on its node (kubeapi.pod_requests, in-place resizes
+    included); 0 when unreadable (the API server never stores a bad quantity; a snapshot might)."""
+    try:
+        return kubeapi.pod_request(obj, kubeapi.RESOURCE_CPU, status_resources=True)
+    except kubeapi.InvalidQuantity as exc:
+        metadata = obj.get("metadata") or {}
+        log.warning("pod %s/%s: CPU request not counted: %s", metadata.get("namespace"), metadata.get("name"), exc)
         return 0
-    value = (resources.get("requests") or {}).get("cpu")
-    if value is None:  # an unset request defaults to the limit (the API server fills it in; snapshots may not)
-        value = (resources.get("limits") or {}).get("cpu")
-    return cpu_milli(value) if value is not None else 0
-
-
-def pod_cpu_request_milli(pod: Mapping[str, Any]) -> int:
-    """The pod's CPU request as kube-scheduler counts it: app containers (and sidecars) summed, init containers
-    at their peak (each runs alone beside the sidecars started before it), plus the pod overhead."""
-    spec = pod.get("spec") or {}
-    app = 0
-    for container in spec.get("containers") or ():
-        app += _container_cpu_milli(container)
-    init_peak = sidecars = 0
-    for container in spec.get("initContainers") or ():
-        cpu = _container_cpu_milli(container)
-        if container.get("restartPolicy") == "Always":  # a sidecar keeps running beside the app containers
-            sidecars += cpu
-            init_peak = max(init_peak, sidecars)
-        else:
-            init_peak = max(init_peak, sidecars + cpu)
-    total = max(app + sidecars, init_peak)
-    overhead = (spec.get("overhead") or {}).get("cpu")
-    return total + cpu_milli(overhead) if overhead is not None else total
 
 
 def node_allocatable_cpu_milli(obj: Mapping[str, Any]) -> int:
-    """status.allocatable.cpu in milli-CPU; 0 = unknown."""
+    """status.allocatable.cpu in milli-CPU; 0 = unknown (absent or unreadable)."""
     value = ((obj.get("status") or {}).get("allocatable") or {}).get("cpu")
-    return cpu_milli(value) if value is not None else 0
+    if value is None:
+        return 0
+    try:
+        return max(0, kubeapi.quantity_milli(value))
+    except kubeapi.InvalidQuantity:
+        return 0
 
 
 @dataclass(slots=True)
@@ -102,34 +74,23 @@ class PodRecord:
 
 
 def usage_from_assignment(node: NodeState, assignment: PodAssignment) -> tuple[tuple[GpuUsage, ...], list[str]]:
-    """Per-GPU usage of an assignment on `node` (peak over init/app phases), and UUIDs not on the node."""
+    """Per-GPU usage of an assignment on `node` (the peak over the moments its containers run at once, with
+    native sidecars beside the app containers and the later init containers), and UUIDs not on the node."""
     missing: list[str] = []
-    phases: list[list[protocol.ContainerAssignment]] = []
-    app = [c for c in assignment.containers if not c.init]
-    if app:
-        phases.append(app)
-    phases.extend([c] for c in assignment.containers if c.init)
-    peak: dict[int, list[int]] = {}
-    for phase in phases:
-        totals: dict[int, list[int]] = {}
+    by_uuid = node.gpu_by_uuid
+    phases: list[list[tuple[int, int, int]]] = []
+    for phase in assignment.phases:
+        devices = []
         for container in phase:
             for device in container.devices:
-                gpu = node.gpu_by_uuid.get(device.uuid)
+                gpu = by_uuid.get(device.uuid)
                 if gpu is None:
-                    missing.append(device.uuid)
+                    if device.uuid not in missing:  # a sidecar's device appears in several moments
+                        missing.append(device.uuid)
                     continue
-                entry = totals.setdefault(gpu.position, [0, 0, 0, 0])
-                entry[0] += device.memory_mib
-                entry[1] += device.cores
-                entry[2] += 1
-                if device.cores >= gpu.cores:
-                    entry[3] = 1
-        for position, values in totals.items():
-            current = peak.setdefault(position, [0, 0, 0, 0])
-            for i in range(4):
-                current[i] = max(current[i], values[i])
-    usage = tuple(GpuUsage(position, v[0], v[1], v[2], bool(v[3])) for position, v in sorted(peak.items()))
-    return usage, missing
+                devices.append((gpu.position, device.memory_mib, device.cores))
+        phases.append(devices)
+    return peak_usage(node, phases), missing
 
 
 class ClusterState:
@@ -238,7 +199,7 @@ class ClusterState:
             for pod_listener in self.pod_listeners:
                 pod_listener(uid, obj)
             if node_name and phase not in FINISHED_PHASES:
-                self._set_pod_cpu(uid, node_name, pod_cpu_request_milli(obj))
+                self._set_pod_cpu(uid, node_name, bound_pod_cpu_milli(obj))
             elif uid in self.pod_cpu:
                 self._drop_pod_cpu(uid)
             record = self.pods.get(uid)
@@ -474,6 +435,7 @@ class ClusterState:
                         {
                             "name": c.name,
                             "init": c.init,
+                            "sidecar": c.sidecar,
                             "devices": [
                                 {"uuid": d.uuid, "memoryMiB": d.memory_mib, "cores": d.cores} for d in c.devices
                             ],

@@ -1,26 +1,34 @@
 """Kubernetes semantics, and nothing else: quantities and a pod's resource requests exactly as kube-scheduler counts
-them (init containers, native sidecars, pod overhead, pod-level resources).
+them (init containers, native sidecars, pod overhead, pod-level resources, in-place resizes).
 
 The bottom layer: imports nothing of ours. Every component that needs "how much does this pod ask for" (the
 extender's state and quota gate, the webhook, the simulator) calls `pod_requests`, so they can never disagree.
 
 Units (as kube-scheduler's `framework.Resource`): `cpu` in millicores, every other resource in whole units of its
-quantity (bytes for `memory` and `ephemeral-storage`, counts for extended resources), rounded up.
+quantity (bytes for `memory` and `ephemeral-storage`, counts for extended resources), rounded up. As in
+component-helpers' `PodRequests`, quantities are added and compared exactly and rounded once, on the pod's total.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import re
 from collections.abc import Iterable, Mapping
-from decimal import ROUND_CEILING, Decimal, InvalidOperation
+from decimal import Context, Decimal, InvalidOperation
 from typing import Any
 
 RESOURCE_CPU = "cpu"
 RESOURCE_MEMORY = "memory"
 RESOURCE_PODS = "pods"
-#: resources a pod may set in `spec.resources` (PodLevelResources); they replace the containers' sum
+#: resources a pod may set in `spec.resources` (PodLevelResources); they replace the containers' sum. Hugepages
+#: (`hugepages-<size>`) are supported too (component-helpers' IsSupportedPodLevelResource).
 POD_LEVEL_RESOURCES = frozenset({RESOURCE_CPU, RESOURCE_MEMORY})
+HUGEPAGES_PREFIX = "hugepages-"
 RESTART_POLICY_ALWAYS = "Always"
+#: pod condition kubelet sets while a resize waits; reason Infeasible means it will never be applied
+CONDITION_RESIZE_PENDING = "PodResizePending"
+REASON_INFEASIBLE = "Infeasible"
 
 
 class InvalidQuantity(ValueError):
@@ -40,39 +48,56 @@ _SUFFIX = {
 #: hostile 5000-digit value from costing a Decimal multiplication of that size
 MAX_QUANTITY_TEXT = 64
 _MAX_EXPONENT = 30
+#: exact arithmetic for every quantity we can read (at most 64 digits, 10^±30, Ei) and sums of them: the default
+#: context's 28 digits would round large or finely divided values, which Kubernetes' arbitrary precision does not
+EXACT = Context(prec=400)
+_ZERO = Decimal(0)
+_THOUSAND = Decimal(1000)
 
 
-def parse_quantity(value: Any) -> Decimal:
-    """A Kubernetes quantity ("500m", "2", "1.5Gi", "1e3", 2) as an exact Decimal. Raises InvalidQuantity."""
-    if isinstance(value, bool) or value is None or not isinstance(value, str | int | float | Decimal):
-        raise InvalidQuantity(f"expected a quantity, got {value!r}")
-    text = value.strip() if isinstance(value, str) else str(value)
+@functools.lru_cache(maxsize=4096)  # pods repeat a handful of values ("500m", "1Gi"); parsing is on the event path
+def _parse_text(raw: str) -> tuple[Decimal, str]:
+    text = raw.strip()
     if len(text) > MAX_QUANTITY_TEXT:
         raise InvalidQuantity(f"{text[:20]}... is not a Kubernetes quantity (longer than {MAX_QUANTITY_TEXT})")
     match = _QUANTITY.match(text)
     if not match:
         raise InvalidQuantity(f"{text!r} is not a Kubernetes quantity")
     number, suffix = match.group(1), match.group(2) or ""
+    multiplier = _SUFFIX.get(suffix)
+    if multiplier is None:  # an exponent ("e3", "E-2"); "E" alone is exa and in _SUFFIX
+        exponent = int(suffix[1:])  # the pattern admits only digits here
+        if abs(exponent) > _MAX_EXPONENT:
+            raise InvalidQuantity(f"{text!r}: exponent out of range")
+        multiplier = EXACT.power(Decimal(10), exponent)
     try:
-        if suffix[:1] in ("e", "E"):
-            exponent = int(suffix[1:])
-            if abs(exponent) > _MAX_EXPONENT:
-                raise InvalidQuantity(f"{text!r}: exponent out of range")
-            multiplier = Decimal(10) ** exponent
-        else:
-            multiplier = _SUFFIX[suffix]
-        return Decimal(number) * multiplier
-    except (InvalidOperation, ValueError):
+        return EXACT.multiply(Decimal(number), multiplier), suffix
+    except InvalidOperation:
         raise InvalidQuantity(f"{text!r} is not a Kubernetes quantity") from None
 
 
+def parse_quantity_and_suffix(value: Any) -> tuple[Decimal, str]:
+    """A Kubernetes quantity ("500m", "2", "1.5Gi", "1e3", 2) as an exact Decimal, and its suffix as written ("m",
+    "Gi", "e3"; "" for a plain number). Raises InvalidQuantity."""
+    if type(value) is str:  # the usual case first (JSON gives str)
+        return _parse_text(value)
+    if isinstance(value, bool) or value is None or not isinstance(value, str | int | float | Decimal):
+        raise InvalidQuantity(f"expected a quantity, got {value!r}")
+    return _parse_text(str(value))
+
+
+def parse_quantity(value: Any) -> Decimal:
+    """A Kubernetes quantity ("500m", "2", "1.5Gi", "1e3", 2) as an exact Decimal. Raises InvalidQuantity."""
+    return (_parse_text(value) if type(value) is str else parse_quantity_and_suffix(value))[0]
+
+
 def _ceil(amount: Decimal) -> int:
-    return int(amount.to_integral_value(rounding=ROUND_CEILING))
+    return math.ceil(amount)  # exact for a Decimal of any size
 
 
 def quantity_milli(value: Any) -> int:
     """Quantity.MilliValue(): thousandths, rounded up ("500m" -> 500, "0.1" -> 100, "1" -> 1000)."""
-    return _ceil(parse_quantity(value) * 1000)
+    return _ceil(EXACT.multiply(parse_quantity(value), _THOUSAND))
 
 
 def quantity_value(value: Any) -> int:
@@ -80,28 +105,62 @@ def quantity_value(value: Any) -> int:
     return _ceil(parse_quantity(value))
 
 
+def _in_unit(resource: str, amount: Decimal) -> int:
+    return _ceil(EXACT.multiply(amount, _THOUSAND)) if resource == RESOURCE_CPU else _ceil(amount)
+
+
 def resource_amount(resource: str, value: Any) -> int:
     """A quantity in the unit kube-scheduler counts `resource` in: millicores for cpu, whole units otherwise."""
-    return quantity_milli(value) if resource == RESOURCE_CPU else quantity_value(value)
+    return _in_unit(resource, parse_quantity(value))
 
 
-def _amounts(section: Mapping[str, Any] | None, wanted: frozenset[str] | None) -> dict[str, int]:
-    out: dict[str, int] = {}
+def is_pod_level_resource(resource: str) -> bool:
+    """Whether `spec.resources` may name `resource` (component-helpers' IsSupportedPodLevelResource)."""
+    return resource in POD_LEVEL_RESOURCES or resource.startswith(HUGEPAGES_PREFIX)
+
+
+# A resource list as exact amounts: what component-helpers' v1.ResourceList holds.
+_Exact = dict[str, Decimal]
+
+
+def _exact(section: Mapping[str, Any] | None, wanted: frozenset[str] | None) -> _Exact:
+    out: _Exact = {}
     if not section:
         return out
-    for resource, value in section.items():
-        if wanted is None or resource in wanted:
-            out[resource] = resource_amount(resource, value)
+    if wanted is None:
+        for resource, value in section.items():
+            out[resource] = parse_quantity(value)
+    else:  # callers want one or two resources of sections that name several
+        for resource in wanted:
+            if resource in section:
+                out[resource] = parse_quantity(section[resource])
     return out
 
 
-def container_requests(container: Mapping[str, Any], wanted: frozenset[str] | None = None) -> dict[str, int]:
-    """A container's requests. An unset request defaults to its limit (the API server's defaulting does this on
-    write; objects that did not pass through it, such as snapshots, may lack it)."""
+def _container_exact(container: Mapping[str, Any], wanted: frozenset[str] | None) -> _Exact:
     resources = container.get("resources") or {}
-    merged = _amounts(resources.get("limits"), wanted)
-    merged.update(_amounts(resources.get("requests"), wanted))
+    merged = _exact(resources.get("limits"), wanted)
+    merged.update(_exact(resources.get("requests"), wanted))
     return merged
+
+
+def _add(into: _Exact, other: Mapping[str, Decimal]) -> None:
+    for resource, amount in other.items():
+        into[resource] = EXACT.add(into.get(resource, _ZERO), amount)
+
+
+def _max(into: _Exact, other: Mapping[str, Decimal]) -> None:
+    for resource, amount in other.items():
+        current = into.get(resource)
+        if current is None or amount > current:
+            into[resource] = amount
+
+
+def container_requests(container: Mapping[str, Any], wanted: Iterable[str] | None = None) -> dict[str, int]:
+    """A container's own requests (each rounded up). An unset request defaults to its limit (the API server's
+    defaulting does this on write; objects that did not pass through it, such as snapshots, may lack it)."""
+    amounts = _container_exact(container, frozenset(wanted) if wanted is not None else None)
+    return {resource: _in_unit(resource, amount) for resource, amount in amounts.items()}
 
 
 def is_sidecar(container: Mapping[str, Any]) -> bool:
@@ -109,38 +168,72 @@ def is_sidecar(container: Mapping[str, Any]) -> bool:
     return container.get("restartPolicy") == RESTART_POLICY_ALWAYS
 
 
-def _add(into: dict[str, int], other: Mapping[str, int]) -> None:
-    for resource, amount in other.items():
-        into[resource] = into.get(resource, 0) + amount
+def _resize_infeasible(pod: Mapping[str, Any]) -> bool:
+    for condition in (pod.get("status") or {}).get("conditions") or ():
+        if isinstance(condition, Mapping) and condition.get("type") == CONDITION_RESIZE_PENDING:
+            return condition.get("reason") == REASON_INFEASIBLE
+    return False
 
 
-def _max(into: dict[str, int], other: Mapping[str, int]) -> None:
-    for resource, amount in other.items():
-        if amount > into.get(resource, 0):
-            into[resource] = amount
+def _container_statuses(pod: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    status = pod.get("status") or {}
+    found: dict[str, Mapping[str, Any]] = {}
+    for key in ("containerStatuses", "initContainerStatuses"):  # init entries win, as in component-helpers
+        for entry in status.get(key) or ():
+            if isinstance(entry, Mapping):
+                found[str(entry.get("name", ""))] = entry
+    return found
 
 
-def pod_requests(pod: Mapping[str, Any], resources: Iterable[str] | None = None) -> dict[str, int]:
+def _with_status(
+    own: _Exact, entry: Mapping[str, Any] | None, infeasible: bool, wanted: frozenset[str] | None
+) -> _Exact:
+    """component-helpers' determineContainerReqs: a container kubelet reports resources for counts the largest of
+    what its spec asks (unless the resize is infeasible), what it runs with, and what kubelet allocated."""
+    if entry is None or entry.get("resources") is None:
+        return own
+    result: _Exact = {} if infeasible else dict(own)
+    _max(result, _exact((entry.get("resources") or {}).get("requests"), wanted))
+    _max(result, _exact(entry.get("allocatedResources"), wanted))
+    return result
+
+
+def pod_requests(
+    pod: Mapping[str, Any], resources: Iterable[str] | None = None, *, status_resources: bool = False
+) -> dict[str, int]:
     """The pod's requests as kube-scheduler's NodeResourcesFit counts them (component-helpers' PodRequests):
 
     - app containers are summed, and every native sidecar runs beside them, so sidecars are added;
     - an ordinary init container runs alone beside the sidecars started before it: the pod needs the largest of
       those moments, and the larger of that and the app phase;
-    - pod-level `spec.resources.requests` (cpu, memory) replace the containers' figure for those resources;
+    - pod-level `spec.resources.requests` (cpu, memory, hugepages) replace the containers' figure for those
+      resources; a pod-level limit without a request stands for it where no container asks for the resource (the
+      API server's defaulting);
     - `spec.overhead` (RuntimeClass) is added on top.
 
-    `resources` restricts the result to those names (cheaper for callers that need only cpu). Raises
-    InvalidQuantity for a value that is not a quantity (the API server never stores one)."""
+    `status_resources`: count in-place resizes as kube-scheduler does for pods already on a node (NodeInfo, with
+    InPlacePodVerticalScaling): an app container or sidecar with reported resources counts the largest of its
+    spec, its status and its allocated resources. Filter (a pending pod) leaves it off.
+
+    `resources` restricts the result to those names (cheaper for callers that need only cpu). Resources asked as
+    0 are left out. Raises InvalidQuantity for a value that is not a quantity (the API server never stores one)."""
     wanted = frozenset(resources) if resources is not None else None
     spec = pod.get("spec") or {}
-    total: dict[str, int] = {}
+    statuses = _container_statuses(pod) if status_resources else None
+    infeasible = status_resources and _resize_infeasible(pod)
+    total: _Exact = {}
     for container in spec.get("containers") or ():
-        _add(total, container_requests(container, wanted))
-    sidecars: dict[str, int] = {}
-    init_peak: dict[str, int] = {}
+        own = _container_exact(container, wanted)
+        if statuses is not None:
+            own = _with_status(own, statuses.get(str(container.get("name", ""))), infeasible, wanted)
+        _add(total, own)
+    sidecars: _Exact = {}
+    init_peak: _Exact = {}
     for container in spec.get("initContainers") or ():
-        own = container_requests(container, wanted)
-        if is_sidecar(container):
+        own = _container_exact(container, wanted)
+        if container.get("restartPolicy") == RESTART_POLICY_ALWAYS:  # a native sidecar (is_sidecar)
+            if statuses is not None:
+                own = _with_status(own, statuses.get(str(container.get("name", ""))), infeasible, wanted)
             _add(total, own)
             _add(sidecars, own)
             _max(init_peak, sidecars)
@@ -149,18 +242,37 @@ def pod_requests(pod: Mapping[str, Any], resources: Iterable[str] | None = None)
             _add(moment, sidecars)
             _max(init_peak, moment)
     _max(total, init_peak)
-    pod_level = (spec.get("resources") or {}).get("requests")
-    if pod_level:
-        for resource, value in pod_level.items():
-            if resource in POD_LEVEL_RESOURCES and (wanted is None or resource in wanted):
-                total[resource] = resource_amount(resource, value)
-    _add(total, _amounts(spec.get("overhead"), wanted))
-    return {resource: amount for resource, amount in total.items() if amount}
+    pod_resources = spec.get("resources")
+    if pod_resources:
+        _apply_pod_level(total, pod_resources, wanted)
+    overhead = spec.get("overhead")
+    if overhead:
+        _add(total, _exact(overhead, wanted))
+    rounded = {}
+    for resource, amount in total.items():
+        value = _in_unit(resource, amount)
+        if value:
+            rounded[resource] = value
+    return rounded
 
 
-def pod_request(pod: Mapping[str, Any], resource: str) -> int:
+def _apply_pod_level(total: _Exact, pod_resources: Mapping[str, Any], wanted: frozenset[str] | None) -> None:
+    """Pod-level requests replace the containers' figure (PodLevelResources)."""
+    pod_level = dict(pod_resources.get("requests") or {})
+    for resource, value in (pod_resources.get("limits") or {}).items():
+        # defaulting: a missing pod-level request is the containers' figure for cpu and memory when they ask for
+        # it (no change here), else the pod-level limit (hugepages are never overcommitted: always the limit)
+        if resource not in pod_level and is_pod_level_resource(resource):
+            if resource.startswith(HUGEPAGES_PREFIX) or resource not in total:
+                pod_level[resource] = value
+    for resource, value in pod_level.items():
+        if is_pod_level_resource(resource) and (wanted is None or resource in wanted):
+            total[resource] = parse_quantity(value)
+
+
+def pod_request(pod: Mapping[str, Any], resource: str, *, status_resources: bool = False) -> int:
     """One resource of `pod_requests` (0 when the pod does not ask for it)."""
-    return pod_requests(pod, (resource,)).get(resource, 0)
+    return pod_requests(pod, (resource,), status_resources=status_resources).get(resource, 0)
 
 
 # ---------------------------------------------------------------------------------------------

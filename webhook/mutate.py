@@ -247,12 +247,14 @@ def admit_create(pod: dict[str, Any], username: str, config: WebhookConfig) -> D
                 f"container {gpu.name}: privileged containers cannot use vGPUs (a privileged container sees every "
                 "GPU on the node, so its limits cannot be enforced); remove securityContext.privileged",
             )
-    total = request.total_vgpus
+    total = request.total_vgpus  # at its peak: native sidecars count beside the containers they run with
     if total > config.max_gpus_per_pod:
+        sidecars = any(gpu.sidecar for gpu in request.containers)
         return _deny(
             403,
             f"pod asks for {total} vGPUs ({RESOURCE_GPU}), more than the maximum of {config.max_gpus_per_pod} "
-            "per pod allowed in this cluster",
+            "per pod allowed in this cluster"
+            + (" (native sidecars count with the containers they run beside)" if sidecars else ""),
         )
     return mutate_gpu_pod(pod, request, config)
 

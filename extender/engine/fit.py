@@ -1,7 +1,10 @@
 """Does a pod fit a node, and where exactly: the per-GPU fit rules and per-container GPU choice.
 
-Phases: the app containers run together, so they are placed cumulatively; each init container runs
-alone before them, so it is placed on its own. What the pod holds on a GPU is the peak over phases.
+Phases, as kubelet runs a pod (protocol.container_phases): init containers run one at a time in order; a native
+sidecar (restartPolicy Always) starts in that order and keeps running. So each sidecar is placed once, beside the
+sidecars before it, and stays on its GPUs; each ordinary init container is placed beside the sidecars started before
+it; the app containers are placed together beside every sidecar. What the pod holds on a GPU is the peak over
+those moments (model.peak_usage, the same function the cluster state applies to a written assignment).
 """
 
 from __future__ import annotations
@@ -16,9 +19,10 @@ from kube_vgpu.extender.engine.model import (
     NodeState,
     Placement,
     PlacementRequest,
+    peak_usage,
 )
 from kube_vgpu.extender.engine.policies.base import Policy, Scratch
-from kube_vgpu.protocol import ContainerGpuRequest, GpuSelectors
+from kube_vgpu.protocol import ContainerGpuRequest, GpuSelectors, container_phases
 
 
 def gpu_eligible(gpu: GpuState, selectors: GpuSelectors, gpu_spec: tuple[str, ...]) -> bool:
@@ -133,31 +137,36 @@ def place(
     if not node.gpus:
         return FitFailure("no GPUs (no kube-vgpu GPU inventory on this node)", True, "no-gpus")
     size = len(node.gpus)
-    phases: list[tuple[ContainerGpuRequest, ...]] = []
-    app = gpu_request.app_containers
-    if app:
-        phases.append(app)
-    phases.extend((init,) for init in gpu_request.init_containers)
+    containers = gpu_request.containers
+    init_placed: list[ContainerPlacement] = []
+    running = Scratch(size)  # the sidecars started so far: they keep their GPUs
+    for container in containers:
+        if not container.init:
+            continue
+        # a sidecar is placed into `running` and stays there; an ordinary init container beside it, then gone
+        scratch = running if container.sidecar else running.copy()
+        devices = _place_container(node, request, container, scratch, gpu_policy)
+        if isinstance(devices, FitFailure):
+            return devices
+        init_placed.append(ContainerPlacement(container, tuple(devices)))
     placed: list[ContainerPlacement] = []
-    peak: dict[int, list[int]] = {}  # position -> [memory, cores, shares, exclusive]
-    for phase in phases:
-        scratch = Scratch(size)
-        for container in phase:
-            devices = _place_container(node, request, container, scratch, gpu_policy)
-            if isinstance(devices, FitFailure):
-                return devices
-            placed.append(ContainerPlacement(container, tuple(devices)))
-        for position in range(size):
-            if scratch.shares[position]:
-                current = peak.setdefault(position, [0, 0, 0, 0])
-                current[0] = max(current[0], scratch.memory_mib[position])
-                current[1] = max(current[1], scratch.cores[position])
-                current[2] = max(current[2], scratch.shares[position])
-                current[3] = max(current[3], int(scratch.exclusive[position]))
-    usage = tuple(
-        GpuUsage(position, values[0], values[1], values[2], bool(values[3]))
-        for position, values in sorted(peak.items())
-    )
+    for container in containers:
+        if container.init:
+            continue
+        devices = _place_container(node, request, container, running, gpu_policy)
+        if isinstance(devices, FitFailure):
+            return devices
+        placed.append(ContainerPlacement(container, tuple(devices)))
+    if init_placed:
+        placed.extend(init_placed)  # app containers first, as assignments have always listed them
+        usage = peak_usage(node, ([d for c in phase for d in c.devices] for phase in container_phases(placed)))
+    else:
+        # the usual pod, one moment: its scratch is what peak_usage would return, without rebuilding it (hot path)
+        usage = tuple(
+            GpuUsage(p, running.memory_mib[p], running.cores[p], running.shares[p], running.exclusive[p])
+            for p in range(size)
+            if running.shares[p]
+        )
     unscored = Placement(node.name, tuple(placed), usage)
     return Placement(node.name, unscored.containers, usage, node_policy.score(node, request, unscored))
 

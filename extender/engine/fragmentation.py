@@ -131,7 +131,8 @@ class ShapeLearner:
 
 def task_shape(request: PlacementRequest) -> TaskShape:
     """The shape of an engine request: its first GPU container's per-GPU ask (compute in milli of the request's
-    cores unit; exclusive = 1000; memory as asked, none = all of it), app containers' vGPUs as the count."""
+    cores unit; exclusive = 1000; memory as asked, none = all of it), the vGPUs of the app containers and
+    native sidecars (which run beside them) as the count."""
     containers = request.gpu.containers
     if not containers:
         return TaskShape(request.cpu_milli, 0, 0, request.gpu_spec)
@@ -150,7 +151,7 @@ def task_shape(request: PlacementRequest) -> TaskShape:
         memory_milli = container.memory_percent * MILLI_PER_GPU // 100
     else:
         memory_milli = MILLI_PER_GPU  # no memory named: the whole GPU's memory
-    count = sum(c.count for c in containers if not c.init) or container.count
+    count = sum(c.count for c in containers if c.sidecar or not c.init) or container.count  # the app phase
     return TaskShape(request.cpu_milli, compute_milli, count, request.gpu_spec, memory_mib, memory_milli)
 
 

@@ -8,6 +8,7 @@ being recomputed per request.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,7 +101,7 @@ class GpuState:
 
 @dataclass(frozen=True, slots=True)
 class GpuUsage:
-    """What one pod holds on one GPU (the peak over the pod's init and app phases)."""
+    """What one pod holds on one GPU (the peak over the moments its containers run at once: peak_usage)."""
 
     position: int
     memory_mib: int
@@ -114,6 +115,46 @@ class ContainerPlacement:
     request: ContainerGpuRequest
     # (gpu position, memory MiB, cores) per vGPU
     devices: tuple[tuple[int, int, int], ...]
+
+    # the container's kind, so placements group into phases like requests and assignments (container_phases)
+    @property
+    def init(self) -> bool:
+        return self.request.init
+
+    @property
+    def sidecar(self) -> bool:
+        return self.request.sidecar
+
+
+def peak_usage(node: NodeState, phases: Iterable[Iterable[tuple[int, int, int]]]) -> tuple[GpuUsage, ...]:
+    """What a pod holds per GPU of `node`: for every GPU, the largest memory, cores, vGPU count and exclusivity
+    over the moments its containers run at once. `phases`: per moment (protocol.container_phases), the
+    (GPU position, memory MiB, cores) of every vGPU running then. A vGPU with the GPU's whole compute is exclusive.
+
+    The one phase peak of the extender: placement computes a pod's usage with it, and the cluster state applies the
+    same to the written assignment, so a placement and its assignment always count the same after a restart."""
+    gpus = node.gpus
+    peak: dict[int, list[int]] = {}  # position -> [memory, cores, shares, exclusive]
+    for phase in phases:
+        totals: dict[int, list[int]] = {}
+        for position, memory_mib, cores in phase:
+            entry = totals.get(position)
+            if entry is None:
+                entry = totals[position] = [0, 0, 0, 0]
+            entry[0] += memory_mib
+            entry[1] += cores
+            entry[2] += 1
+            if cores >= gpus[position].cores:
+                entry[3] = 1
+        for position, values in totals.items():
+            current = peak.get(position)
+            if current is None:
+                peak[position] = values
+            else:
+                for i in range(4):
+                    if values[i] > current[i]:
+                        current[i] = values[i]
+    return tuple(GpuUsage(position, v[0], v[1], v[2], bool(v[3])) for position, v in sorted(peak.items()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,6 +352,7 @@ def assignment_from_placement(node: NodeState, placement: Placement) -> PodAssig
             ContainerAssignment(
                 name=container.request.name,
                 init=container.request.init,
+                sidecar=container.request.sidecar,
                 devices=tuple(
                     DeviceShare(node.gpus[position].uuid, memory, cores)
                     for position, memory, cores in container.devices

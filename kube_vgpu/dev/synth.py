@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import hashlib
 import random
 import sys
 from typing import Any
@@ -17,6 +16,13 @@ from typing import Any
 import orjson
 
 from kube_vgpu import protocol
+from kube_vgpu.deviceplugin.discovery import discover
+from kube_vgpu.deviceplugin.fakenvml import FakeNvml, layout_hardware, profile_uuid
+from kube_vgpu.deviceplugin.nvml import Nvml
+from kube_vgpu.deviceplugin.publisher import inventory_annotations, node_labels
+from kube_vgpu.extender.engine.fit import place
+from kube_vgpu.extender.engine.model import NodeState, Placement, PlacementRequest, assignment_from_placement
+from kube_vgpu.extender.engine.policies import make_policy
 from kube_vgpu.protocol import NodeInventory
 
 TOPOLOGIES = ("nvswitch", "nvlink-pairs", "pcie")
@@ -39,18 +45,14 @@ def synth_inventory(
     if topology not in TOPOLOGIES:
         raise ValueError(f"unknown topology {topology!r}; choose one of {', '.join(TOPOLOGIES)}")
     # imported here: the device plugin package imports this module (UUID derivation), not the other way round
-    from kube_vgpu.deviceplugin.discovery import discover
-    from kube_vgpu.deviceplugin.fakenvml import FakeNvml, layout_hardware
-    from kube_vgpu.deviceplugin.nvml import Nvml
 
     hardware = layout_hardware([synth_uuid(node_name, index) for index in range(gpus)], model, memory_mib, topology)
     return discover(Nvml(FakeNvml(hardware)), sharing_count=max_shares).inventory
 
 
 def synth_uuid(node_name: str, index: int) -> str:
-    """Stable, unique-looking GPU UUID derived from node name and index."""
-    digest = hashlib.sha1(f"{node_name}/{index}".encode()).hexdigest()
-    return f"GPU-{digest[:8]}-{digest[8:12]}-{digest[12:16]}-{digest[16:20]}-{digest[20:32]}"
+    """Stable, unique-looking GPU UUID derived from node name and index (the fake NVML's derivation)."""
+    return profile_uuid(node_name, index)
 
 
 def node_object(
@@ -65,7 +67,6 @@ def node_object(
 ) -> dict[str, Any]:
     """A Node API object carrying the inventory annotations exactly as the device plugin writes them
     (the device plugin's publisher functions encode both)."""
-    from kube_vgpu.deviceplugin.publisher import inventory_annotations, node_labels
 
     moment = heartbeat or dt.datetime.now(dt.UTC)
     resources = {
@@ -140,9 +141,6 @@ def synth_cluster(
 ) -> dict[str, Any]:
     """A snapshot List. With pods_per_node > 0, each node gets that many bound fractional pods,
     placed by the engine's binpack policy so their assignments are valid."""
-    from kube_vgpu.extender.engine.fit import place
-    from kube_vgpu.extender.engine.model import NodeState, Placement, PlacementRequest, assignment_from_placement
-    from kube_vgpu.extender.engine.policies import make_policy
 
     rng = random.Random(seed)
     moment = dt.datetime.now(dt.UTC)

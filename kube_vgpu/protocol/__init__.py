@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import datetime as _dt
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import orjson
+
+from kube_vgpu import kubeapi
 
 # ---------------------------------------------------------------------------------------------
 # Names
@@ -330,6 +332,10 @@ class ContainerAssignment:
     name: str
     devices: tuple[DeviceShare, ...]
     init: bool = False
+    #: a native sidecar (init container with restartPolicy Always; init is True too). Encoded only when set, so
+    #: assignments without sidecars stay byte-identical, and an assignment written before the flag existed reads as
+    #: having none.
+    sidecar: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -341,6 +347,11 @@ class PodAssignment:
     def all_devices(self) -> list[DeviceShare]:
         return [device for container in self.containers for device in container.devices]
 
+    @property
+    def phases(self) -> tuple[tuple[ContainerAssignment, ...], ...]:
+        """The containers that hold their devices at the same moment (see container_phases)."""
+        return container_phases(self.containers)
+
 
 def encode_assignment(assignment: PodAssignment) -> str:
     doc = {
@@ -350,6 +361,7 @@ def encode_assignment(assignment: PodAssignment) -> str:
             {
                 "name": container.name,
                 "init": container.init,
+                **({"sidecar": True} if container.sidecar else {}),
                 "devices": [[d.uuid, d.memory_mib, d.cores] for d in container.devices],
             }
             for container in assignment.containers
@@ -381,9 +393,15 @@ def decode_assignment(text: str) -> PodAssignment:
             if not isinstance(uuid, str) or not isinstance(memory_mib, int) or not isinstance(cores, int):
                 raise ProtocolError(f"{where}: device fields have the wrong types")
             devices.append(DeviceShare(uuid, memory_mib, cores))
+        init = bool(raw.get("init", False))
+        sidecar = raw.get("sidecar", False)  # absent in assignments written before sidecars were counted
+        if not isinstance(sidecar, bool):
+            raise ProtocolError(f"{where}: field 'sidecar' must be true or false")
+        if sidecar and not init:
+            raise ProtocolError(f"{where}: a sidecar is an init container ('init' must be true)")
         containers.append(
             ContainerAssignment(
-                name=_require(raw, "name", str, where), devices=tuple(devices), init=bool(raw.get("init", False))
+                name=_require(raw, "name", str, where), devices=tuple(devices), init=init, sidecar=sidecar
             )
         )
     return PodAssignment(node=_require(doc, "node", str, "assignment"), containers=tuple(containers), version=version)
@@ -471,6 +489,9 @@ class ContainerGpuRequest:
     memory_percent: int | None = None
     cores: int = 0  # percent of one GPU; 0 = no compute reservation (best effort), 100 = exclusive
     init: bool = False
+    #: a native sidecar: an init container with restartPolicy Always (init is True too). kubelet starts it in init
+    #: order and it keeps running, beside every later init container and the app containers.
+    sidecar: bool = False
 
     @property
     def exclusive(self) -> bool:
@@ -510,10 +531,45 @@ class GpuSelectors:
         return not (self.use_types or self.nouse_types or self.use_uuids or self.nouse_uuids or self.numa_bind)
 
 
+class _PhasedContainer(Protocol):
+    @property
+    def init(self) -> bool: ...
+
+    @property
+    def sidecar(self) -> bool: ...
+
+
+_Phased = TypeVar("_Phased", bound=_PhasedContainer)
+
+
+def container_phases(containers: Iterable[_Phased]) -> tuple[tuple[_Phased, ...], ...]:
+    """The groups of a pod's containers that run at the same moment, as kubelet runs them (the sidecar KEP): init
+    containers one at a time in order, each beside the native sidecars started before it (a sidecar keeps running),
+    then the app containers beside every sidecar. What a pod holds is, per resource, the largest of these moments.
+
+    `containers` in any order of app against init containers, but init containers in the pod's spec order (both
+    requests and assignments keep it). A sidecar's own start (it beside the sidecars before it) is contained in the
+    app moment and is not listed; empty moments are not listed. The one rule every phase peak in kube-vgpu uses
+    (placement, state, quota, webhook cap), so they cannot disagree."""
+    moments: list[tuple[_Phased, ...]] = []
+    sidecars: list[_Phased] = []
+    app: list[_Phased] = []
+    for container in containers:
+        if not container.init:
+            app.append(container)
+        elif container.sidecar:
+            sidecars.append(container)
+        else:
+            moments.append((*sidecars, container))
+    if app or sidecars:
+        moments.append((*sidecars, *app))
+    return tuple(moments)
+
+
 @dataclass(frozen=True, slots=True)
 class PodGpuRequest:
-    """A pod's whole GPU request. `phases` lists what must fit at once: the app containers together,
-    and each init container alone (init containers run one at a time before the app containers)."""
+    """A pod's whole GPU request. `phases` lists what must fit at once (container_phases): each init container
+    beside the sidecars started before it, then the app containers beside every sidecar."""
 
     containers: tuple[ContainerGpuRequest, ...]
     selectors: GpuSelectors = field(default_factory=GpuSelectors)
@@ -526,30 +582,27 @@ class PodGpuRequest:
 
     @property
     def init_containers(self) -> tuple[ContainerGpuRequest, ...]:
+        """Every init container, native sidecars included, in spec order."""
         return tuple(c for c in self.containers if c.init)
 
     @property
+    def phases(self) -> tuple[tuple[ContainerGpuRequest, ...], ...]:
+        return container_phases(self.containers)
+
+    @property
     def total_vgpus(self) -> int:
-        """vGPUs counted as the pod's peak: app containers add up, init containers count at their peak."""
-        app = sum(c.count for c in self.containers if not c.init)
-        peak_init = max((c.count for c in self.containers if c.init), default=0)
-        return max(app, peak_init)
+        """vGPUs the pod holds at its peak: app containers and sidecars add up, each init container counts beside
+        the sidecars started before it."""
+        return max((sum(c.count for c in phase) for phase in self.phases), default=0)
 
     @property
     def is_empty(self) -> bool:
         return not self.containers
 
 
-_INTEGER = re.compile(r"^[0-9]+$")
-_DECIMAL_SUFFIXES = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
-_BINARY_SUFFIXES = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
-_QUANTITY = re.compile(r"^([0-9]+)(Ki|Mi|Gi|Ti|k|M|G|T)?$")
-#: Longer quantity text is refused before int() sees it (5000 digits would raise a ValueError of its own).
-_MAX_QUANTITY_TEXT = 64
-
-
 def parse_count_quantity(value: Any, *, what: str) -> int:
-    """A Kubernetes quantity that must be a non-negative whole number ("2", 2, "1k").
+    """A Kubernetes quantity that must be a non-negative whole number ("2", 2, "1k"), as the API server requires of
+    extended resources.
 
     Refuses fractions ("0.5", "500m") and negatives with a message naming `what`."""
     if isinstance(value, bool):
@@ -563,16 +616,17 @@ def parse_count_quantity(value: Any, *, what: str) -> int:
             raise InvalidGpuRequest(f"{what} must be a non-negative whole number, got {value}")
         return int(value)
     text = str(value).strip()
-    if len(text) > _MAX_QUANTITY_TEXT:
-        raise InvalidGpuRequest(f"{what} must be a whole number, got {text[:20]!r}... ({len(text)} characters)")
-    match = _QUANTITY.match(text)
-    if not match:
+    try:
+        amount = kubeapi.parse_quantity(text)
+    except kubeapi.InvalidQuantity:
         if text.startswith("-"):
-            raise InvalidGpuRequest(f"{what} must not be negative, got {text!r}")
+            raise InvalidGpuRequest(f"{what} must not be negative, got {text!r}") from None
+        raise InvalidGpuRequest(f"{what} must be a non-negative whole number, got {text!r}") from None
+    if amount < 0:
+        raise InvalidGpuRequest(f"{what} must not be negative, got {text!r}")
+    if amount != amount.to_integral_value():  # "0.5", "500m": a vGPU, a MiB, a percent are never split
         raise InvalidGpuRequest(f"{what} must be a non-negative whole number, got {text!r}")
-    number, suffix = match.group(1), match.group(2) or ""
-    multiplier = _BINARY_SUFFIXES.get(suffix) or _DECIMAL_SUFFIXES[suffix]
-    return int(number) * multiplier
+    return int(amount)
 
 
 def _annotation_list(annotations: Mapping[str, str], key: str, *, lower: bool) -> tuple[str, ...]:
@@ -592,14 +646,17 @@ def _container_resources(container: Mapping[str, Any]) -> dict[str, Any]:
     return merged
 
 
+_BINARY_UNITS = ("Ki", "Mi", "Gi", "Ti", "Pi", "Ei")
+
+
 def _parse_gpu_memory_mib(value: Any, what: str) -> int:
     """gpumem counts MiB: a byte unit (`8Gi`) would be read as that many MiB, so it is refused with the number to
     write instead; so is anything above MAX_GPU_MEMORY_MIB."""
     text = value.strip() if isinstance(value, str) else ""
-    if text.endswith(tuple(_BINARY_SUFFIXES)) and len(text) <= _MAX_QUANTITY_TEXT:
+    if text.endswith(_BINARY_UNITS) and len(text) <= kubeapi.MAX_QUANTITY_TEXT:
         as_bytes = parse_count_quantity(text, what=what)
         hint = f"; for {text} write {as_bytes // 2**20}" if as_bytes and as_bytes % 2**20 == 0 else ""
-        raise InvalidGpuRequest(f"{what} counts MiB, so it takes no Ki/Mi/Gi/Ti unit, got {text!r}{hint}")
+        raise InvalidGpuRequest(f"{what} counts MiB, so it takes no Ki/Mi/Gi/Ti/Pi/Ei unit, got {text!r}{hint}")
     memory_mib = parse_count_quantity(value, what=what)
     if memory_mib <= 0:
         raise InvalidGpuRequest(f"{what} must be greater than 0 MiB, got {memory_mib}")
@@ -612,7 +669,8 @@ def _parse_gpu_memory_mib(value: Any, what: str) -> int:
 
 
 def parse_container_request(container: Mapping[str, Any], *, init: bool) -> ContainerGpuRequest | None:
-    """The container's GPU request, or None when it asks for no GPU resource."""
+    """The container's GPU request, or None when it asks for no GPU resource. An init container with
+    restartPolicy Always is a native sidecar."""
     name = str(container.get("name", "?"))
     resources = _container_resources(container)
     if not any(key in resources for key in GPU_RESOURCES):
@@ -642,7 +700,13 @@ def parse_container_request(container: Mapping[str, Any], *, init: bool) -> Cont
             raise InvalidGpuRequest(f"{prefix}{RESOURCE_GPU} is 0 but GPU memory or cores are requested")
         return None
     return ContainerGpuRequest(
-        name=name, count=count, memory_mib=memory_mib, memory_percent=memory_percent, cores=cores, init=init
+        name=name,
+        count=count,
+        memory_mib=memory_mib,
+        memory_percent=memory_percent,
+        cores=cores,
+        init=init,
+        sidecar=init and kubeapi.is_sidecar(container),
     )
 
 

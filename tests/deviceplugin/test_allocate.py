@@ -188,6 +188,33 @@ def test_a_pod_part_way_through_allocation_comes_first_and_containers_go_in_kube
     assert allocator.allocate([ids(uuids[2], 1)])[0].pod == "default/pair"
 
 
+def test_a_native_sidecar_gets_its_own_gpus_in_kubelet_order(
+    cluster: InMemoryCluster, allocator: Allocator, uuids: list[str]
+) -> None:
+    """kubelet calls Allocate for a sidecar (an init container with restartPolicy Always) among the init
+    containers, in spec order; the assignment names it a sidecar (the extender counted it beside the app), and the
+    device plugin finds it by name like any init container."""
+    side = {**container("side", 1), "restartPolicy": "Always"}
+    obj = gpu_pod("with-sidecar", init_containers=[container("warm", 1), side], containers=[container("app", 1)])
+    assignment = protocol.PodAssignment(
+        NODE,
+        (
+            protocol.ContainerAssignment("app", (protocol.DeviceShare(uuids[0], 2048, 0),)),
+            protocol.ContainerAssignment("warm", (protocol.DeviceShare(uuids[1], 4096, 0),), init=True),
+            protocol.ContainerAssignment("side", (protocol.DeviceShare(uuids[0], 1024, 0),), init=True, sidecar=True),
+        ),
+    )
+    obj["metadata"]["annotations"][protocol.POD_ASSIGNMENT_ANNOTATION] = protocol.encode_assignment(assignment)
+    cluster.add_pod(obj)
+    got = [allocator.allocate([ids(uuids[3], r)])[0] for r in (0, 1, 2)]
+    assert [(d.container, d.uuids) for d in got] == [
+        ("warm", (uuids[1],)),
+        ("side", (uuids[0],)),
+        ("app", (uuids[0],)),
+    ]
+    assert got[1].envs[f"{protocol.ENV_MEMORY_LIMIT_PREFIX}0"] == "1024m"
+
+
 def test_concurrent_allocates_never_claim_the_same_container(
     cluster: InMemoryCluster, allocator: Allocator, uuids: list[str]
 ) -> None:

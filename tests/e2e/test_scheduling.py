@@ -205,3 +205,33 @@ def test_extender_crash_in_the_middle_of_a_burst_loses_and_overcommits_nothing(
     mine = [use for use in usage.values() if use.node in nodes.names]
     assert sum(use.shares for use in mine) == count
     assert all(use.used_memory_mib <= use.memory_mib for use in mine)
+
+
+def test_a_native_sidecars_gpu_share_counts_beside_the_app_container(
+    dev_cluster: DevCluster, e2e_namespace: str, gpu_nodes: Callable[..., NodeSet]
+) -> None:
+    """Issue 12 through the real control plane: a 40960 MiB native sidecar (init container with restartPolicy
+    Always) and a 40960 MiB app container fill an 81920 MiB GPU, so a third 40960 MiB pod is refused there rather
+    than over-committing the GPU to 122880 MiB."""
+    nodes = gpu_nodes(1, gpus=1, memory_mib=81920)
+    with_sidecar = gpu_pod("with-sidecar", memory_mib=40960, node_selector=nodes.selector)
+    app = with_sidecar["spec"]["containers"][0]
+    with_sidecar["spec"]["initContainers"] = [{**app, "name": "sidecar", "restartPolicy": "Always"}]
+    create_pods(dev_cluster.api, e2e_namespace, [with_sidecar])
+    outcome = wait_for_pods(dev_cluster.api, e2e_namespace, ["with-sidecar"], timeout_s=WAIT_S)
+    assert "with-sidecar" in outcome.bound, outcome.describe() + _failure_context(dev_cluster)
+    assignment = assignment_of(outcome.pods["with-sidecar"])
+    assert assignment is not None
+    assert [(c.name, c.init, c.sidecar) for c in assignment.containers] == [
+        ("main", False, False),
+        ("sidecar", True, True),
+    ]
+
+    create_pods(dev_cluster.api, e2e_namespace, [gpu_pod("neighbour", memory_mib=40960, node_selector=nodes.selector)])
+    waiting = wait_for_pods(
+        dev_cluster.api, e2e_namespace, ["neighbour"], timeout_s=WAIT_S, expect_refused=["neighbour"]
+    )
+    assert "neighbour" not in waiting.bound, waiting.describe() + _failure_context(dev_cluster)
+    assert "no GPU with 40960 MiB free (largest free 0 MiB)" in waiting.refused.get("neighbour", ""), waiting.describe()
+    usage = assert_no_overcommit(dev_cluster)
+    assert [use.used_memory_mib for use in usage.values() if use.node in nodes.names] == [81920]

@@ -13,7 +13,7 @@ from kube_vgpu.extender import scheduler as scheduler_module
 from kube_vgpu.extender.engine.policies import make_policy
 from kube_vgpu.extender.scheduler import STALE_REFRESH_PER_CALL, Scheduler
 from kube_vgpu.extender.sources.snapshot import SnapshotCluster
-from kube_vgpu.extender.state import ClusterState, pod_cpu_request_milli
+from kube_vgpu.extender.state import ClusterState
 from tests.helpers import gpu_node, pod
 
 
@@ -64,8 +64,46 @@ def container(cpu: str | None, *, limits_only: bool = False, **extra: Any) -> di
         ("pod overhead", {"containers": [container("1")], "overhead": {"cpu": "250m"}}, 1250),
     ],
 )
-def test_pod_cpu_request(case: str, spec: dict[str, Any], expected_milli: int) -> None:
-    assert pod_cpu_request_milli({"spec": spec}) == expected_milli, case
+def test_state_counts_a_bound_pods_cpu_as_kube_scheduler(case: str, spec: dict[str, Any], expected_milli: int) -> None:
+    """The state's per-node CPU is kubeapi.pod_requests' figure (kube-scheduler's), never a copy of the rules."""
+    state = ClusterState()
+    state.upsert_node(gpu_node("n1", cpu_milli=64000))
+    bound = cpu_pod("n1")
+    bound["spec"].update(spec)
+    state.upsert_pod(bound)
+    assert state.nodes["n1"].cpu_milli_used == expected_milli, case
+
+
+def test_sidecar_cpu_is_counted_beside_the_app_container() -> None:
+    """Regression (issue 12): a 1-CPU app container and a 2-CPU native sidecar use 3000m, as kube-scheduler counts
+    them, not 2000m (the sidecar at an init container's peak)."""
+    state = ClusterState()
+    state.upsert_node(gpu_node("n1", cpu_milli=8000))
+    bound = cpu_pod("n1", cpu="1")
+    bound["spec"]["initContainers"] = [container("2", restartPolicy="Always")]
+    state.upsert_pod(bound)
+    assert state.nodes["n1"].cpu_milli_used == 3000
+
+
+def test_an_in_place_resize_counts_as_on_kube_schedulers_node() -> None:
+    """A bound pod whose kubelet reports larger resources than its spec (a resize down not applied yet) counts the
+    larger figure, as kube-scheduler's NodeInfo does."""
+    state = ClusterState()
+    state.upsert_node(gpu_node("n1", cpu_milli=8000))
+    bound = cpu_pod("n1", cpu="1")
+    name = bound["spec"]["containers"][0]["name"]
+    bound["status"]["containerStatuses"] = [{"name": name, "resources": {"requests": {"cpu": "3"}}}]
+    state.upsert_pod(bound)
+    assert state.nodes["n1"].cpu_milli_used == 3000
+
+
+def test_an_unreadable_cpu_request_counts_zero_and_does_not_crash() -> None:
+    state = ClusterState()
+    state.upsert_node(gpu_node("n1", cpu_milli=8000))
+    state.upsert_pod(cpu_pod("n1", cpu="lots"))
+    assert state.nodes["n1"].cpu_milli_used == 0
+    state.upsert_node(allocatable(gpu_node("n1", cpu_milli=8000), "many"))
+    assert state.nodes["n1"].cpu_milli_total == 0  # unknown
 
 
 def allocatable(obj: dict[str, Any], cpu: str) -> dict[str, Any]:

@@ -135,12 +135,11 @@ def test_invalid_inventory_reported_not_guessed() -> None:
 
 
 def test_learning_policies_observe_each_pod_once_in_arrival_order() -> None:
-    from kube_vgpu.extender.engine.policies import register
+    from kube_vgpu.extender.engine.policies import REGISTRY
     from kube_vgpu.extender.engine.policies.binpack import Binpack
 
     seen: list[int] = []
 
-    @register
     class Recording(Binpack):
         name = "test-recording"
 
@@ -149,7 +148,8 @@ def test_learning_policies_observe_each_pod_once_in_arrival_order() -> None:
 
     state = ClusterState()
     cluster = SnapshotCluster(state, [gpu_node("n1")])
-    scheduler = Scheduler(state, cluster, node_policy="test-recording")
+    scheduler = Scheduler(state, cluster, node_policy="test-recording",
+                          policies={**REGISTRY, Recording.name: Recording})
     first, second = pod(memory_mib=100), pod(memory_mib=200)
     for p in (first, first, second, first):  # kube-scheduler retries re-filter the same pod
         scheduler.filter(p, ["n1"])

@@ -211,6 +211,20 @@ def test_quantities_in_counting_units() -> None:
         parse_quantity("0.0005", "cpu", "x")
 
 
+def test_quantities_read_by_kubeapi() -> None:
+    """The quota's quantities are kubeapi's (one parser): "E" alone is exa and "Ei" a binary suffix, both refused
+    before as exponents without digits; an exact 30-digit quota stays exact."""
+    assert parse_quantity("1Ei", "memory", "x") == 2**60
+    assert parse_quantity("2E", "memory", "x") == 2 * 10**18
+    assert parse_quantity("123456789012345678901234567890", "cpu", "x") == 123456789012345678901234567890 * 1000
+    with pytest.raises(QuotaConfigError, match=r"x: 'lots' is not a Kubernetes quantity"):
+        parse_quantity("lots", "cpu", "x")
+    with pytest.raises(QuotaConfigError, match=r"x: '-1' must be greater than or equal to 0"):
+        parse_quantity("-1", "cpu", "x")
+    with pytest.raises(QuotaConfigError, match=r"write a plain number, not '1k'"):
+        parse_quantity("1k", "nvidia.com/gpu", "x")
+
+
 def test_unreadable_file_is_an_error(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text("kind: [unclosed\n")

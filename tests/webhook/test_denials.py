@@ -54,8 +54,8 @@ ROWS = [
         "gpumem-binary-unit",
         pod(gpu_container(gpu="1", gpumem="8Gi")),
         400,
-        "container trainer: nvidia.com/gpumem counts MiB, so it takes no Ki/Mi/Gi/Ti unit, got '8Gi'; for 8Gi write "
-        "8192",
+        "container trainer: nvidia.com/gpumem counts MiB, so it takes no Ki/Mi/Gi/Ti/Pi/Ei unit, got '8Gi'; for 8Gi "
+        "write 8192",
     ),
     Row(
         "gpumem-larger-than-any-gpu",
@@ -68,8 +68,7 @@ ROWS = [
         "quantity-5000-digits",
         pod(gpu_container(gpu="1", gpucores="1" * 5000)),
         400,
-        "container trainer: nvidia.com/gpucores must be a whole number, got '11111111111111111111'... (5000 "
-        "characters)",
+        f"container trainer: nvidia.com/gpucores must be a non-negative whole number, got {'1' * 5000!r}",
     ),
     Row(
         "gpu-negative",
@@ -144,6 +143,25 @@ ROWS = [
         pod(gpu_container("a", gpu="3"), gpu_container("b", gpu="2")),
         403,
         "pod asks for 5 vGPUs (nvidia.com/gpu), more than the maximum of 4 per pod allowed in this cluster",
+        config=WebhookConfig(max_gpus_per_pod=4),
+    ),
+    Row(
+        "gpu-count-above-configured-max-with-a-sidecar",
+        pod(gpu_container("a", gpu="3"), init_containers=[gpu_container("side", gpu="2", restartPolicy="Always")]),
+        403,
+        "pod asks for 5 vGPUs (nvidia.com/gpu), more than the maximum of 4 per pod allowed in this cluster "
+        "(native sidecars count with the containers they run beside)",
+        config=WebhookConfig(max_gpus_per_pod=4),
+    ),
+    Row(
+        "gpu-count-above-configured-max-sidecar-beside-a-later-init-container",
+        pod(
+            gpu_container("a", gpu="1"),
+            init_containers=[gpu_container("side", gpu="1", restartPolicy="Always"), gpu_container("warm", gpu="4")],
+        ),
+        403,
+        "pod asks for 5 vGPUs (nvidia.com/gpu), more than the maximum of 4 per pod allowed in this cluster "
+        "(native sidecars count with the containers they run beside)",
         config=WebhookConfig(max_gpus_per_pod=4),
     ),
     # -- placement and isolation
@@ -231,7 +249,7 @@ def test_every_rule_of_the_issue_has_a_row() -> None:
         "must not be negative",
         f"{CORES} must be between 0 and 100",
         f"{MEM} must be greater than 0",
-        f"{MEM} counts MiB, so it takes no Ki/Mi/Gi/Ti unit",
+        f"{MEM} counts MiB, so it takes no Ki/Mi/Gi/Ti/Pi/Ei unit",
         f"{MEM} must be at most 1048576 MiB",
         f"{PCT} must be between 1 and 100",
         "not both",
@@ -274,3 +292,22 @@ def test_update_never_mutates_even_a_gpu_pod() -> None:
     outcome, response = run_review(gpu_pod, operation="UPDATE", old=gpu_pod)
     assert outcome.result is Result.ALLOWED
     assert "patch" not in response
+
+
+def test_the_vgpu_cap_counts_the_pods_peak() -> None:
+    """Init containers run one at a time (their largest counts, not their sum); a native sidecar runs beside the app
+    containers and every later init container, so it counts with them."""
+    config = WebhookConfig(max_gpus_per_pod=4)
+    ordinary = pod(
+        gpu_container("a", gpu="3"), init_containers=[gpu_container("w1", gpu="4"), gpu_container("w2", gpu="4")]
+    )
+    assert run_review(ordinary, config)[0].result is Result.MUTATED
+    sidecar_after = pod(
+        gpu_container("a", gpu="3"),
+        init_containers=[gpu_container("warm", gpu="4"), gpu_container("side", gpu="1", restartPolicy="Always")],
+    )
+    assert run_review(sidecar_after, config)[0].result is Result.MUTATED  # warm-up ends before the sidecar starts
+    sidecar_over = pod(
+        gpu_container("a", gpu="4"), init_containers=[gpu_container("side", gpu="1", restartPolicy="Always")]
+    )
+    assert run_review(sidecar_over, config)[0].result is Result.DENIED

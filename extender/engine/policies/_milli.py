@@ -67,7 +67,7 @@ def request_milli(request: PlacementRequest, node: NodeState | None = None) -> t
     if not containers:
         return 0, 0
     container = containers[0]
-    count = sum(c.count for c in containers if not c.init) or container.count
+    count = sum(c.count for c in containers if c.sidecar or not c.init) or container.count  # the app phase
     if node is not None and node.gpus:
         return request_share_milli(container, node.gpus[0]), count
     shape = task_shape(request)

@@ -1,4 +1,4 @@
-"""The placement-policy interface and registry.
+"""The placement-policy interface (the registry of policies by name is registry.py).
 
 A policy does two things, like a kube-scheduler score plugin plus HAMi's device policy:
   * `choose_gpus`: given the GPUs of one node that fit one container, pick `count` of them;
@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 
 
 class Scratch:
-    """Usage added by the containers already placed in the current phase (indexed by GPU position)."""
+    """Usage added by the containers already placed in the current phase (indexed by GPU position): the pod's own
+    containers that run at the same moment, sidecars started earlier included."""
 
     __slots__ = ("cores", "exclusive", "memory_mib", "shares")
 
@@ -27,6 +28,14 @@ class Scratch:
         self.cores = [0] * size
         self.shares = [0] * size
         self.exclusive = [False] * size
+
+    def copy(self) -> Scratch:
+        twin = Scratch(0)
+        twin.memory_mib = self.memory_mib[:]
+        twin.cores = self.cores[:]
+        twin.shares = self.shares[:]
+        twin.exclusive = self.exclusive[:]
+        return twin
 
 
 class Policy:
@@ -57,35 +66,6 @@ class Policy:
 
     def score(self, node: NodeState, request: PlacementRequest, placement: Placement) -> float:
         return 0.0
-
-
-_REGISTRY: dict[str, type[Policy]] = {}
-
-
-def register(cls: type[Policy]) -> type[Policy]:
-    if not cls.name:
-        raise ValueError(f"{cls.__name__} has no name")
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def policy_names() -> list[str]:
-    from kube_vgpu.extender.engine.policies import _load_all
-
-    _load_all()
-    return sorted(_REGISTRY)
-
-
-def make_policy(name: str, **options: object) -> Policy:
-    """A fresh policy instance by name; ValueError lists the known names."""
-    from kube_vgpu.extender.engine.policies import _load_all
-
-    _load_all()
-    try:
-        cls = _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown policy {name!r}; known policies: {', '.join(sorted(_REGISTRY))}") from None
-    return cls(**options)
 
 
 # --- helpers shared by policies ---------------------------------------------------------------------

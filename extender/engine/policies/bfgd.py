@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kube_vgpu.extender.engine.fragmentation import task_shape
-from kube_vgpu.extender.engine.policies.base import Scratch, node_fill_after, register
+from kube_vgpu.extender.engine.policies.base import Scratch, node_fill_after
 from kube_vgpu.extender.engine.policies.fgd import FragPolicyBase
 from kube_vgpu.extender.engine.policies.topology import best_connected_gpus, connectivity, least_damaging_gpu
 from kube_vgpu.extender.engine.shares import MILLI_PER_GPU, ask_share_milli
@@ -61,7 +61,6 @@ def reference_node(node: NodeState) -> bool:
     return bool(node.gpus) and node.gpus[0].cores == MILLI_PER_GPU
 
 
-@register
 class BalancedFGD(FragPolicyBase):
     name = "bfgd"
 

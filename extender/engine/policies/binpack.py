@@ -5,14 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kube_vgpu.extender.engine.policies.base import Policy, Scratch, free_memory_after, node_fill_after, register
+from kube_vgpu.extender.engine.policies.base import Policy, Scratch, free_memory_after, node_fill_after
 
 if TYPE_CHECKING:
     from kube_vgpu.extender.engine.model import GpuState, NodeState, Placement, PlacementRequest
     from kube_vgpu.protocol import ContainerGpuRequest
 
 
-@register
 class Binpack(Policy):
     name = "binpack"
 

@@ -17,14 +17,12 @@ from kube_vgpu.extender.engine.policies._milli import (
     go_div,
     pod_kind,
 )
-from kube_vgpu.extender.engine.policies.base import register
 
 if TYPE_CHECKING:
 
     from kube_vgpu.extender.engine.model import NodeState, Placement, PlacementRequest
 
 
-@register
 class Clustering(BestFitGpuChoice):
     name = "clustering"
     #: the score reads NodeState.pod_kinds besides GPU usage (state-keyed memos must include it)

@@ -18,14 +18,12 @@ from kube_vgpu.extender.engine.policies._milli import (
     free_milli_list,
     request_milli,
 )
-from kube_vgpu.extender.engine.policies.base import register
 
 if TYPE_CHECKING:
 
     from kube_vgpu.extender.engine.model import NodeState, Placement, PlacementRequest
 
 
-@register
 class DotProd(BestFitGpuChoice):
     name = "dotprod"
     uses_host_cpu = True

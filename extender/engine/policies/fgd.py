@@ -27,7 +27,7 @@ from kube_vgpu.extender.engine.policies._milli import (
     free_milli_list,
     free_with_scratch,
 )
-from kube_vgpu.extender.engine.policies.base import Policy, Scratch, register
+from kube_vgpu.extender.engine.policies.base import Policy, Scratch
 from kube_vgpu.extender.engine.shares import free_share_milli
 
 if TYPE_CHECKING:
@@ -142,6 +142,5 @@ class FragPolicyBase(Policy):
         return float(quantised_gain(before, after))
 
 
-@register
 class FGD(FragPolicyBase):
     name = "fgd"

@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kube_vgpu.extender.engine.policies._milli import MAX_NODE_SCORE, BestFitGpuChoice, free_milli_list, request_milli
-from kube_vgpu.extender.engine.policies.base import register
 
 if TYPE_CHECKING:
 
@@ -19,7 +18,6 @@ if TYPE_CHECKING:
 _MILLI = 1000
 
 
-@register
 class Packing(BestFitGpuChoice):
     name = "packing"
 

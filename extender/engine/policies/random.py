@@ -9,14 +9,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kube_vgpu.extender.engine.policies._milli import BestFitGpuChoice
-from kube_vgpu.extender.engine.policies.base import register
 
 if TYPE_CHECKING:
 
     from kube_vgpu.extender.engine.model import NodeState, Placement, PlacementRequest
 
 
-@register
 class RandomPolicy(BestFitGpuChoice):
     name = "random"
     #: the choice among equal scores must be uniform (a simulator that breaks ties by node order must not)

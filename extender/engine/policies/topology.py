@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kube_vgpu.extender.engine.model import GpuState
-from kube_vgpu.extender.engine.policies.base import Policy, Scratch, free_memory_after, node_fill_after, register
+from kube_vgpu.extender.engine.policies.base import Policy, Scratch, free_memory_after, node_fill_after
 
 if TYPE_CHECKING:
     from kube_vgpu.extender.engine.model import NodeState, Placement, PlacementRequest
@@ -102,7 +102,6 @@ def connectivity(node: NodeState, placement: Placement) -> float | None:
     return quality
 
 
-@register
 class Topology(Policy):
     name = "topology"
 
