@@ -9,11 +9,9 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import orjson
@@ -28,6 +26,8 @@ from starlette.types import Receive, Scope, Send
 from kube_vgpu.extender.scheduler import BindError, PreparedBind, Scheduler
 from kube_vgpu.extender.state import ClusterState
 from kube_vgpu.kubeapi import InvalidObject, check_pod
+from kube_vgpu.probes import ProbeServer, Reply, Route
+from kube_vgpu.probes import serve_probes as serve_probe_routes
 from kube_vgpu.protocol import InvalidGpuRequest
 
 log = logging.getLogger(__name__)
@@ -351,33 +351,19 @@ def create_app(scheduler: Scheduler, *, on_startup: Callable[[], None] | None = 
     return app
 
 
-def serve_probes(registry: CollectorRegistry, state: ClusterState, host: str, port: int) -> ThreadingHTTPServer:
+def serve_probes(registry: CollectorRegistry, state: ClusterState, host: str, port: int) -> ProbeServer:
     """/metrics, /healthz and /readyz on their own listener (a thread), so the extender's verbs can stay on
-    loopback beside kube-scheduler while Prometheus and the kubelet's probes reach these from outside the Pod."""
+    loopback beside kube-scheduler while Prometheus and the kubelet's probes reach these from outside the Pod.
+    The listener bounds its connections, threads and waits (kube_vgpu.probes)."""
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            path = self.path.split("?", 1)[0]
-            if path == "/metrics":
-                status, content_type, body = 200, CONTENT_TYPE_LATEST, generate_latest(registry)
-            elif path == "/healthz":
-                status, content_type, body = 200, "text/plain", b"ok"
-            elif path == "/readyz":
-                ready = state.synced.is_set()
-                status, content_type = (200 if ready else 503), "text/plain"
-                body = b"ok" if ready else b"initial sync with the API server not finished"
-            else:
-                status, content_type, body = 404, "text/plain", b"not found"
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def readyz() -> Reply:
+        if state.synced.is_set():
+            return 200, "text/plain", b"ok"
+        return 503, "text/plain", b"initial sync with the API server not finished"
 
-        def log_message(self, format: str, *args: Any) -> None:  # probes every few seconds: keep logs quiet
-            return
-
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, name="probes", daemon=True).start()
-    return server
+    routes: dict[str, Route] = {
+        "/metrics": lambda: (200, CONTENT_TYPE_LATEST, generate_latest(registry)),
+        "/healthz": lambda: (200, "text/plain", b"ok"),
+        "/readyz": readyz,
+    }
+    return serve_probe_routes(host, port, routes)
