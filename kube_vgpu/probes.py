@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -43,6 +43,8 @@ DEFAULT_REQUEST_TIMEOUT_S = 10.0
 class _Connection:
     accepted_s: float
     requested: bool = False  # the request head is complete; it is being answered
+    cut: bool = False  # shut down by the server; its thread is ending
+    finished: threading.Event = field(default_factory=threading.Event)  # its thread has ended
 
 
 class ProbeServer(ThreadingHTTPServer):
@@ -64,7 +66,8 @@ class ProbeServer(ThreadingHTTPServer):
         self.max_connections = max_connections
         self.read_timeout_s = read_timeout_s
         self.request_timeout_s = request_timeout_s
-        self.connections: dict[socket.socket, _Connection] = {}  # insertion-ordered: oldest first
+        #: every connection whose thread runs (or is about to), oldest first
+        self.connections: dict[socket.socket, _Connection] = {}
         self.closed_counts: dict[str, int] = {"evicted": 0, "refused": 0, "request_timeout": 0}
         self._lock = threading.Lock()
         super().__init__(address, _Handler)
@@ -73,43 +76,50 @@ class ProbeServer(ThreadingHTTPServer):
 
     def process_request(self, request: Any, client_address: Any) -> None:
         now_s = time.monotonic()
+        cut: list[_Connection] = []
         with self._lock:
-            for sock, connection in list(self.connections.items()):
-                if not connection.requested and now_s - connection.accepted_s > self.request_timeout_s:
-                    self._cut(sock, "request_timeout")
-            if len(self.connections) >= self.max_connections:
-                unfinished = [sock for sock, connection in self.connections.items() if not connection.requested]
+            for sock, connection in self.connections.items():
+                late = now_s - connection.accepted_s > self.request_timeout_s
+                if late and not connection.requested and not connection.cut:
+                    cut.append(self._cut(sock, connection, "request_timeout"))
+            serving = [(sock, c) for sock, c in self.connections.items() if not c.cut]
+            if len(serving) >= self.max_connections:
+                unfinished = [(sock, c) for sock, c in serving if not c.requested]
                 if not unfinished:
                     self.closed_counts["refused"] += 1
                     self.shutdown_request(request)
                     return
-                self._cut(unfinished[0], "evicted")
+                cut.append(self._cut(*unfinished[0], "evicted"))
             self.connections[request] = _Connection(now_s)
+        for connection in cut:  # their threads end at once; waiting keeps the thread count within the cap
+            connection.finished.wait(self.read_timeout_s)
         super().process_request(request, client_address)
 
-    def _cut(self, sock: socket.socket, reason: str) -> None:
-        """Wake the thread reading from `sock` (its read returns at once) and forget the connection; the thread then
-        ends on its own."""
+    def _cut(self, sock: socket.socket, connection: _Connection, reason: str) -> _Connection:
+        """Wake the thread reading from `sock`: its read returns at once and the thread ends."""
         self.closed_counts[reason] += 1
-        del self.connections[sock]
+        connection.cut = True
         try:
             sock.shutdown(socket.SHUT_RDWR)
         except OSError:  # already closed by the peer
             pass
+        return connection
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
             with self._lock:
-                self.connections.pop(request, None)
+                connection = self.connections.pop(request, None)
+            if connection is not None:
+                connection.finished.set()
 
     def mark_requested(self, request: socket.socket) -> bool:
         """Record that the request head is complete; False when the connection was cut meanwhile (what was read
         then ended at the cut, not at the client's blank line, and must not be answered)."""
         with self._lock:
             connection = self.connections.get(request)
-            if connection is None:
+            if connection is None or connection.cut:
                 return False
             connection.requested = True
             return True

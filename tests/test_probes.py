@@ -87,8 +87,9 @@ def test_many_half_sent_requests_hold_a_bounded_number_of_threads_and_a_probe_st
     threads_before = threading.active_count()
     with running(max_connections=8, read_timeout_s=LONG_S, request_timeout_s=LONG_S) as server:
         stalled = [partial(server) for _ in range(200)]
-        assert len(server.connections) <= 8
-        assert threading.active_count() - threads_before <= 8 + 1 + 1  # handlers, the accept loop, one ending
+        assert sum(not c.cut for c in list(server.connections.values())) <= 8
+        # the handlers, the accept loop, and a cut one that has signalled its end but not yet returned
+        assert threading.active_count() - threads_before <= 8 + 1 + 1
         assert get(server).startswith(b"HTTP/1.0 200")
         assert server.closed_counts["evicted"] >= 200 - 8
         assert server.closed_counts["refused"] == 0
@@ -107,7 +108,7 @@ def test_the_connection_cap_on_both_sides() -> None:
         newest = partial(server)  # one over: the oldest unfinished one makes room
         assert read_all(held[0]) == b""
         assert server.closed_counts["evicted"] == 1
-        assert len(server.connections) == 3
+        assert eventually(lambda: len(server.connections) == 3)
         for sock in (*held[1:], newest):  # the others are still served once they finish their request
             sock.sendall(b"be\r\n\r\n")
             assert read_all(sock).startswith(b"HTTP/1.0 200")
