@@ -57,7 +57,7 @@ class WebhookMetrics:
         self.requests_refused = Counter(
             "kube_vgpu_webhook_requests_refused",
             "Admission requests answered with an error before review, by reason (body_timeout: 408, busy: 503 when "
-            "no request slot freed in time, too_large: 413).",
+            "no request slot freed in time, too_large: 413, disconnected: the client left mid-body).",
             ["reason"],
             registry=self.registry,
         )

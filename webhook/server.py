@@ -21,7 +21,7 @@ import orjson
 import uvicorn
 from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import PlainTextResponse, Response
 
 from kube_vgpu.webhook.config import ConnectionLimits, WebhookConfig
@@ -70,6 +70,8 @@ def create_app(
                     body = await _read_body(request)
             except TimeoutError:
                 return refuse(408, "body_timeout", f"request body not received within {limits.body_timeout_s:g} s")
+            except ClientDisconnect:  # the client left mid-body: nobody to answer, nothing to log but a count
+                return refuse(400, "disconnected", "client disconnected before sending the whole body")
             if body is None:
                 return refuse(413, "too_large", f"request body larger than {MAX_BODY_BYTES} bytes")
             outcome = review(body, config)

@@ -326,6 +326,18 @@ def test_a_slow_body_gets_408_and_the_server_keeps_serving(certs: CertificatePat
             assert still_open(fresh)
 
 
+def test_a_client_leaving_mid_body_is_counted_and_frees_its_slot(certs: CertificatePaths) -> None:
+    with running(certs, limits(max_concurrent_requests=1)) as server:
+        leaving = tls_connect(server, certs.ca_cert)
+        start_request_and_hold_body(leaving)
+        leaving.sendall(b'{"apiVersion"')
+        leaving.close()
+        assert eventually(lambda: server.metrics.registry.get_sample_value(
+            "kube_vgpu_webhook_requests_refused_total", {"reason": "disconnected"}) == 1)  # fmt: skip
+        with tls_connect(server, certs.ca_cert) as fresh:  # the one slot is free again
+            assert still_open(fresh)
+
+
 # ---------------------------------------------------------------------------------------------
 # How many requests at once
 # ---------------------------------------------------------------------------------------------
