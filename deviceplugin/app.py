@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -23,6 +23,7 @@ from kube_vgpu.deviceplugin.nvml import Nvml
 from kube_vgpu.deviceplugin.publisher import DEFAULT_HEARTBEAT_SECONDS, Publisher
 from kube_vgpu.deviceplugin.server import DEFAULT_KUBELET_DIR, DEFAULT_SOCKET_NAME, DevicePluginServicer, PluginServer
 from kube_vgpu.deviceplugin.state import DeviceState
+from kube_vgpu.probes import ProbeServer, Route, serve_probes
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class DevicePluginApp:
         self.holders = holders
         self.stop_event = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._probe_server: ThreadingHTTPServer | None = None
+        self._probe_server: ProbeServer | None = None
         self.discovery: Discovery = discover(
             nvml, sharing_count=config.sharing_count, sysfs_root=Path(config.sysfs_root)
         )
@@ -144,26 +145,11 @@ class DevicePluginApp:
 
     def _start_probes(self, address: str) -> None:
         host, _, port = address.rpartition(":")
-        app = self
 
-        class Probes(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                ok = {"/healthz": app.alive, "/readyz": app.ready}.get(self.path)
-                if ok is None:
-                    self.send_error(404)
-                    return
-                good = ok()
-                body = b"ok\n" if good else b"not ready\n"
-                self.send_response(200 if good else 503)
-                self.send_header("Content-Type", "text/plain")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+        def check(ok: Callable[[], bool]) -> Route:
+            return lambda: (200, "text/plain", b"ok\n") if ok() else (503, "text/plain", b"not ready\n")
 
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-        self._probe_server = ThreadingHTTPServer((host or "0.0.0.0", int(port)), Probes)
-        thread = threading.Thread(target=self._probe_server.serve_forever, name="probes", daemon=True)
-        thread.start()
+        # bounded connections, threads and waits (kube_vgpu.probes)
+        self._probe_server = serve_probes(host or "0.0.0.0", int(port), {"/healthz": check(self.alive),
+                                                                          "/readyz": check(self.ready)})
         log.info("probes on http://%s/healthz and /readyz", address)

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import inspect
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import orjson
@@ -27,6 +25,9 @@ from starlette.types import Receive, Scope, Send
 
 from kube_vgpu.extender.scheduler import BindError, Scheduler
 from kube_vgpu.extender.state import ClusterState
+from kube_vgpu.kubeapi import InvalidObject, check_pod
+from kube_vgpu.probes import ProbeServer, Reply, Route
+from kube_vgpu.probes import serve_probes as serve_probe_routes
 from kube_vgpu.protocol import InvalidGpuRequest
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,11 @@ LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.015, 0.025, 0.05, 0.1,
 
 
 class BadRequest(Exception):
-    pass
+    status = 400
+
+
+class PayloadTooLarge(BadRequest):
+    status = 413
 
 
 def _json(data: Any, status_code: int = 200) -> Response:
@@ -100,7 +105,7 @@ async def read_asgi_body(scope: Scope, receive: Receive) -> bytes:
             except ValueError:
                 raise BadRequest("invalid Content-Length header") from None
             if declared > MAX_BODY_BYTES:
-                raise BadRequest(f"request body too large ({declared} bytes; limit {MAX_BODY_BYTES})")
+                raise PayloadTooLarge(f"request body too large ({declared} bytes; limit {MAX_BODY_BYTES})")
     chunks = []
     size = 0
     while True:
@@ -110,7 +115,7 @@ async def read_asgi_body(scope: Scope, receive: Receive) -> bytes:
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > MAX_BODY_BYTES:
-            raise BadRequest(f"request body too large (over {MAX_BODY_BYTES} bytes)")
+            raise PayloadTooLarge(f"request body too large (over {MAX_BODY_BYTES} bytes)")
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
@@ -123,6 +128,10 @@ def _extender_args(doc: Any) -> tuple[dict[str, Any], list[str], list[dict[str, 
     pod = doc.get("Pod")
     if not isinstance(pod, dict):
         raise BadRequest("ExtenderArgs.Pod must be a Pod object")
+    try:
+        check_pod(pod, "ExtenderArgs.Pod")  # wrong-typed fields: a 400 naming the field, not a 500 deep inside
+    except InvalidObject as exc:
+        raise BadRequest(str(exc)) from None
     names = doc.get("NodeNames")
     nodes = doc.get("Nodes")
     if names is not None:
@@ -135,6 +144,10 @@ def _extender_args(doc: Any) -> tuple[dict[str, Any], list[str], list[dict[str, 
             items = []
         if not isinstance(items, list) or not all(isinstance(n, dict) for n in items):
             raise BadRequest("ExtenderArgs.Nodes.items must be a list of Node objects")
+        for index, node in enumerate(items):
+            metadata = node.get("metadata")
+            if not isinstance(metadata, dict) or not isinstance(metadata.get("name"), str):
+                raise BadRequest(f"ExtenderArgs.Nodes.items[{index}].metadata.name must be a string")
         return pod, [((n.get("metadata") or {}).get("name") or "") for n in items], items
     raise BadRequest("ExtenderArgs needs NodeNames (nodeCacheCapable) or Nodes")
 
@@ -170,13 +183,13 @@ class ExtenderApp(FastAPI):
                 result = verb(parse_json_body(await read_asgi_body(scope, receive)))
                 if inspect.isawaitable(result):
                     result = await result
+            body = orjson.dumps(result)  # in the try: a result that does not encode is an Error too, not plain text
         except BadRequest as exc:
             self.bad_requests.labels(name).inc()
-            status, result = 400, {"Error": str(exc)}
+            status, body = exc.status, orjson.dumps({"Error": str(exc)})
         except Exception as exc:  # never let one request take the service down; kube-scheduler shows the Error
             log.exception("%s failed", name)
-            status, result = 500, {"Error": f"kube-vgpu extender internal error in {name}: {exc!r}"}
-        body = orjson.dumps(result)
+            status, body = 500, orjson.dumps({"Error": f"kube-vgpu extender internal error in {name}: {exc!r}"})
         if status == 200:
             self.verb_latency.labels(name).observe(time.perf_counter() - started)
         await send({"type": "http.response.start", "status": status,
@@ -349,33 +362,20 @@ def create_app(scheduler: Scheduler, *, on_startup: Callable[[], None] | None = 
     return app
 
 
-def serve_probes(registry: CollectorRegistry, state: ClusterState, host: str, port: int) -> ThreadingHTTPServer:
+def serve_probes(registry: CollectorRegistry, state: ClusterState, host: str, port: int) -> ProbeServer:
     """/metrics, /healthz and /readyz on their own listener (a thread), so the extender's verbs can stay on
-    loopback beside kube-scheduler while Prometheus and the kubelet's probes reach these from outside the Pod."""
+    loopback beside kube-scheduler while Prometheus and the kubelet's probes reach these from outside the Pod.
+    The listener bounds its connections, threads and waits (kube_vgpu.probes)."""
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            path = self.path.split("?", 1)[0]
-            if path == "/metrics":
-                status, content_type, body = 200, CONTENT_TYPE_LATEST, generate_latest(registry)
-            elif path == "/healthz":
-                status, content_type, body = 200, "text/plain", b"ok"
-            elif path == "/readyz":
-                reason = state.unready_reason()
-                status, content_type = (200 if reason is None else 503), "text/plain"
-                body = b"ok" if reason is None else reason.encode()
-            else:
-                status, content_type, body = 404, "text/plain", b"not found"
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def readyz() -> Reply:
+        reason = state.unready_reason()  # the initial sync, then the watches (a dead one: 503)
+        if reason is None:
+            return 200, "text/plain", b"ok"
+        return 503, "text/plain", reason.encode()
 
-        def log_message(self, format: str, *args: Any) -> None:  # probes every few seconds: keep logs quiet
-            return
-
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, name="probes", daemon=True).start()
-    return server
+    routes: dict[str, Route] = {
+        "/metrics": lambda: (200, CONTENT_TYPE_LATEST, generate_latest(registry)),
+        "/healthz": lambda: (200, "text/plain", b"ok"),
+        "/readyz": readyz,
+    }
+    return serve_probe_routes(host, port, routes)

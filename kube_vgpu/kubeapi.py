@@ -273,3 +273,132 @@ def _apply_pod_level(total: _Exact, pod_resources: Mapping[str, Any], wanted: fr
 def pod_request(pod: Mapping[str, Any], resource: str, *, status_resources: bool = False) -> int:
     """One resource of `pod_requests` (0 when the pod does not ask for it)."""
     return pod_requests(pod, (resource,), status_resources=status_resources).get(resource, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The shape of a Pod: every field kube-vgpu reads has the type the API gives it
+# ---------------------------------------------------------------------------------------------
+
+
+class InvalidObject(ValueError):
+    """An object with a field of a type the API server never sends (it decodes every object into typed structs
+    first, so only a hand-made request can carry one); the message names the field."""
+
+
+def _check_object(value: Any, where: str) -> Mapping[str, Any] | None:
+    if value is not None and not isinstance(value, Mapping):
+        raise InvalidObject(f"{where} must be an object, got {_json_type(value)}")
+    return value
+
+
+def _check_list(value: Any, where: str) -> list[Any]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise InvalidObject(f"{where} must be a list, got {_json_type(value)}")
+    return value
+
+
+def _check_objects(value: Any, where: str) -> list[Mapping[str, Any]]:
+    items = _check_list(value, where)
+    for index, item in enumerate(items):
+        if not isinstance(item, Mapping):
+            raise InvalidObject(f"{where}[{index}] must be an object, got {_json_type(item)}")
+    return items
+
+
+def _check_string(value: Any, where: str) -> None:
+    if value is not None and not isinstance(value, str):
+        raise InvalidObject(f"{where} must be a string, got {_json_type(value)}")
+
+
+def _check_strings(mapping: Mapping[str, Any], keys: Iterable[str], where: str) -> None:
+    for key in keys:
+        _check_string(mapping.get(key), f"{where}.{key}")
+
+
+def _check_string_map(value: Any, where: str) -> None:
+    mapping = _check_object(value, where)
+    for key, item in (mapping or {}).items():
+        if not isinstance(item, str):
+            raise InvalidObject(f"{where}[{key!r}] must be a string, got {_json_type(item)}")
+
+
+def _check_quantity_map(value: Any, where: str) -> None:
+    """Values must be quantities in form (a string or a number); parse_quantity judges their text."""
+    mapping = _check_object(value, where)
+    for key, item in (mapping or {}).items():
+        if isinstance(item, bool) or not isinstance(item, str | int | float):
+            raise InvalidObject(f"{where}[{key!r}] must be a quantity (a string or a number), got {_json_type(item)}")
+
+
+def _check_resources(value: Any, where: str) -> None:
+    resources = _check_object(value, where) or {}
+    for section in ("limits", "requests"):
+        _check_quantity_map(resources.get(section), f"{where}.{section}")
+
+
+def _check_container(container: Mapping[str, Any], where: str) -> None:
+    _check_strings(container, ("name", "image", "restartPolicy"), where)
+    _check_resources(container.get("resources"), f"{where}.resources")
+    for index, entry in enumerate(_check_objects(container.get("env"), f"{where}.env")):
+        _check_strings(entry, ("name", "value"), f"{where}.env[{index}]")
+        _check_object(entry.get("valueFrom"), f"{where}.env[{index}].valueFrom")
+    for index, mount in enumerate(_check_objects(container.get("volumeMounts"), f"{where}.volumeMounts")):
+        _check_strings(mount, ("name", "mountPath"), f"{where}.volumeMounts[{index}]")
+    _check_objects(container.get("envFrom"), f"{where}.envFrom")
+    security = _check_object(container.get("securityContext"), f"{where}.securityContext") or {}
+    privileged = security.get("privileged")
+    if privileged is not None and not isinstance(privileged, bool):
+        raise InvalidObject(f"{where}.securityContext.privileged must be a boolean, got {_json_type(privileged)}")
+
+
+def check_pod(pod: Any, where: str = "pod") -> Mapping[str, Any]:
+    """`pod` itself when every field kube-vgpu reads has its API type (an absent or null field is fine); raises
+    InvalidObject naming the first that does not. Values are left to their parsers (quantities, GPU requests)."""
+    if not isinstance(pod, Mapping):
+        raise InvalidObject(f"{where} must be an object, got {_json_type(pod)}")
+    metadata = _check_object(pod.get("metadata"), f"{where}.metadata") or {}
+    _check_strings(metadata, ("name", "namespace", "uid", "generateName", "resourceVersion", "creationTimestamp"),
+                   f"{where}.metadata")
+    _check_string_map(metadata.get("labels"), f"{where}.metadata.labels")
+    _check_string_map(metadata.get("annotations"), f"{where}.metadata.annotations")
+    for index, owner in enumerate(_check_objects(metadata.get("ownerReferences"), f"{where}.metadata.ownerReferences")):
+        _check_strings(owner, ("apiVersion", "kind", "name", "uid"), f"{where}.metadata.ownerReferences[{index}]")
+    spec = _check_object(pod.get("spec"), f"{where}.spec") or {}
+    _check_strings(spec, ("nodeName", "schedulerName", "priorityClassName", "restartPolicy", "runtimeClassName"),
+                   f"{where}.spec")
+    priority = spec.get("priority")
+    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
+        raise InvalidObject(f"{where}.spec.priority must be an integer, got {_json_type(priority)}")
+    _check_string_map(spec.get("nodeSelector"), f"{where}.spec.nodeSelector")
+    _check_quantity_map(spec.get("overhead"), f"{where}.spec.overhead")
+    _check_resources(spec.get("resources"), f"{where}.spec.resources")
+    _check_object(spec.get("affinity"), f"{where}.spec.affinity")
+    _check_object(spec.get("securityContext"), f"{where}.spec.securityContext")
+    _check_objects(spec.get("tolerations"), f"{where}.spec.tolerations")
+    for index, volume in enumerate(_check_objects(spec.get("volumes"), f"{where}.spec.volumes")):
+        _check_string(volume.get("name"), f"{where}.spec.volumes[{index}].name")
+    for key in ("initContainers", "containers"):
+        for index, container in enumerate(_check_objects(spec.get(key), f"{where}.spec.{key}")):
+            _check_container(container, f"{where}.spec.{key}[{index}]")
+    status = _check_object(pod.get("status"), f"{where}.status") or {}
+    _check_string(status.get("phase"), f"{where}.status.phase")
+    return pod
+
+
+def _json_type(value: Any) -> str:
+    """How JSON names the value's type, for messages (the value itself may be huge)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, Mapping):
+        return "an object"
+    return type(value).__name__

@@ -18,6 +18,7 @@ from kube_vgpu.webhook.config import (
     DEFAULT_CACHE_DIR,
     DEFAULT_MAX_GPUS_PER_POD,
     DEFAULT_TRUSTED_USERNAMES,
+    ConnectionLimits,
     LimiterMode,
     WebhookConfig,
 )
@@ -49,6 +50,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="on SIGTERM, report not-ready on /readyz and keep answering this long before stopping, so the API "
         "server stops sending here first (a second SIGTERM stops at once) (default: %(default)s)",
+    )
+    defaults = ConnectionLimits()
+    serve.add_argument(
+        "--max-connections",
+        type=int,
+        default=defaults.max_connections,
+        help="open connections at most (each TLS connection holds ~0.27 MiB); at the cap a new one replaces the "
+        "longest-idle one (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=defaults.max_concurrent_requests,
+        help="admission requests read and reviewed at once (each may buffer 8 MiB); more wait for a slot "
+        "(default: %(default)s)",
+    )
+    serve.add_argument(
+        "--header-timeout-seconds",
+        type=float,
+        default=defaults.header_timeout_s,
+        help="close a connection whose TLS handshake and first request head take longer (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--idle-timeout-seconds",
+        type=float,
+        default=defaults.idle_timeout_s,
+        help="close a connection with no complete request head this long after its last response "
+        "(default: %(default)s)",
+    )
+    serve.add_argument(
+        "--body-timeout-seconds",
+        type=float,
+        default=defaults.body_timeout_s,
+        help="answer 408 to a request whose body takes longer to arrive (default: %(default)s)",
     )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--access-log", action="store_true", help="log every request (off: it costs latency)")
@@ -91,10 +126,21 @@ def config_from_args(args: argparse.Namespace) -> WebhookConfig:
     )
 
 
+def limits_from_args(args: argparse.Namespace) -> ConnectionLimits:
+    return ConnectionLimits(
+        max_connections=args.max_connections,
+        header_timeout_s=args.header_timeout_seconds,
+        idle_timeout_s=args.idle_timeout_seconds,
+        body_timeout_s=args.body_timeout_seconds,
+        max_concurrent_requests=args.max_concurrent_requests,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = config_from_args(args)
+        limits = limits_from_args(args)
     except ValueError as exc:
         print(f"kube-vgpu webhook: {exc}", file=sys.stderr)
         return 2
@@ -119,7 +165,9 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
 
-    from kube_vgpu.webhook.server import WebhookServer  # FastAPI and uvicorn load only when serving
+    from kube_vgpu.webhook.server import WebhookServer, return_freed_buffers_to_the_os  # loads FastAPI, uvicorn
+
+    return_freed_buffers_to_the_os()
 
     try:
         server = WebhookServer(
@@ -132,6 +180,7 @@ def run(args: argparse.Namespace) -> int:
             log_level=args.log_level,
             access_log=args.access_log,
             shutdown_delay_s=args.shutdown_delay_seconds,
+            limits=limits,
         )
     except (OSError, ssl.SSLError) as exc:
         print(f"kube-vgpu webhook: cannot serve: {exc}", file=sys.stderr)

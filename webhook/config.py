@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -57,3 +58,29 @@ class WebhookConfig:
                 raise ValueError(f"{name} must be an absolute path, got {getattr(self, name)!r}")
         if not self.scheduler_name:
             raise ValueError("scheduler_name must not be empty")
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionLimits:
+    """What one client can hold of the server (webhook/connections.py enforces them; why, there)."""
+
+    #: open connections, TLS handshakes included; 200 x 0.27 MiB stays far inside the 256Mi memory limit, and two
+    #: replicas serve 400 API server connections (it keeps a few per replica)
+    max_connections: int = 200
+    #: accept (TLS handshake included) to a complete request head; the API server sends one in milliseconds
+    header_timeout_s: float = 10.0
+    #: end of a response to the next complete request head (the API server keeps connections for reuse)
+    idle_timeout_s: float = 30.0
+    #: a request head to its whole body (a slow body holds a request slot and up to 8 MiB)
+    body_timeout_s: float = 10.0
+    #: requests reading their body or being reviewed at once; more wait (within body_timeout_s) for a slot
+    max_concurrent_requests: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("max_connections", "max_concurrent_requests"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("header_timeout_s", "idle_timeout_s", "body_timeout_s"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value}")

@@ -41,3 +41,23 @@ class WebhookMetrics:
             "notAfter of the serving certificate in use (POSIX seconds); alert well before it passes.",
             registry=self.registry,
         )
+        self.connections = Gauge(
+            "kube_vgpu_webhook_connections",
+            "Open client connections, TLS handshakes included (at most --max-connections).",
+            registry=self.registry,
+        )
+        self.connections_closed = Counter(
+            "kube_vgpu_webhook_connections_closed",
+            "Connections the server closed or refused itself, by reason (evicted: the longest-idle one, to make room "
+            "at the cap; refused: at the cap with every connection mid-request; header_timeout, idle_timeout, "
+            "handshake_failed, shutdown).",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.requests_refused = Counter(
+            "kube_vgpu_webhook_requests_refused",
+            "Admission requests answered with an error before review, by reason (body_timeout: 408, busy: 503 when "
+            "no request slot freed in time, too_large: 413, disconnected: the client left mid-body).",
+            ["reason"],
+            registry=self.registry,
+        )

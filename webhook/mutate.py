@@ -20,6 +20,7 @@ from typing import Any
 
 import orjson
 
+from kube_vgpu.kubeapi import InvalidObject, check_pod
 from kube_vgpu.protocol import (
     ENV_LD_PRELOAD,
     ENV_LIMITER_OVERRIDES,
@@ -176,11 +177,12 @@ def _decide(body: bytes, config: WebhookConfig) -> tuple[str, str, str, str, Dec
 
 def _pod_object(request: dict[str, Any], key: str) -> dict[str, Any]:
     pod = request.get(key)
-    if not isinstance(pod, dict) or not isinstance(pod.get("spec"), dict):
+    if not isinstance(pod, dict) or pod.get("spec") is None:
         raise MalformedReview(f"request.{key} must be a Pod object with a spec")
-    metadata = pod.get("metadata")
-    if metadata is not None and not isinstance(metadata, dict):
-        raise MalformedReview(f"request.{key}.metadata must be an object")
+    try:
+        check_pod(pod, f"request.{key}")  # names the wrong-typed field, before any rule reads it
+    except InvalidObject as exc:
+        raise MalformedReview(str(exc)) from None
     return pod
 
 

@@ -6,9 +6,11 @@ One builder for every consumer: the dev cluster registers a URL (the webhook on 
 * CREATE of pods: validates and mutates. failurePolicy Fail, because a GPU pod admitted while we are down would run
   without limits and on the wrong scheduler (a silent limit escape, a known HAMi complaint). reinvocationPolicy
   IfNeeded: if a later webhook edits the pod (say, adds a container or env), we run again and patch what is missing.
-* UPDATE of pods: guards kube-vgpu's internal annotations; never mutates. A matchCondition skips the call for
-  kube-vgpu's own components (they write those annotations at bind and in Allocate), so a webhook outage never
-  stalls binding or container start.
+* UPDATE of pods: guards kube-vgpu's internal annotations; never mutates. Two matchConditions keep every other
+  update away from it, so a webhook outage blocks nothing else (a Job's finalizer removal, Kueue's scheduling-gate
+  removal, ReplicaSet adoption, `kubectl label`): the update must add, change or remove a `kube-vgpu.io/`
+  annotation (compared between oldObject and object), and must not come from kube-vgpu's own components (they
+  write those annotations at bind and in Allocate, so an outage never stalls binding or container start).
 
 Namespaces excluded: kube-system, our own (the webhook's pods must be creatable while the webhook is down, or it
 could never come back), and any namespace labelled kube-vgpu.io/webhook=disabled. The opt-out is a namespace label
@@ -112,11 +114,14 @@ def mutating_webhook_configuration(
             # Only pods the webhook acts on are sent to it: with failurePolicy Fail, a webhook outage then
             # refuses GPU pods (which must not escape their limits) and never blocks anything else.
             entry["matchConditions"] = [{"name": "gpu-pods-and-internal-annotations", "expression": _CREATE_CONDITION}]
-        if operation == "UPDATE" and trusted:
-            listed = ", ".join(_cel_string(user) for user in trusted)
-            entry["matchConditions"] = [
-                {"name": "not-from-kube-vgpu-components", "expression": f"!(request.userInfo.username in [{listed}])"}
-            ]
+        if operation == "UPDATE":
+            conditions = []
+            if trusted:
+                listed = ", ".join(_cel_string(user) for user in trusted)
+                expression = f"!(request.userInfo.username in [{listed}])"
+                conditions.append({"name": "not-from-kube-vgpu-components", "expression": expression})
+            conditions.append({"name": "changes-internal-annotations", "expression": _UPDATE_CONDITION})
+            entry["matchConditions"] = conditions
         return entry
 
     trusted = sorted(trusted_usernames)
@@ -155,4 +160,21 @@ _CREATE_CONDITION = (
     f"(has(object.spec.initContainers) && object.spec.initContainers.exists(c, {_cel_container_asks_gpu('c')})) || "
     f"(has(object.metadata.annotations) && "
     f"object.metadata.annotations.exists(k, k.startsWith({_cel_string(ANNOTATION_PREFIX)})))"
+)
+
+
+def _cel_changed_annotations(new: str, old: str) -> str:
+    """CEL: `new` carries an internal annotation that `old` lacks or holds with another value."""
+    prefix = _cel_string(ANNOTATION_PREFIX)
+    return (
+        f"(has({new}.metadata.annotations) && {new}.metadata.annotations.exists(k, k.startsWith({prefix}) && "
+        f"!(has({old}.metadata.annotations) && k in {old}.metadata.annotations && "
+        f"{old}.metadata.annotations[k] == {new}.metadata.annotations[k])))"
+    )
+
+
+#: CEL for the UPDATE webhook: the update adds, changes or removes an internal annotation (what admit_update guards);
+#: every other pod update, in every namespace, never reaches the webhook.
+_UPDATE_CONDITION = (
+    f"{_cel_changed_annotations('object', 'oldObject')} || {_cel_changed_annotations('oldObject', 'object')}"
 )

@@ -1,5 +1,5 @@
 """The webhook's HTTPS server: a FastAPI app (POST /mutate, GET /healthz, GET /metrics) served by uvicorn with a
-hot-reloading certificate.
+hot-reloading certificate, behind the connection bounds of `connections` (how many, how long, how many requests).
 
 /mutate and /healthz are plain Starlette routes on the FastAPI app: no dependency injection or pydantic on the
 request path, the body goes straight to the pure `mutate.review`.
@@ -8,7 +8,9 @@ request path, the body goes straight to the pure `mutate.review`.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
+import math
 import socket
 import threading
 import time
@@ -19,10 +21,11 @@ import orjson
 import uvicorn
 from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import PlainTextResponse, Response
 
-from kube_vgpu.webhook.config import WebhookConfig
+from kube_vgpu.webhook.config import ConnectionLimits, WebhookConfig
+from kube_vgpu.webhook.connections import ConnectionGate
 from kube_vgpu.webhook.metrics import WebhookMetrics
 from kube_vgpu.webhook.mutate import Result, review
 from kube_vgpu.webhook.registration import MUTATE_PATH
@@ -35,21 +38,45 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 _JSON = "application/json"
 
 
-def create_app(config: WebhookConfig, metrics: WebhookMetrics | None = None) -> FastAPI:
+def create_app(
+    config: WebhookConfig, metrics: WebhookMetrics | None = None, limits: ConnectionLimits | None = None
+) -> FastAPI:
     metrics = metrics or WebhookMetrics()
+    limits = limits or ConnectionLimits()
     app = FastAPI(title="kube-vgpu webhook", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.metrics = metrics
     app.state.webhook_config = config
     app.state.draining = False
+    # Each request in here may hold a body of up to MAX_BODY_BYTES: the slots bound that memory.
+    slots = asyncio.Semaphore(limits.max_concurrent_requests)
+
+    def refuse(code: int, reason: str, message: str) -> Response:
+        metrics.admissions.labels("unknown", Result.MALFORMED.value).inc()
+        metrics.requests_refused.labels(reason).inc()
+        return Response(_status_body(code, message), status_code=code, media_type=_JSON)
 
     async def mutate(request: Request) -> Response:
         started_s = time.perf_counter()
-        body = await _read_body(request)
-        if body is None:
-            metrics.admissions.labels("unknown", Result.MALFORMED.value).inc()
-            message = f"request body larger than {MAX_BODY_BYTES} bytes"
-            return Response(_status_body(413, message), status_code=413, media_type=_JSON)
-        outcome = review(body, config)
+        # A request waits at most body_timeout_s for a slot, then has body_timeout_s for its body: a waiting request
+        # holds no body, and every slot is given back within body_timeout_s.
+        try:
+            async with asyncio.timeout(limits.body_timeout_s):
+                await slots.acquire()
+        except TimeoutError:
+            return refuse(503, "busy", f"more than {limits.max_concurrent_requests} admission requests at once")
+        try:
+            try:
+                async with asyncio.timeout(limits.body_timeout_s):
+                    body = await _read_body(request)
+            except TimeoutError:
+                return refuse(408, "body_timeout", f"request body not received within {limits.body_timeout_s:g} s")
+            except ClientDisconnect:  # the client left mid-body: nobody to answer, nothing to log but a count
+                return refuse(400, "disconnected", "client disconnected before sending the whole body")
+            if body is None:
+                return refuse(413, "too_large", f"request body larger than {MAX_BODY_BYTES} bytes")
+            outcome = review(body, config)
+        finally:
+            slots.release()
         metrics.admissions.labels(outcome.operation or "unknown", outcome.result.value).inc()
         metrics.admission_duration.labels(outcome.result.value).observe(time.perf_counter() - started_s)
         if outcome.warnings:
@@ -117,8 +144,10 @@ class WebhookServer:
         log_level: str = "info",
         access_log: bool = False,
         shutdown_delay_s: float = 0.0,
+        limits: ConnectionLimits | None = None,
     ) -> None:
         self.metrics = WebhookMetrics()
+        self.limits = limits or ConnectionLimits()
 
         def on_reload(ok: bool, not_after_s: float | None) -> None:
             self.metrics.certificate_reloads.labels("success" if ok else "failure").inc()
@@ -127,19 +156,23 @@ class WebhookServer:
 
         self.certificate = ReloadingCertificate(cert_file, key_file, on_reload=on_reload)
         self.reload_interval_s = reload_interval_s
-        self.app = create_app(config, self.metrics)
+        self.app = create_app(config, self.metrics, self.limits)
         # Bind here, not in uvicorn, so the port is known (port 0) and taken before anyone is told about it.
         self._socket = _bind(host, port)
         self.host = host
         self.port: int = self._socket.getsockname()[1]
+        # TLS is not uvicorn's: the gate accepts each connection, counts it, runs the handshake with the reloading
+        # certificate and then hands it to uvicorn's HTTP/1.1 protocol.
+        self.gate = ConnectionGate(self.limits, lambda: self.certificate.server_context, self.metrics)
         uvicorn_config = uvicorn.Config(
-            self.app,
-            ssl_context_factory=lambda _config, _default: self.certificate.server_context,
+            self.gate.asgi(self.app),
+            http=self.gate.protocol_class(),
             log_level=log_level,
             access_log=access_log,
             lifespan="off",
-            http="h11",
             loop="asyncio",
+            # the gate's idle deadline closes idle connections; uvicorn's own keep-alive timer only as a backstop
+            timeout_keep_alive=math.ceil(self.limits.idle_timeout_s) + 1,
             timeout_graceful_shutdown=5,
         )
         self._server = _DrainingServer(uvicorn_config, self)
@@ -213,6 +246,31 @@ class _DrainingServer(uvicorn.Server):
         if self._owner._drain_timer is not None:
             self._owner._drain_timer.cancel()
         super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self._owner.gate.close_idle()
+        await super().shutdown(sockets)
+
+
+#: glibc's M_MMAP_THRESHOLD parameter (malloc.h)
+_M_MMAP_THRESHOLD = -3
+#: Blocks from this size up get a mapping of their own, given back to the OS when freed.
+MMAP_THRESHOLD_BYTES = 128 * 1024
+
+
+def return_freed_buffers_to_the_os() -> bool:
+    """Make glibc give each TLS connection's buffers (256 KiB) back to the OS when the connection closes.
+
+    glibc serves such blocks from their own mappings at first, but raises that threshold on the first free, after
+    which they come from the heap and a burst of connections leaves the process at its peak size for good. Fixing the
+    threshold keeps them in mappings. Returns False where the C library has no mallopt (then nothing changes)."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -67,6 +67,9 @@ ENV_CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 
 #: Compute units of one physical GPU (gpucores are percent of one GPU).
 CORES_PER_GPU = 100
+#: The most gpumem a vGPU may ask for: 1 TiB, several times the largest GPU made (288 GB). More is a unit mistake
+#: (bytes, or `8Gi`, which reads as 8589934592 MiB) that no node could ever fit, so it is refused, not left Pending.
+MAX_GPU_MEMORY_MIB = 1024 * 1024
 #: Default number of vGPUs one physical GPU may be split into.
 DEFAULT_MAX_VGPUS_PER_GPU = 10
 
@@ -699,6 +702,28 @@ def _container_resources(container: Mapping[str, Any]) -> dict[str, Any]:
     return merged
 
 
+_BINARY_UNITS = ("Ki", "Mi", "Gi", "Ti", "Pi", "Ei")
+
+
+def _parse_gpu_memory_mib(value: Any, what: str) -> int:
+    """gpumem counts MiB: a byte unit (`8Gi`) would be read as that many MiB, so it is refused with the number to
+    write instead; so is anything above MAX_GPU_MEMORY_MIB."""
+    text = value.strip() if isinstance(value, str) else ""
+    if text.endswith(_BINARY_UNITS) and len(text) <= kubeapi.MAX_QUANTITY_TEXT:
+        as_bytes = parse_count_quantity(text, what=what)
+        hint = f"; for {text} write {as_bytes // 2**20}" if as_bytes and as_bytes % 2**20 == 0 else ""
+        raise InvalidGpuRequest(f"{what} counts MiB, so it takes no Ki/Mi/Gi/Ti/Pi/Ei unit, got {text!r}{hint}")
+    memory_mib = parse_count_quantity(value, what=what)
+    if memory_mib <= 0:
+        raise InvalidGpuRequest(f"{what} must be greater than 0 MiB, got {memory_mib}")
+    if memory_mib > MAX_GPU_MEMORY_MIB:
+        raise InvalidGpuRequest(
+            f"{what} must be at most {MAX_GPU_MEMORY_MIB} MiB (more than any GPU has; it counts MiB, not bytes), "
+            f"got {memory_mib}"
+        )
+    return memory_mib
+
+
 def parse_container_request(container: Mapping[str, Any], *, init: bool) -> ContainerGpuRequest | None:
     """The container's GPU request, or None when it asks for no GPU resource. An init container with
     restartPolicy Always is a native sidecar."""
@@ -710,9 +735,7 @@ def parse_container_request(container: Mapping[str, Any], *, init: bool) -> Cont
     count = parse_count_quantity(resources.get(RESOURCE_GPU, 1), what=prefix + RESOURCE_GPU)
     memory_mib = memory_percent = None
     if RESOURCE_GPU_MEMORY in resources:
-        memory_mib = parse_count_quantity(resources[RESOURCE_GPU_MEMORY], what=prefix + RESOURCE_GPU_MEMORY)
-        if memory_mib <= 0:
-            raise InvalidGpuRequest(f"{prefix}{RESOURCE_GPU_MEMORY} must be greater than 0 MiB, got {memory_mib}")
+        memory_mib = _parse_gpu_memory_mib(resources[RESOURCE_GPU_MEMORY], prefix + RESOURCE_GPU_MEMORY)
     if RESOURCE_GPU_MEMORY_PERCENTAGE in resources:
         memory_percent = parse_count_quantity(
             resources[RESOURCE_GPU_MEMORY_PERCENTAGE], what=prefix + RESOURCE_GPU_MEMORY_PERCENTAGE

@@ -14,7 +14,7 @@ from kubernetes.client.rest import ApiException
 
 from kube_vgpu import protocol
 from kube_vgpu.dev.devcluster.cluster import DevCluster
-from kube_vgpu.dev.devcluster.workload import gpu_pod
+from kube_vgpu.dev.devcluster.workload import gpu_pod, wait_for_pods
 
 pytestmark = pytest.mark.e2e
 
@@ -89,3 +89,57 @@ def test_webhook_down_refuses_gpu_pods_and_nothing_else(dev_cluster: DevCluster,
     finally:
         _restart_webhook(dev_cluster)
     create(dev_cluster, e2e_namespace, gpu_pod("after-recovery"))
+
+
+def _patch(cluster: DevCluster, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+    response = cluster.core.patch_namespaced_pod(name, namespace, patch, _preload_content=False)
+    patched: dict[str, Any] = orjson.loads(response.data)
+    return patched
+
+
+def _bound_gpu_pod(cluster: DevCluster, namespace: str, name: str) -> dict[str, Any]:
+    """A GPU pod placed by kube-vgpu: it carries the internal assignment annotation that the Binding wrote."""
+    create(cluster, namespace, gpu_pod(name, memory_mib=1000))
+    outcome = wait_for_pods(cluster.api, namespace, [name], timeout_s=60)
+    assert name in outcome.bound, outcome.describe() + "\n" + cluster.log_tail("extender")
+    pod = outcome.pods[name]
+    assert protocol.POD_ASSIGNMENT_ANNOTATION in pod["metadata"]["annotations"]
+    return pod
+
+
+def test_updates_that_leave_internal_annotations_alone_never_wait_on_the_webhook(
+    dev_cluster: DevCluster, e2e_namespace: str
+) -> None:
+    """Issue 20, item 5: the UPDATE guard's matchCondition sends only updates touching kube-vgpu.io/ annotations,
+    so a webhook outage cannot block a label change, a finalizer removal or a gate removal anywhere."""
+    _bound_gpu_pod(dev_cluster, e2e_namespace, "guarded")
+    dev_cluster.stop_component("webhook", crash=True)
+    try:
+        # a GPU pod that carries internal annotations: a label, an ordinary annotation, a finalizer come and go
+        labelled = _patch(dev_cluster, e2e_namespace, "guarded", {"metadata": {"labels": {"team": "a"}}})
+        assert labelled["metadata"]["labels"]["team"] == "a"
+        _patch(dev_cluster, e2e_namespace, "guarded", {"metadata": {"annotations": {"note": "x"},
+                                                                    "finalizers": ["e2e.kube-vgpu.io/hold"]}})
+        released = _patch(dev_cluster, e2e_namespace, "guarded", {"metadata": {"finalizers": None}})
+        assert not released["metadata"].get("finalizers")
+        # ... but touching an internal annotation still needs the webhook (failurePolicy Fail: refused while down)
+        with pytest.raises(ApiException) as refused:
+            _patch(dev_cluster, e2e_namespace, "guarded",
+                   {"metadata": {"annotations": {protocol.POD_BIND_TIME_ANNOTATION: "2026-01-01T00:00:00Z"}}})
+        assert "failed calling webhook" in str(refused.value.body)
+        with pytest.raises(ApiException) as refused:  # removing one is a change too
+            _patch(dev_cluster, e2e_namespace, "guarded",
+                   {"metadata": {"annotations": {protocol.POD_ASSIGNMENT_ANNOTATION: None}}})
+        assert "failed calling webhook" in str(refused.value.body)
+    finally:
+        _restart_webhook(dev_cluster)
+    # with the webhook back, the same change is refused with the webhook's own message
+    with pytest.raises(ApiException) as refused:
+        _patch(dev_cluster, e2e_namespace, "guarded",
+               {"metadata": {"annotations": {protocol.POD_BIND_TIME_ANNOTATION: "2026-01-01T00:00:00Z"}}})
+    assert refused.value.status == 403
+    assert (f"annotation {protocol.POD_BIND_TIME_ANNOTATION} is written only by kube-vgpu and cannot be added, "
+            "changed or removed") in str(refused.value.body)
+    # and with the webhook up, an update that leaves them alone passes as before
+    unchanged = _patch(dev_cluster, e2e_namespace, "guarded", {"metadata": {"labels": {"team": "b"}}})
+    assert unchanged["metadata"]["labels"]["team"] == "b"

@@ -138,7 +138,7 @@ def test_oversized_body_rejected(client: httpx.Client) -> None:
             if not chunk:
                 break
             reply += chunk
-    assert reply.startswith(b"HTTP/1.1 400") and b"too large" in reply
+    assert reply.startswith(b"HTTP/1.1 413") and b"too large" in reply
     assert client.get("/healthz").status_code == 200
 
 

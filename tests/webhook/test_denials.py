@@ -49,6 +49,27 @@ ROWS = [
         400,
         "container trainer: nvidia.com/gpumem must not be negative, got '-1024'",
     ),
+    # -- gpumem counts MiB: a byte unit or a size no GPU has is a mistake, refused instead of Pending forever
+    Row(
+        "gpumem-binary-unit",
+        pod(gpu_container(gpu="1", gpumem="8Gi")),
+        400,
+        "container trainer: nvidia.com/gpumem counts MiB, so it takes no Ki/Mi/Gi/Ti/Pi/Ei unit, got '8Gi'; for 8Gi "
+        "write 8192",
+    ),
+    Row(
+        "gpumem-larger-than-any-gpu",
+        pod(gpu_container(gpu="1", gpumem="8G")),
+        400,
+        "container trainer: nvidia.com/gpumem must be at most 1048576 MiB (more than any GPU has; it counts MiB, not "
+        "bytes), got 8000000000",
+    ),
+    Row(
+        "quantity-5000-digits",
+        pod(gpu_container(gpu="1", gpucores="1" * 5000)),
+        400,
+        f"container trainer: nvidia.com/gpucores must be a non-negative whole number, got {'1' * 5000!r}",
+    ),
     Row(
         "gpu-negative",
         pod(gpu_container(gpu="-1")),
@@ -228,6 +249,8 @@ def test_every_rule_of_the_issue_has_a_row() -> None:
         "must not be negative",
         f"{CORES} must be between 0 and 100",
         f"{MEM} must be greater than 0",
+        f"{MEM} counts MiB, so it takes no Ki/Mi/Gi/Ti/Pi/Ei unit",
+        f"{MEM} must be at most 1048576 MiB",
         f"{PCT} must be between 1 and 100",
         "not both",
         "more than the maximum",

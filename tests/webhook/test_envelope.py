@@ -89,22 +89,66 @@ MALFORMED = [
     (
         "metadata-not-object",
         _review_with(object={"metadata": [], "spec": {}}),
-        "request.object.metadata must be an object",
+        "request.object.metadata must be an object, got a list",
     ),
     (
         "update-without-old-object",
         _review_with(operation="UPDATE", oldObject=None),
         "request.oldObject must be a Pod object with a spec",
     ),
+    # Wrong-typed fields (issue 20, item 10): each one a 400 naming the field, never a 500
+    ("uid-a-list", _review_with(uid=["a", "b"]), "request.uid must be a non-empty string"),
+    ("spec-a-list", _review_with(object={"spec": []}), "request.object.spec must be an object, got a list"),
+    (
+        "containers-an-object",
+        _review_with(object={"spec": {"containers": {"name": "c"}}}),
+        "request.object.spec.containers must be a list, got an object",
+    ),
     (
         "containers-not-objects",
         _review_with(object={"spec": {"containers": ["x"]}}),
-        "request.object is not a valid Pod (AttributeError: ",
+        "request.object.spec.containers[0] must be an object, got a string",
     ),
     (
         "resources-not-object",
         _review_with(object={"spec": {"containers": [{"name": "c", "resources": {"limits": 7}}]}}),
-        "request.object is not a valid Pod (TypeError: ",
+        "request.object.spec.containers[0].resources.limits must be an object, got a number",
+    ),
+    (
+        "quantity-a-list",
+        _review_with(object={"spec": {"containers": [{"name": "c", "resources": {"limits": {GPU: [1]}}}]}}),
+        "request.object.spec.containers[0].resources.limits['nvidia.com/gpu'] must be a quantity (a string or a "
+        "number), got a list",
+    ),
+    (
+        "annotations-a-list",
+        _review_with(object={"metadata": {"annotations": ["kube-vgpu.io/x"]}, "spec": {"containers": []}}),
+        "request.object.metadata.annotations must be an object, got a list",
+    ),
+    (
+        "annotation-value-a-number",
+        _review_with(object={"metadata": {"annotations": {"a": 1}}, "spec": {"containers": []}}),
+        "request.object.metadata.annotations['a'] must be a string, got a number",
+    ),
+    (
+        "old-object-labels-a-string",
+        _review_with(operation="UPDATE", oldObject={"metadata": {"labels": "x"}, "spec": {"containers": []}}),
+        "request.oldObject.metadata.labels must be an object, got a string",
+    ),
+    (
+        "env-a-string",
+        _review_with(object={"spec": {"containers": [{"name": "c", "env": "A=1"}]}}),
+        "request.object.spec.containers[0].env must be a list, got a string",
+    ),
+    (
+        "init-container-name-a-number",
+        _review_with(object={"spec": {"containers": [], "initContainers": [{"name": 7}]}}),
+        "request.object.spec.initContainers[0].name must be a string, got a number",
+    ),
+    (
+        "privileged-a-string",
+        _review_with(object={"spec": {"containers": [{"name": "c", "securityContext": {"privileged": "yes"}}]}}),
+        "request.object.spec.containers[0].securityContext.privileged must be a boolean, got a string",
     ),
 ]
 

@@ -55,13 +55,26 @@ def test_url_registration_for_the_dev_cluster() -> None:
     for needle in ("object.spec.containers.exists", "object.spec.initContainers", "'nvidia.com/gpucores'",
                    "startsWith('kube-vgpu.io/')"):
         assert needle in condition["expression"]
+    # only updates that add, change or remove an internal annotation, from anyone but our own components, reach the
+    # UPDATE webhook: an outage cannot block a label change, a finalizer removal or a scheduling gate (issue 20, 5)
     assert update["matchConditions"] == [
         {
             "name": "not-from-kube-vgpu-components",
             "expression": "!(request.userInfo.username in ["
             "'system:serviceaccount:kube-vgpu:kube-vgpu-device-plugin', "
             "'system:serviceaccount:kube-vgpu:kube-vgpu-extender'])",
-        }
+        },
+        {
+            "name": "changes-internal-annotations",
+            "expression": "(has(object.metadata.annotations) && object.metadata.annotations.exists(k, "
+            "k.startsWith('kube-vgpu.io/') && !(has(oldObject.metadata.annotations) && "
+            "k in oldObject.metadata.annotations && oldObject.metadata.annotations[k] == "
+            "object.metadata.annotations[k]))) || "
+            "(has(oldObject.metadata.annotations) && oldObject.metadata.annotations.exists(k, "
+            "k.startsWith('kube-vgpu.io/') && !(has(object.metadata.annotations) && "
+            "k in object.metadata.annotations && object.metadata.annotations[k] == "
+            "oldObject.metadata.annotations[k])))",
+        },
     ]
 
 
@@ -85,7 +98,7 @@ def test_service_registration_and_options() -> None:
     assert (create["timeoutSeconds"], create["failurePolicy"], update["failurePolicy"]) == (3, "Fail", "Ignore")
     assert update["matchConditions"][0]["expression"] == "!(request.userInfo.username in ['it\\'s-me'])"
     no_trust = mutating_webhook_configuration(PEM, service=ServiceReference(), trusted_usernames=())
-    assert "matchConditions" not in no_trust["webhooks"][1]
+    assert [c["name"] for c in no_trust["webhooks"][1]["matchConditions"]] == ["changes-internal-annotations"]
     assert (
         "caBundle" not in mutating_webhook_configuration(b"", service=ServiceReference())["webhooks"][0]["clientConfig"]
     )
@@ -174,3 +187,22 @@ def test_deployment_is_highly_available_and_its_flags_exist() -> None:
         "capabilities": {"drop": ["ALL"]},
     }
     assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
+
+
+def test_network_policy_admits_only_the_api_server_to_the_webhook_port() -> None:
+    """Issue 20, item 5: pods cannot reach the webhook at all; the API server (not a pod) reaches its port only."""
+    objects = _objects()
+    policy, deployment = objects["NetworkPolicy"], objects["Deployment"]
+    assert policy["metadata"]["namespace"] == deployment["metadata"]["namespace"]
+    assert policy["spec"]["podSelector"] == {"matchLabels": deployment["spec"]["template"]["metadata"]["labels"]}
+    assert policy["spec"]["policyTypes"] == ["Ingress"]  # egress: the webhook makes no calls, left alone
+    (rule,) = policy["spec"]["ingress"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    (port,) = container["ports"]
+    assert rule["ports"] == [{"port": port["name"], "protocol": "TCP"}]
+    # address peers only: no podSelector / namespaceSelector, so no pod is admitted by label, and each peer
+    # excepts the pod network so no pod is admitted by address either
+    assert [sorted(peer) for peer in rule["from"]] == [["ipBlock"], ["ipBlock"]]
+    blocks = {peer["ipBlock"]["cidr"]: peer["ipBlock"]["except"] for peer in rule["from"]}
+    assert set(blocks) == {"0.0.0.0/0", "::/0"}
+    assert all(blocks.values())
