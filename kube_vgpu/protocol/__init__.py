@@ -656,6 +656,12 @@ class PodGpuRequest:
         return not self.containers
 
 
+def _shown(text: str, limit: int = 80) -> str:
+    """A value quoted in a message, cut short: a hostile 5000-digit quantity must not become a 5000-character
+    event."""
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} characters)"
+
+
 def parse_count_quantity(value: Any, *, what: str) -> int:
     """A Kubernetes quantity that must be a non-negative whole number ("2", 2, "1k"), as the API server requires of
     extended resources.
@@ -676,12 +682,12 @@ def parse_count_quantity(value: Any, *, what: str) -> int:
         amount = kubeapi.parse_quantity(text)
     except kubeapi.InvalidQuantity:
         if text.startswith("-"):
-            raise InvalidGpuRequest(f"{what} must not be negative, got {text!r}") from None
-        raise InvalidGpuRequest(f"{what} must be a non-negative whole number, got {text!r}") from None
+            raise InvalidGpuRequest(f"{what} must not be negative, got {_shown(text)}") from None
+        raise InvalidGpuRequest(f"{what} must be a non-negative whole number, got {_shown(text)}") from None
     if amount < 0:
-        raise InvalidGpuRequest(f"{what} must not be negative, got {text!r}")
+        raise InvalidGpuRequest(f"{what} must not be negative, got {_shown(text)}")
     if amount != amount.to_integral_value():  # "0.5", "500m": a vGPU, a MiB, a percent are never split
-        raise InvalidGpuRequest(f"{what} must be a non-negative whole number, got {text!r}")
+        raise InvalidGpuRequest(f"{what} must be a non-negative whole number, got {_shown(text)}")
     return int(amount)
 
 
