@@ -36,7 +36,7 @@ from kube_vgpu.extender.engine.policies import (
     make_policy,
 )
 from kube_vgpu.extender.gates import Gate
-from kube_vgpu.extender.state import ClusterState
+from kube_vgpu.extender.state import ClusterState, PodRecord
 from kube_vgpu.protocol import InvalidGpuRequest, PodGpuRequest
 
 log = logging.getLogger(__name__)
@@ -332,17 +332,10 @@ class Scheduler:
             existing = state.pods.get(uid)
             if existing is not None and existing.node_name == node_name and existing.confirmed and existing.bound:
                 return None  # a repeat of a bind that took effect: same answer, nothing counted twice
+            self._refuse_if_bound_elsewhere(existing, namespace, name, node_name)
             if pod is None:
                 pod = self._recent_pods.get(uid)  # under the state lock: filter writes it, and a read may expire
-        if pod is None:
-            try:
-                pod = self.binder.get_pod(namespace, name)
-            except Exception as exc:  # the API server did not answer in time: an Error for kube-scheduler, not a 500
-                raise BindError(f"reading pod {namespace}/{name} failed: {exc}") from None
-        if pod is None:
-            raise BindError(f"pod {namespace}/{name} not found")
-        if (pod.get("metadata") or {}).get("uid") not in (None, uid):
-            raise BindError(f"pod {namespace}/{name} has a different UID than the one being bound")
+        pod = self._pod_to_bind(namespace, name, uid, node_name, pod)
         try:
             request = protocol.parse_pod_gpu_request(pod)
             node_policy, gpu_policy = self._policies_for(request)
@@ -358,8 +351,9 @@ class Scheduler:
             if age is None or age > state.heartbeat_ttl_s:
                 raise BindError(f"node {node_name}: GPU inventory stale, not binding")
             previous = state.pods.get(uid)
-            if previous is not None and not previous.bound:
-                # an earlier attempt left a reservation (e.g. on another node); it is superseded
+            self._refuse_if_bound_elsewhere(previous, namespace, name, node_name)
+            if previous is not None:
+                # an earlier attempt left a reservation that was never written (e.g. on another node): superseded
                 state.release(uid)
             placement_request = self._placement_request(pod, request, node_policy, gpu_policy)
             placement = place(node, placement_request, gpu_policy, node_policy)
@@ -373,6 +367,34 @@ class Scheduler:
             labels = (pod.get("metadata") or {}).get("labels") or {}
             state.reserve(uid, namespace, name, assignment, labels)
         return PreparedBind(namespace, name, uid, node_name, protocol.encode_assignment(assignment))
+
+    def _pod_to_bind(
+        self, namespace: str, name: str, uid: str, node_name: str, pod: Mapping[str, Any] | None
+    ) -> Mapping[str, Any]:
+        """The pod object a bind decides on: the one filter saw, else read from the API; refused when it is gone,
+        another pod of that name, or already bound to another node."""
+        if pod is None:
+            try:
+                pod = self.binder.get_pod(namespace, name)
+            except Exception as exc:  # the API server did not answer in time: an Error for kube-scheduler, not a 500
+                raise BindError(f"reading pod {namespace}/{name} failed: {exc}") from None
+        if pod is None:
+            raise BindError(f"pod {namespace}/{name} not found")
+        if (pod.get("metadata") or {}).get("uid") not in (None, uid):
+            raise BindError(f"pod {namespace}/{name} has a different UID than the one being bound")
+        bound_to = (pod.get("spec") or {}).get("nodeName")
+        if isinstance(bound_to, str) and bound_to and bound_to != node_name:
+            raise BindError(f"pod {namespace}/{name} is already bound to node {bound_to}; not binding it to "
+                            f"{node_name} (a late or repeated bind)")
+        return pod
+
+    @staticmethod
+    def _refuse_if_bound_elsewhere(record: PodRecord | None, namespace: str, name: str, node_name: str) -> None:
+        """A pod whose bind took effect (seen bound, or its Binding answered) keeps its node and its usage: a late
+        or duplicate bind to another node (kube-scheduler retried after its 30 s timeout) must not touch them."""
+        if record is not None and (record.bound or record.confirmed) and record.node_name != node_name:
+            raise BindError(f"pod {namespace}/{name} is already bound to node {record.node_name}; not binding it to "
+                            f"{node_name} (a late or repeated bind)")
 
     def commit_bind(self, prepared: PreparedBind) -> None:
         """Write the prepared decision; the caller holds the node's turn (request_turn). On failure the
@@ -399,10 +421,13 @@ class Scheduler:
         try:
             self.binder.bind(namespace, name, uid, node_name, annotations)
         except Exception as exc:
-            if self._bound_as_asked(namespace, name, uid, node_name, annotations):
-                return  # the call failed after the API server committed it (a timeout, a lost reply)
-            self.state.release(uid, only_unconfirmed=True)
-            raise BindError(f"binding {namespace}/{name} to {node_name} failed: {exc}") from None
+            if not self._bound_as_asked(namespace, name, uid, node_name, annotations):
+                self.state.release(uid, only_unconfirmed=True)
+                raise BindError(f"binding {namespace}/{name} to {node_name} failed: {exc}") from None
+            # else the call failed after the API server committed it (a timeout, a lost reply)
+        # The Binding took effect: from now on the reservation is the pod's real usage, before the watch says so
+        # (a late bind of the same pod to another node must find it bound, not a reservation to supersede).
+        self.state.mark_bound(uid, node_name)
 
     def abandon_bind(self, prepared: PreparedBind) -> None:
         """Give up a prepared bind that will not be committed (its caller went away)."""

@@ -350,7 +350,11 @@ class ClusterState:
     ) -> PodRecord:
         """Count a bind's decision before its annotation is written (caller holds `lock`)."""
         with self.lock:
-            if uid in self.pods:
+            existing = self.pods.get(uid)
+            if existing is not None:
+                if existing.bound or existing.confirmed:
+                    # never trade a pod's real usage for a reservation (the scheduler refuses such binds first)
+                    raise ValueError(f"pod {namespace}/{name} is bound to {existing.node_name}: not reserving it again")
                 self._remove(uid)
             record = PodRecord(
                 uid=uid,
@@ -365,10 +369,17 @@ class ClusterState:
             self._add(record)
             return record
 
+    def mark_bound(self, uid: str, node_name: str) -> None:
+        """The pod's Binding to `node_name` took effect (its reply, or a read after a lost reply, said so)."""
+        with self.lock:
+            record = self.pods.get(uid)
+            if record is not None and record.node_name == node_name:
+                record.bound = True
+
     def release(self, uid: str, *, only_unconfirmed: bool = False) -> None:
         with self.lock:
             record = self.pods.get(uid)
-            if record is not None and not (only_unconfirmed and record.confirmed):
+            if record is not None and not (only_unconfirmed and (record.confirmed or record.bound)):
                 self._remove(uid)
 
     # --- host CPU -------------------------------------------------------------------------------
