@@ -253,6 +253,12 @@ def hardware_from_file(path: Path, seed: str) -> FakeHardware:
         unknown = [err for _, err in gpus[-1].failing if err not in ERRORS]
         if unknown:
             raise ValueError(f"{where}: unknown error names {unknown}; choose from {', '.join(ERRORS)}")
+        # an unknown kind would silently read as a NUMA-level ancestor (_common_ancestor)
+        odd = [part for part in gpus[-1].pcie_path if not isinstance(part, str) or part.partition(":")[0] not in
+               PCIE_KINDS or not part.partition(":")[2]]
+        if odd:
+            kinds = ", ".join(PCIE_KINDS)
+            raise ValueError(f"{where}: pciePath elements {odd} are not KIND:ID with KIND one of {kinds}")
     return FakeHardware(gpus=tuple(gpus), **common)
 
 
@@ -405,10 +411,6 @@ class FakeNvml:
     def nvmlDeviceGetName(self, handle: FakeHandle) -> str:
         return self._gpu("nvmlDeviceGetName", handle).name
 
-    def nvmlDeviceGetIndex(self, handle: FakeHandle) -> int:
-        self._gpu("nvmlDeviceGetIndex", handle)
-        return handle.position
-
     def nvmlDeviceGetMemoryInfo(self, handle: FakeHandle, version: int | None = None) -> FakeMemory:
         total = self._gpu("nvmlDeviceGetMemoryInfo", handle).memory_mib * BYTES_PER_MIB
         return FakeMemory(total=total, free=total, used=0)
@@ -494,10 +496,6 @@ class FakeNvml:
         with self._lock:
             eventSet.registered[handle.position] = eventSet.registered.get(handle.position, 0) | eventTypes
 
-    def nvmlDeviceGetSupportedEventTypes(self, handle: FakeHandle) -> int:
-        self._gpu("nvmlDeviceGetSupportedEventTypes", handle)
-        return int(pynvml.nvmlEventTypeXidCriticalError)
-
     def nvmlEventSetWait_v2(self, eventSet: FakeEventSet, timeoutms: int) -> FakeEventData:
         self._enter("nvmlEventSetWait_v2")
         with self._lock:
@@ -506,9 +504,6 @@ class FakeNvml:
             if not eventSet.pending:
                 raise _error(pynvml.NVML_ERROR_TIMEOUT)
             return eventSet.pending.popleft()
-
-    def nvmlEventSetWait(self, eventSet: FakeEventSet, timeoutms: int) -> FakeEventData:
-        return self.nvmlEventSetWait_v2(eventSet, timeoutms)
 
     def nvmlEventSetFree(self, eventSet: FakeEventSet) -> None:
         self._enter("nvmlEventSetFree")

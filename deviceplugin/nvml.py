@@ -64,10 +64,6 @@ class Nvml:
     def __init__(self, lib: Any = pynvml) -> None:
         self.lib = lib
 
-    @property
-    def is_fake(self) -> bool:
-        return self.lib is not pynvml
-
     def init(self) -> None:
         self.lib.nvmlInit()
 

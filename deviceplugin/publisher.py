@@ -62,7 +62,6 @@ class Publisher:
         self._published_text: str | None = None  # what the node carries (None: not read yet)
         self._published_labels: dict[str, str | None] | None = None
         self.inventory_writes = 0
-        self.heartbeats = 0
         #: set after the first successful publish (readiness)
         self.published = threading.Event()
 
@@ -92,7 +91,6 @@ class Publisher:
         except (ApiUnavailable, Conflict, NotFound):
             self._published_text = None  # re-read the node before the next attempt
             raise
-        self.heartbeats += 1
         if inventory_changed:
             self.inventory_writes += 1
             log.info("published GPU inventory of node %s: %s", self.node_name, text)

@@ -67,13 +67,11 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         self.state = state
         self.allocator = allocator
         self.stop = stop
-        self.streams_opened = 0
 
     def GetDevicePluginOptions(self, request: pb.Empty, context: Any) -> pb.DevicePluginOptions:
         return pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
 
     def ListAndWatch(self, request: pb.Empty, context: Any) -> Iterator[pb.ListAndWatchResponse]:
-        self.streams_opened += 1
         done = threading.Event()
 
         def closed() -> None:

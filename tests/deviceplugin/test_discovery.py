@@ -203,12 +203,16 @@ def test_from_file_layout_and_explicit_gpus(tmp_path: Path) -> None:
     assert inventory.link(2, 0).nvlinks == 2  # type: ignore[union-attr]
 
 
-def test_from_file_rejects_unknown_profiles_and_errors(tmp_path: Path) -> None:
+def test_from_file_rejects_unknown_profiles_errors_and_pcie_kinds(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown fake NVML profile"):
         open_nvml("dgx-a100-9", NODE)
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"gpus": [{"name": "A", "memoryMiB": 1, "failing": {"nvmlDeviceGetUUID": "Oops"}}]}))
     with pytest.raises(ValueError, match="unknown error names"):
+        open_nvml(f"from-file:{bad}", NODE)
+    path = ["numa", "hostbridge:0", "rack:3"]  # no id, then an unknown kind
+    bad.write_text(json.dumps({"gpus": [{"name": "A", "memoryMiB": 1, "pciePath": path}]}))
+    with pytest.raises(ValueError, match=r"pciePath elements \['numa', 'rack:3'\] are not KIND:ID"):
         open_nvml(f"from-file:{bad}", NODE)
 
 

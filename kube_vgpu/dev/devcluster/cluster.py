@@ -191,8 +191,8 @@ def scheduler_config(
 # RBAC
 # ---------------------------------------------------------------------------------------------------------------
 
-def rbac_documents() -> tuple[list[dict[str, Any]], list[str]]:
-    """(objects, files): the RBAC that manifests/ ships for the scheduler Pod (kube-scheduler and the extender
+def rbac_documents() -> list[dict[str, Any]]:
+    """The RBAC objects that manifests/ ships for the scheduler Pod (kube-scheduler and the extender
     share the ServiceAccount kube-vgpu-extender) and for the device plugin. The dev cluster runs its components
     under exactly these identities and rules, so every end-to-end run checks the shipped RBAC."""
     documents: list[dict[str, Any]] = []
@@ -204,7 +204,7 @@ def rbac_documents() -> tuple[list[dict[str, Any]], list[str]]:
                 f"cannot read {path} (the dev cluster runs with the RBAC manifests/ ships): {exc}"
             ) from None
         documents += [doc for doc in yaml.safe_load_all(text) if isinstance(doc, dict)]
-    return documents, [str(Path("manifests") / path.relative_to(MANIFESTS_DIR)) for path in RBAC_MANIFESTS]
+    return documents
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -271,11 +271,9 @@ class DevCluster:
         self._probes: dict[str, tuple[str, Callable[[], str | None]]] = {}
         self._api_client: Any = None
         self.nodes: list[str] = []
-        self.rbac_sources: list[str] = []
         self.binaries: dict[str, Path] = {}
         self.pki: pki_module.Pki | None = None
         self.webhook_ca_pem: bytes = b""
-        self.scheduler_with_extender = options.extender
         self._owns_state = False
 
     # --- addresses ---------------------------------------------------------------------------------------------
@@ -544,8 +542,7 @@ class DevCluster:
             core.create_namespaced_service_account(
                 NAMESPACE, {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": account}}
             )
-        documents, self.rbac_sources = rbac_documents()
-        for document in documents:
+        for document in rbac_documents():
             utils.create_from_dict(api, document)
         assert self.pki is not None
         for account, path in (
@@ -703,7 +700,6 @@ class DevCluster:
             burst=self.options.scheduler_burst,
         )
         self.scheduler_config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-        self.scheduler_with_extender = with_extender
         argv = [
             self._binary("kube-scheduler"),
             f"--config={self.scheduler_config_path}",

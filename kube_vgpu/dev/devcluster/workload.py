@@ -271,12 +271,3 @@ def wait_until_gone(api_client: Any, namespace: str, timeout_s: float, label_sel
 def short_uuid(uuid: str) -> str:
     return uuid[:12]
 
-
-def describe_assignment(assignment: protocol.PodAssignment, gpu_index: Mapping[str, int]) -> str:
-    parts = []
-    for device in assignment.all_devices():
-        index = gpu_index.get(device.uuid)
-        where = f"#{index} " if index is not None else ""
-        parts.append(f"{where}{short_uuid(device.uuid)} {device.memory_mib} MiB {device.cores}%")
-    return ", ".join(parts)
-
