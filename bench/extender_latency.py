@@ -88,7 +88,9 @@ def summarise(samples_s: list[float]) -> str:
 def bench_in_process(
     items: list[dict[str, Any]], names: list[str], iterations: int
 ) -> dict[str, dict[str, list[float]]]:
-    state = ClusterState()
+    # a snapshot, as `kube-vgpu extender --snapshot` serves it: its heartbeats never expire, however long building
+    # 5000 nodes took on a loaded machine (the default 120 s TTL would measure filters failing on stale nodes)
+    state = ClusterState(heartbeat_ttl_s=float("inf"))
     cluster = SnapshotCluster(state, [dict(i) for i in items])
     scheduler = Scheduler(state, cluster)
     results: dict[str, dict[str, list[float]]] = {}

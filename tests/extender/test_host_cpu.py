@@ -9,23 +9,13 @@ from typing import Any
 
 import pytest
 
+from kube_vgpu.dev.fixtures import cpu_pod
 from kube_vgpu.extender import scheduler as scheduler_module
 from kube_vgpu.extender.engine.policies import make_policy
 from kube_vgpu.extender.scheduler import STALE_REFRESH_PER_CALL, Scheduler
 from kube_vgpu.extender.sources.snapshot import SnapshotCluster
 from kube_vgpu.extender.state import ClusterState
 from tests.helpers import gpu_node, pod
-
-
-def cpu_pod(node_name: str | None = None, cpu: str = "2", phase: str = "Running", **spec: Any) -> dict[str, Any]:
-    """A pod without GPUs (kube-vgpu never schedules it, but it uses the node's CPU)."""
-    obj = pod(gpus=None)
-    obj["spec"]["containers"][0]["resources"] = {"requests": {"cpu": cpu, "memory": "1Gi"}}
-    obj["spec"].update(spec)
-    obj["status"]["phase"] = phase if node_name else "Pending"
-    if node_name:
-        obj["spec"]["nodeName"] = node_name
-    return obj
 
 
 def container(cpu: str | None, *, limits_only: bool = False, **extra: Any) -> dict[str, Any]:
@@ -68,7 +58,7 @@ def test_state_counts_a_bound_pods_cpu_as_kube_scheduler(case: str, spec: dict[s
     """The state's per-node CPU is kubeapi.pod_requests' figure (kube-scheduler's), never a copy of the rules."""
     state = ClusterState()
     state.upsert_node(gpu_node("n1", cpu_milli=64000))
-    bound = cpu_pod("n1")
+    bound = cpu_pod(node_name="n1")
     bound["spec"].update(spec)
     state.upsert_pod(bound)
     assert state.nodes["n1"].cpu_milli_used == expected_milli, case
@@ -79,7 +69,7 @@ def test_sidecar_cpu_is_counted_beside_the_app_container() -> None:
     them, not 2000m (the sidecar at an init container's peak)."""
     state = ClusterState()
     state.upsert_node(gpu_node("n1", cpu_milli=8000))
-    bound = cpu_pod("n1", cpu="1")
+    bound = cpu_pod(node_name="n1", cpu="1")
     bound["spec"]["initContainers"] = [container("2", restartPolicy="Always")]
     state.upsert_pod(bound)
     assert state.nodes["n1"].cpu_milli_used == 3000
@@ -90,7 +80,7 @@ def test_an_in_place_resize_counts_as_on_kube_schedulers_node() -> None:
     larger figure, as kube-scheduler's NodeInfo does."""
     state = ClusterState()
     state.upsert_node(gpu_node("n1", cpu_milli=8000))
-    bound = cpu_pod("n1", cpu="1")
+    bound = cpu_pod(node_name="n1", cpu="1")
     name = bound["spec"]["containers"][0]["name"]
     bound["status"]["containerStatuses"] = [{"name": name, "resources": {"requests": {"cpu": "3"}}}]
     state.upsert_pod(bound)
@@ -100,7 +90,7 @@ def test_an_in_place_resize_counts_as_on_kube_schedulers_node() -> None:
 def test_an_unreadable_cpu_request_counts_zero_and_does_not_crash() -> None:
     state = ClusterState()
     state.upsert_node(gpu_node("n1", cpu_milli=8000))
-    state.upsert_pod(cpu_pod("n1", cpu="lots"))
+    state.upsert_pod(cpu_pod(node_name="n1", cpu="lots"))
     assert state.nodes["n1"].cpu_milli_used == 0
     state.upsert_node(allocatable(gpu_node("n1", cpu_milli=8000), "many"))
     assert state.nodes["n1"].cpu_milli_total == 0  # unknown
@@ -119,10 +109,10 @@ def finished(obj: dict[str, Any], phase: str = "Succeeded") -> dict[str, Any]:
 
 
 NODE = gpu_node("n1", cpu_milli=32000)
-WEB = cpu_pod("n1", cpu="2")
-BATCH = cpu_pod("n1", cpu="500m")
-ELSEWHERE = cpu_pod("n2", cpu="8")
-PENDING = cpu_pod(None, cpu="16")
+WEB = cpu_pod(node_name="n1", cpu="2")
+BATCH = cpu_pod(node_name="n1", cpu="500m")
+ELSEWHERE = cpu_pod(node_name="n2", cpu="8")
+PENDING = cpu_pod(cpu="16")
 
 Step = tuple[str, Callable[[ClusterState], None], tuple[int, int]]
 
@@ -167,7 +157,7 @@ def test_cpu_changes_drop_cached_results_only_for_cpu_aware_policies(policy: str
     scheduler = Scheduler(state, cluster, node_policy=policy, gpu_policy=policy)
     assert scheduler.filter(pod(memory_mib=1000), ["n1"]).passed == ["n1"]
     version = state.nodes["n1"].version
-    state.upsert_pod(cpu_pod("n1", cpu="4"))
+    state.upsert_pod(cpu_pod(node_name="n1", cpu="4"))
     assert state.nodes["n1"].cpu_milli_used == 4000  # tracked either way
     assert (state.nodes["n1"].version != version) is touches
 
