@@ -63,8 +63,10 @@ def test_a_users_own_webhook_package_first_on_the_path_does_not_break_the_cli(wh
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
+    clean_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}  # a checkout on the
+    # path (and its kube_vgpu.egg-info) would make pip think kube-vgpu is installed already
     installed = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
-                                "--no-index", str(wheel)], capture_output=True, text=True, timeout=300)
+                                "--no-index", str(wheel)], capture_output=True, text=True, timeout=300, env=clean_env)
     assert installed.returncode == 0, installed.stderr[-3000:]
     site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
