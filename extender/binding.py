@@ -18,12 +18,16 @@ Giving up: a bind that stops waiting before its turn (its caller cancelled it, o
 `turn_wait_limit_s`) leaves the queue and its reservation is released (`abandon_bind`), so nothing it reserved
 stays taken. A bind whose turn came is committed to the end (the Binding call has its own deadline); cancelling it
 then does not unwind a write that may already have reached the API server: the commit finishes in its worker
-thread, the turn is passed on when it does, and only the caller stops waiting.
+thread, its outcome stands (bound and counted, or failed and rolled back), the turn is passed on when it ends, and
+only the caller stops waiting. A bind cancelled while its prepare still reads the pod from the API server
+(`prepare_async`) is abandoned as soon as that prepare returns. In the server, the one who cancels is uvicorn at
+shutdown, for requests still running after its graceful timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -31,13 +35,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
+log = logging.getLogger(__name__)
+
 Wake = Callable[[], None]
 
 #: How long a bind waits for its node's turn before it gives up (each bind ahead of it is bounded by the API
 #: deadlines, extender/sources/apiclient.py; kube-scheduler's httpTimeout is 30 s, and the wait plus this bind's own
 #: calls must fit in it).
 DEFAULT_TURN_WAIT_LIMIT_S = 10.0
-#: concurrent Binding writes of the async face (binds to different nodes, or identical ones to one node)
+#: concurrent API calls of the async face: Binding writes (binds to different nodes, or identical ones to one node)
+#: and the reads of pods that filter did not see
 COMMIT_THREADS = 64
 
 
@@ -126,7 +133,7 @@ class BindOrdering:
         self._executor: ThreadPoolExecutor | None = None
 
     def _commit_threads(self) -> ThreadPoolExecutor:
-        """The async face's commits run here: one thread per bind in flight (each is an API call), up to the API
+        """The async face's API calls run here: one thread per bind in flight (each is an API call), up to the API
         client's connection pool (extender/sources/live.py), not the event loop's small default executor."""
         with self._lock:
             if self._executor is None:
@@ -159,6 +166,12 @@ class BindOrdering:
         """Nodes with a bind writing or waiting (for /state and tests)."""
         with self._lock:
             return sorted(self._turns)
+
+    def turn_counts(self) -> tuple[int, int]:
+        """(binds holding their node's turn, binds waiting for it), over all nodes (/metrics)."""
+        with self._lock:
+            turns = self._turns.values()
+            return sum(t.writers for t in turns), sum(len(t.waiting) for t in turns)
 
     def _give_up(self, committer: Committer, prepared: PreparedBind, wake: Wake) -> None:
         """The caller stops waiting: leave the queue (or pass on a turn granted meanwhile), release the bind."""
@@ -205,11 +218,69 @@ class BindOrdering:
                 self._give_up(committer, prepared, wake)
                 raise
         commit = loop.run_in_executor(self._commit_threads(), self._commit_in_turn, committer, prepared)
-        # a cancelled caller stops waiting; the commit runs to its end in its thread and passes the turn on
-        await asyncio.shield(commit)
+        try:
+            await asyncio.shield(commit)
+        except asyncio.CancelledError:
+            # the caller stops waiting; the commit runs to its end in its thread, passes the turn on, and its
+            # outcome (which nobody awaits now) goes to the log
+            commit.add_done_callback(lambda done: _log_orphaned_commit(prepared, done))
+            raise
+
+    async def prepare_async(
+        self, committer: Committer, prepare: Callable[[], PreparedBind | None]
+    ) -> PreparedBind | None:
+        """Run a prepare that may read the pod from the API server in a worker thread (the async face's first
+        step when filter did not see the pod). A caller cancelled meanwhile leaks nothing: what the prepare
+        reserved is abandoned as soon as it returns."""
+        handoff = _PrepareHandoff(committer, prepare)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._commit_threads(), handoff.run)
+        except asyncio.CancelledError:
+            handoff.caller_gone()
+            raise
 
     def _commit_in_turn(self, committer: Committer, prepared: PreparedBind) -> None:
         try:
             committer.commit_bind(prepared)
         finally:
             self.finish_turn(prepared)
+
+
+class _PrepareHandoff:
+    """A prepare run in a worker thread, handed to its caller, or abandoned if the caller went away first (whichever
+    of the two comes second releases it, so nothing stays reserved for a bind nobody commits)."""
+
+    def __init__(self, committer: Committer, prepare: Callable[[], PreparedBind | None]) -> None:
+        self._committer = committer
+        self._prepare = prepare
+        self._lock = threading.Lock()
+        self._caller_gone = False
+        self._prepared: PreparedBind | None = None
+
+    def run(self) -> PreparedBind | None:
+        prepared = self._prepare()
+        with self._lock:
+            if not self._caller_gone:
+                self._prepared = prepared
+                return prepared
+        if prepared is not None:
+            self._committer.abandon_bind(prepared)
+        return None
+
+    def caller_gone(self) -> None:
+        with self._lock:
+            self._caller_gone = True
+            prepared, self._prepared = self._prepared, None  # finished, but its result never reached the caller
+        if prepared is not None:
+            self._committer.abandon_bind(prepared)
+
+
+def _log_orphaned_commit(prepared: PreparedBind, commit: asyncio.Future[None]) -> None:
+    if commit.cancelled():
+        return
+    error = commit.exception()  # retrieved here: nobody awaits it any more
+    where = f"{prepared.namespace}/{prepared.name} to {prepared.node_name}"
+    if error is None:
+        log.info("bind of %s written after its caller was cancelled", where)
+    else:
+        log.warning("bind of %s, whose caller was cancelled, failed: %s", where, error)

@@ -6,6 +6,8 @@ hand, so malformed input gets a 400 with a message and the service keeps serving
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import inspect
 import logging
 import time
@@ -85,6 +87,21 @@ class GpuCollector(Collector):
         yield from families.values()
         yield nodes
         yield pods
+
+
+class BindTurnCollector(Collector):
+    """How many binds hold their node's turn and how many wait for it, read at scrape time (extender/binding.py).
+    Binds piling up here mean slow Binding calls: each waits for the one ahead of it on its node."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        writing, waiting = self.scheduler.ordering.turn_counts()
+        yield GaugeMetricFamily("kube_vgpu_extender_binds_writing",
+                                "binds holding their node's turn (writing their Binding)", value=writing)
+        yield GaugeMetricFamily("kube_vgpu_extender_binds_waiting",
+                                "binds decided and reserved, waiting for their node's turn", value=waiting)
 
 
 def parse_json_body(body: bytes) -> Any:
@@ -228,6 +245,7 @@ def extender_metrics(scheduler: Scheduler) -> ExtenderMetrics:
                              registry=registry),
     )
     registry.register(GpuCollector(scheduler.state))
+    registry.register(BindTurnCollector(scheduler))
     for gate in scheduler.gates:  # gates may publish their own gauges (the quota gate)
         gate_collector = gate.collector()
         if gate_collector is not None:
@@ -293,21 +311,33 @@ class Verbs:
     async def bind(self, doc: Any) -> Any:
         args = self._binding_args(doc)
         scheduler = self.scheduler
+        ordering = scheduler.ordering
         try:
             pod = scheduler.recent_pod(args[2])
             if pod is not None:
                 prepared = scheduler.prepare_bind(*args, pod)  # no I/O: decide here, without a thread hop
-            else:
-                prepared = await run_in_threadpool(scheduler.prepare_bind, *args)  # reads the pod from the API
+            else:  # reads the pod from the API in a worker thread
+                prepared = await ordering.prepare_async(scheduler, functools.partial(scheduler.prepare_bind, *args))
             if prepared is not None:
                 # decided and reserved at once (the next pods' filter sees it), then written in the node's turn,
                 # waited for in the event loop (extender/binding.py)
-                await scheduler.ordering.commit_async(scheduler, prepared)
+                await ordering.commit_async(scheduler, prepared)
             self.metrics.binds.labels("success").inc()
             return {"Error": ""}
         except BindError as exc:
             self.metrics.binds.labels("failure").inc()
             return {"Error": str(exc)}
+        except asyncio.CancelledError:
+            # uvicorn cancels what still runs after its graceful shutdown timeout; the ordering has already let go
+            # of this bind (extender/binding.py). kube-scheduler gets a reason in Error instead of a bare 500, and
+            # nothing above this request task waits on its cancellation.
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            self.metrics.binds.labels("failure").inc()
+            namespace, name, _, node = args
+            return {"Error": f"kube-vgpu extender shutting down: bind of {namespace}/{name} to {node} given up "
+                             "(a Binding already being written completes); the pod will be retried"}
 
 
 def add_views(app: FastAPI, scheduler: Scheduler, registry: CollectorRegistry) -> None:

@@ -143,19 +143,28 @@ def test_uid_mismatch_refused() -> None:
 
 
 class GatedCluster(FlakyCluster):
-    """Binding calls wait until the test opens the gate: a bind stays in flight while others arrive."""
+    """Binding calls wait until the test opens the gate: a bind stays in flight while others arrive. Reads of a pod
+    wait for `read_gate` the same way once a test clears it (open by default)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.gate = threading.Event()
         self.in_flight = threading.Event()
         self.order: list[str] = []
+        self.read_gate = threading.Event()
+        self.read_gate.set()
+        self.reading = threading.Event()
 
     def bind(self, namespace: str, name: str, uid: str, node: str, annotations: dict[str, str]) -> None:
         self.in_flight.set()
         assert self.gate.wait(10)
         self.order.append(name)
         super().bind(namespace, name, uid, node, annotations)
+
+    def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
+        self.reading.set()
+        assert self.read_gate.wait(10)
+        return super().get_pod(namespace, name)
 
 
 def test_a_waiting_bind_is_reserved_at_once_so_filter_sees_it() -> None:

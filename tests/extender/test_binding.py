@@ -1,5 +1,6 @@
 """extender/binding.py through both faces, on a real Scheduler: the async face the HTTP server uses (cancellation
-while waiting, cancellation while writing, the wait limit) and the blocking face (the same rules)."""
+while waiting, cancellation while writing, cancellation while a prepare reads the pod, the wait limit) and the
+blocking face (the same rules). tests/extender/test_http.py drives the async face through the server."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kube_vgpu.extender.binding import BindError, BindOrdering
+from kube_vgpu.extender.binding import BindError, BindOrdering, PreparedBind
 from kube_vgpu.extender.scheduler import Scheduler
 from kube_vgpu.extender.state import ClusterState
 from tests.extender.test_bind_failures import GatedCluster, add, used
@@ -133,3 +134,43 @@ def test_a_pod_deleted_while_waiting_is_not_bound(face: str) -> None:
     waiter.join(10)
     assert len(outcome) == 1 and isinstance(outcome[0], BindError) and "went away" in str(outcome[0])
     assert not scheduler.ordering.busy_nodes() and used(state) == 4000
+
+
+@pytest.mark.parametrize("cancelled", ["during the prepare", "after it, before the caller resumed"])
+def test_async_prepare_of_a_cancelled_caller_gives_its_reservation_back(cancelled: str) -> None:
+    """The async face reads a pod filter did not see in a worker thread: whichever ends second, the prepare or its
+    caller's cancellation, releases what the prepare reserved, and the pod's retry is not refused."""
+    state, cluster, scheduler = gated()
+    cluster.gate.set()
+    meta = add(cluster, memory_mib=4000)
+    release_prepare = threading.Event()
+
+    async def cancel_the_caller() -> None:
+        loop = asyncio.get_running_loop()
+        task: asyncio.Task[Any] | None = None
+
+        def prepare() -> PreparedBind | None:
+            assert task is not None
+            if cancelled == "during the prepare":
+                loop.call_soon_threadsafe(task.cancel)
+                assert release_prepare.wait(10)  # the caller is gone before the prepare returns
+            else:
+                loop.call_soon_threadsafe(task.cancel)  # queued ahead of the prepare's result
+            return scheduler.prepare_bind("default", meta["name"], meta["uid"], "n1")
+
+        task = asyncio.ensure_future(scheduler.ordering.prepare_async(scheduler, prepare))
+        task.add_done_callback(lambda _: release_prepare.set())  # the caller has let go of it by now
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_the_caller())
+    released = threading.Event()
+    for _ in range(1000):  # the prepare may still be finishing in its thread
+        if not scheduler._binding:
+            released.set()
+            break
+        released.wait(0.01)
+    assert released.is_set()
+    assert used(state) == 0 and meta["uid"] not in state.pods
+    scheduler.bind("default", meta["name"], meta["uid"], "n1")  # kube-scheduler's retry
+    assert used(state) == 4000

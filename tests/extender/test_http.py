@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +17,10 @@ import pytest
 
 from kube_vgpu import protocol
 from kube_vgpu.extender.cli import Extender, build, parse_args
+from kube_vgpu.extender.scheduler import Scheduler
+from kube_vgpu.extender.server import ExtenderApp, create_app
+from kube_vgpu.extender.state import ClusterState
+from tests.extender.test_bind_failures import GatedCluster, add, used
 from tests.helpers import gpu_node, pod
 from tests.servers import serve
 
@@ -221,3 +228,163 @@ def test_an_internal_error_answers_500_with_error_and_the_service_keeps_serving(
 def test_verbs_only_answer_post(client: httpx.Client) -> None:
     reply = client.get("/filter")
     assert reply.status_code == 405 and reply.headers["allow"] == "POST" and reply.json()["Error"]
+
+
+# --- bind ordering through the server: the async face of extender/binding.py as production runs it ------------------
+
+
+@dataclass
+class Gated:
+    """An extender over one 80 GiB GPU whose Binding calls (and, when a test asks, pod reads) wait for the test."""
+
+    state: ClusterState
+    cluster: GatedCluster
+    scheduler: Scheduler
+    app: ExtenderApp
+
+
+@pytest.fixture()
+def gated() -> Gated:
+    state = ClusterState()
+    cluster = GatedCluster(state, [gpu_node("n1", gpus=1, memory_mib=81920)])
+    scheduler = Scheduler(state, cluster)
+    return Gated(state, cluster, scheduler, create_app(scheduler))
+
+
+def eventually(check: Callable[[], bool]) -> bool:
+    """True once `check` holds; a deadline only so that a broken build fails instead of hanging."""
+    pause = threading.Event()
+    for _ in range(1000):
+        if check():
+            return True
+        pause.wait(0.01)
+    return check()
+
+
+def turns(client: httpx.Client) -> tuple[int, int]:
+    """(binds holding the node's turn, binds waiting for it), as /metrics reports them."""
+    values = {}
+    for line in client.get("/metrics").text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("kube_vgpu_extender_binds_writing", "kube_vgpu_extender_binds_waiting"):
+            values[name] = int(float(value))
+    return values["kube_vgpu_extender_binds_writing"], values["kube_vgpu_extender_binds_waiting"]
+
+
+def filtered(client: httpx.Client, gated: Gated, memory_mib: int) -> dict[str, Any]:
+    """A pod kube-scheduler filtered (so its bind decides without reading it back)."""
+    meta = add(gated.cluster, memory_mib=memory_mib)
+    client.post("/filter", json={"Pod": gated.cluster.pods[("default", meta["name"])], "NodeNames": ["n1"]})
+    return meta
+
+
+def send_bind(pool: ThreadPoolExecutor, client: httpx.Client, meta: dict[str, Any]) -> Future[dict[str, Any]]:
+    args = {"PodName": meta["name"], "PodNamespace": "default", "PodUID": meta["uid"], "Node": "n1"}
+
+    def post() -> dict[str, Any]:
+        reply = client.post("/bind", json=args)
+        assert reply.status_code == 200
+        answer: dict[str, Any] = reply.json()
+        return answer
+
+    return pool.submit(post)
+
+
+def bind_time(gated: Gated, meta: dict[str, Any]) -> Any:
+    annotations = gated.cluster.pods[("default", meta["name"])]["metadata"]["annotations"]
+    return protocol.parse_bind_time(annotations[protocol.POD_BIND_TIME_ANNOTATION])
+
+
+def test_binds_to_one_node_are_written_in_arrival_order_over_http(gated: Gated) -> None:
+    """A different assignment waits for the node; an identical one writes beside the one in flight unless someone
+    waits ahead of it; bind times follow the order of the writes (the device plugin's order)."""
+    with serve(gated.app) as url, httpx.Client(base_url=url, timeout=30) as client, ThreadPoolExecutor(4) as pool:
+        first, twin, other, late_twin = (filtered(client, gated, m) for m in (4000, 4000, 8000, 4000))
+        replies = [send_bind(pool, client, first)]
+        assert eventually(lambda: turns(client) == (1, 0))  # first is being written (the API call waits)
+        replies.append(send_bind(pool, client, twin))
+        assert eventually(lambda: turns(client) == (2, 0))  # the same GPU and MiB: written beside it
+        replies.append(send_bind(pool, client, other))
+        assert eventually(lambda: turns(client) == (2, 1))  # another assignment: waits for the node
+        replies.append(send_bind(pool, client, late_twin))
+        assert eventually(lambda: turns(client) == (2, 2))  # identical to those writing, but may not overtake
+        gated.cluster.gate.set()
+        assert [reply.result(30) for reply in replies] == [{"Error": ""}] * 4
+        assert turns(client) == (0, 0)
+    order = gated.cluster.order
+    assert set(order[:2]) == {first["name"], twin["name"]} and order[2:] == [other["name"], late_twin["name"]]
+    assert max(bind_time(gated, first), bind_time(gated, twin)) <= bind_time(gated, other)
+    assert bind_time(gated, other) <= bind_time(gated, late_twin)
+    assert used(gated.state) == 20000
+
+
+def test_a_pod_deleted_while_its_bind_waits_is_not_bound_over_http(gated: Gated) -> None:
+    with serve(gated.app) as url, httpx.Client(base_url=url, timeout=30) as client, ThreadPoolExecutor(4) as pool:
+        first, doomed = filtered(client, gated, 4000), filtered(client, gated, 8000)
+        first_reply = send_bind(pool, client, first)
+        assert eventually(lambda: turns(client) == (1, 0))
+        doomed_reply = send_bind(pool, client, doomed)
+        assert eventually(lambda: turns(client) == (1, 1))
+        assert used(gated.state) == 12000  # reserved while it waits
+        gated.cluster.delete_pod("default", doomed["name"])  # the watch delivers the deletion before its turn
+        assert used(gated.state) == 4000
+        gated.cluster.gate.set()
+        assert first_reply.result(30) == {"Error": ""}
+        assert "went away while waiting to be bound to n1" in doomed_reply.result(30)["Error"]
+        after = filtered(client, gated, 8000)  # the node's next bind goes ahead
+        assert send_bind(pool, client, after).result(30) == {"Error": ""}
+        assert turns(client) == (0, 0)
+    assert gated.cluster.order == [first["name"], after["name"]]  # the deleted pod's Binding was never written
+    assert used(gated.state) == 12000 and doomed["uid"] not in gated.state.pods
+
+
+def test_shutdown_gives_back_a_waiting_bind_and_lets_the_write_in_flight_finish(gated: Gated) -> None:
+    """uvicorn cancels the requests still running after its graceful timeout (0 here: at once). A bind waiting for
+    its turn leaves the queue and returns its reservation; one whose Binding is being written cannot unwind it: the
+    write completes, holds the node's turn until it does, and its outcome stands. Both answer with a reason."""
+    with ExitStack() as outlives_the_server:  # the replies come while the server shuts down
+        pool = outlives_the_server.enter_context(ThreadPoolExecutor(4))
+        with serve(gated.app, timeout_graceful_shutdown=0) as url:
+            client = outlives_the_server.enter_context(httpx.Client(base_url=url, timeout=30))
+            writing, waiting = filtered(client, gated, 4000), filtered(client, gated, 8000)
+            writing_reply = send_bind(pool, client, writing)
+            assert eventually(lambda: turns(client) == (1, 0))
+            waiting_reply = send_bind(pool, client, waiting)
+            assert eventually(lambda: turns(client) == (1, 1))
+            assert used(gated.state) == 12000
+        for reply in (writing_reply, waiting_reply):
+            assert "kube-vgpu extender shutting down" in reply.result(30)["Error"]
+    assert used(gated.state) == 4000 and waiting["uid"] not in gated.state.pods  # the waiting bind gave it back
+    assert gated.scheduler.ordering.turn_counts() == (1, 0)  # the write in flight still holds the node's turn
+    with serve(gated.app) as url, httpx.Client(base_url=url, timeout=30) as client, ThreadPoolExecutor(4) as pool:
+        after = filtered(client, gated, 8000)
+        after_reply = send_bind(pool, client, after)
+        assert eventually(lambda: turns(client) == (1, 1))  # waits for the write that outlived its request
+        gated.cluster.gate.set()  # the API server answers it
+        assert after_reply.result(30) == {"Error": ""}
+        assert turns(client) == (0, 0)
+    assert gated.cluster.order == [writing["name"], after["name"]]
+    assert gated.cluster.pods[("default", writing["name"])]["spec"]["nodeName"] == "n1"
+    assert not gated.cluster.pods[("default", waiting["name"])]["spec"].get("nodeName")
+    assert used(gated.state) == 12000
+
+
+def test_shutdown_while_a_bind_reads_its_pod_leaves_nothing_reserved(gated: Gated) -> None:
+    """A pod filter never saw is read from the API in a worker thread; a bind cancelled during that read must not
+    leave the reservation the read leads to, nor the pod marked as being bound (its retry would be refused)."""
+    gated.cluster.gate.set()
+    meta = add(gated.cluster, memory_mib=4000)
+    gated.cluster.read_gate.clear()
+    with ExitStack() as outlives_the_server:  # the reply comes while the server shuts down
+        pool = outlives_the_server.enter_context(ThreadPoolExecutor(1))
+        with serve(gated.app, timeout_graceful_shutdown=0) as url:
+            client = outlives_the_server.enter_context(httpx.Client(base_url=url, timeout=30))
+            reply = send_bind(pool, client, meta)
+            assert gated.cluster.reading.wait(10)
+        assert "kube-vgpu extender shutting down" in reply.result(30)["Error"]
+    gated.cluster.read_gate.set()  # the read returns after its caller is gone
+    assert eventually(lambda: not gated.scheduler._binding)
+    assert used(gated.state) == 0 and meta["uid"] not in gated.state.pods
+    with serve(gated.app) as url, httpx.Client(base_url=url, timeout=30) as client, ThreadPoolExecutor(1) as pool:
+        assert send_bind(pool, client, meta).result(30) == {"Error": ""}  # kube-scheduler's retry
+    assert gated.cluster.order == [meta["name"]] and used(gated.state) == 4000
