@@ -478,6 +478,17 @@ POD_BIND_TIME_ANNOTATION = ANNOTATION_PREFIX + "gpu-bind-time"
 POD_ALLOCATION_ANNOTATION = ANNOTATION_PREFIX + "gpu-allocation"
 ALLOCATION_SCHEMA_VERSION = 1
 
+# --- Added for hardening (issue 20): what admission fixed about a pod, so later stages can trust it. ---
+#: Pod annotation the webhook adds to every GPU pod it admits (value: ADMISSION_MARK_VALUE). The extender and the
+#: device plugin refuse GPU pods without it: such a pod skipped the webhook (opted-out namespace, webhook removed)
+#: and would run without limiter wiring. Users cannot write it themselves (the webhook refuses kube-vgpu.io/
+#: annotations from users; the ValidatingAdmissionPolicy refuses it in namespaces the webhook does not see).
+POD_ADMITTED_ANNOTATION = ANNOTATION_PREFIX + "admitted"
+ADMISSION_MARK_VALUE = "v1"
+#: Pod annotation the extender writes at bind, in the same patch as POD_ASSIGNMENT_ANNOTATION: "namespace/localqueue
+#: -> clusterqueue" fixed for the pod's life (quota counts the pod there even if its queue label is later removed).
+POD_QUEUE_ANNOTATION = ANNOTATION_PREFIX + "queue"
+
 
 def format_bind_time(moment: _dt.datetime) -> str:
     """RFC 3339 UTC with microseconds: binds to one node are milliseconds apart, seconds would tie."""
