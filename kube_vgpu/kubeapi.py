@@ -346,11 +346,19 @@ def _check_container(container: Mapping[str, Any], where: str) -> None:
         _check_object(entry.get("valueFrom"), f"{where}.env[{index}].valueFrom")
     for index, mount in enumerate(_check_objects(container.get("volumeMounts"), f"{where}.volumeMounts")):
         _check_strings(mount, ("name", "mountPath"), f"{where}.volumeMounts[{index}]")
-    _check_objects(container.get("envFrom"), f"{where}.envFrom")
+    for index, source in enumerate(_check_objects(container.get("envFrom"), f"{where}.envFrom")):
+        _check_string(source.get("prefix"), f"{where}.envFrom[{index}].prefix")
     security = _check_object(container.get("securityContext"), f"{where}.securityContext") or {}
-    privileged = security.get("privileged")
-    if privileged is not None and not isinstance(privileged, bool):
-        raise InvalidObject(f"{where}.securityContext.privileged must be a boolean, got {_json_type(privileged)}")
+    _check_boolean(security.get("privileged"), f"{where}.securityContext.privileged")
+    capabilities = _check_object(security.get("capabilities"), f"{where}.securityContext.capabilities") or {}
+    added = capabilities.get("add")
+    if added is not None and (not isinstance(added, list) or not all(isinstance(name, str) for name in added)):
+        raise InvalidObject(f"{where}.securityContext.capabilities.add must be a list of strings")
+
+
+def _check_boolean(value: Any, where: str) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise InvalidObject(f"{where} must be a boolean, got {_json_type(value)}")
 
 
 def check_pod(pod: Any, where: str = "pod") -> Mapping[str, Any]:
@@ -376,10 +384,12 @@ def check_pod(pod: Any, where: str = "pod") -> Mapping[str, Any]:
     _check_resources(spec.get("resources"), f"{where}.spec.resources")
     _check_object(spec.get("affinity"), f"{where}.spec.affinity")
     _check_object(spec.get("securityContext"), f"{where}.spec.securityContext")
+    for flag in ("hostPID", "hostIPC", "hostNetwork", "shareProcessNamespace"):
+        _check_boolean(spec.get(flag), f"{where}.spec.{flag}")
     _check_objects(spec.get("tolerations"), f"{where}.spec.tolerations")
     for index, volume in enumerate(_check_objects(spec.get("volumes"), f"{where}.spec.volumes")):
         _check_string(volume.get("name"), f"{where}.spec.volumes[{index}].name")
-    for key in ("initContainers", "containers"):
+    for key in ("initContainers", "containers", "ephemeralContainers"):
         for index, container in enumerate(_check_objects(spec.get(key), f"{where}.spec.{key}")):
             _check_container(container, f"{where}.spec.{key}[{index}]")
     status = _check_object(pod.get("status"), f"{where}.status") or {}

@@ -95,8 +95,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--limiter-mode",
         choices=[mode.value for mode in LimiterMode],
         default=LimiterMode.LD_PRELOAD.value,
-        help="how GPU containers load the limiter library: LD_PRELOAD env, an /etc/ld.so.preload mount, or none "
-        "(the cluster provides it) (default: %(default)s)",
+        help="how GPU containers load the limiter library: LD_PRELOAD env + a hostPath mount (ld-preload), an "
+        "/etc/ld.so.preload hostPath mount (ld-so-preload), LD_PRELOAD env with the device plugin mounting the "
+        "library (device-plugin: no hostPath, Pod Security baseline works), or none (the cluster provides it) "
+        "(default: %(default)s)",
     )
     policy.add_argument("--limiter-library-path", default=DEFAULT_LIMITER_LIBRARY_PATH, help="default: %(default)s")
     policy.add_argument(

@@ -33,6 +33,10 @@ class LimiterMode(StrEnum):
     #: The node's ld.so.preload file mounted at /etc/ld.so.preload (+ the library): every dynamically linked
     #: process loads the limiter whatever its environment. Needs that file on every GPU node.
     LD_SO_PRELOAD = "ld-so-preload"
+    #: LD_PRELOAD env, and the device plugin mounts the library (its Allocate answer, --limiter-library; plus
+    #: /etc/ld.so.preload with --ld-so-preload): no hostPath in the pod spec, so GPU namespaces can enforce Pod
+    #: Security `baseline`. The device plugin refuses a shared GPU on a node without the library.
+    DEVICE_PLUGIN = "device-plugin"
     #: The cluster provides the limiter another way (e.g. a runtime hook); only the env vars are set.
     NONE = "none"
 

@@ -22,6 +22,7 @@ import orjson
 
 from kube_vgpu.kubeapi import InvalidObject, check_pod
 from kube_vgpu.protocol import (
+    ADMISSION_MARK_VALUE,
     ENV_LD_PRELOAD,
     ENV_LIMITER_OVERRIDES,
     ENV_MEMORY_LIMIT_PREFIX,
@@ -29,6 +30,7 @@ from kube_vgpu.protocol import (
     ENV_SHARED_CACHE,
     ENV_SM_LIMIT,
     GPU_RESOURCES,
+    POD_ADMITTED_ANNOTATION,
     RESOURCE_GPU,
     ContainerGpuRequest,
     InvalidGpuRequest,
@@ -38,6 +40,7 @@ from kube_vgpu.protocol import (
     pod_asks_for_gpu,
 )
 from kube_vgpu.webhook.config import LimiterMode, WebhookConfig
+from kube_vgpu.webhook.escapes import find_escape
 
 API_VERSION_V1 = "admission.k8s.io/v1"
 API_VERSION_V1BETA1 = "admission.k8s.io/v1beta1"
@@ -50,6 +53,12 @@ CACHE_VOLUME = "kube-vgpu-cache"
 LIMITER_VOLUME = "kube-vgpu-limiter"
 LD_SO_PRELOAD_VOLUME = "kube-vgpu-ld-so-preload"
 LD_SO_PRELOAD_MOUNT_PATH = "/etc/ld.so.preload"
+#: Modes whose library reaches the container as a hostPath volume in the pod spec (Pod Security baseline forbids
+#: those), and modes that set LD_PRELOAD in the pod's env (the device plugin's env would lose to the pod's own).
+_HOST_PATH_MODES = (LimiterMode.LD_PRELOAD, LimiterMode.LD_SO_PRELOAD)
+_LD_PRELOAD_ENV_MODES = (LimiterMode.LD_PRELOAD, LimiterMode.DEVICE_PLUGIN)
+#: NVIDIA_VISIBLE_DEVICES value for which the NVIDIA container runtime adds no GPU (and no driver files).
+NO_DEVICES = "void"
 
 # HAMi-core also reads the un-indexed CUDA_DEVICE_MEMORY_LIMIT (a limit for every device).
 _ENV_MEMORY_LIMIT_ALL = ENV_MEMORY_LIMIT_PREFIX.rstrip("_")
@@ -220,6 +229,10 @@ def admit_create(pod: dict[str, Any], username: str, config: WebhookConfig) -> D
     """Pod CREATE: validate, then mutate a pod that asks for vGPUs."""
     if username not in config.trusted_usernames:
         internal = _internal_annotations(pod)
+        if internal.get(POD_ADMITTED_ANNOTATION) == ADMISSION_MARK_VALUE:
+            # our own mark, from an earlier pass over this pod (reinvocation); harmless in any case: this review
+            # validates and mutates the pod whatever the mark says
+            del internal[POD_ADMITTED_ANNOTATION]
         if internal:
             words = _annotation_words(sorted(internal))
             pronoun = "it" if len(internal) == 1 else "them"
@@ -240,13 +253,9 @@ def admit_create(pod: dict[str, Any], username: str, config: WebhookConfig) -> D
             f"pod sets spec.nodeName={node_name!r}, which skips GPU placement and limits; "
             "use a nodeSelector or node affinity instead",
         )
-    for _key, _index, container, gpu in _gpu_containers(spec, request):
-        if ((container.get("securityContext") or {}).get("privileged")) is True:
-            return _deny(
-                403,
-                f"container {gpu.name}: privileged containers cannot use vGPUs (a privileged container sees every "
-                "GPU on the node, so its limits cannot be enforced); remove securityContext.privileged",
-            )
+    escape = find_escape(spec, {(key, gpu.name) for key, _index, _container, gpu in _gpu_containers(spec, request)})
+    if escape:
+        return _deny(403, escape)
     total = request.total_vgpus  # at its peak: native sidecars count beside the containers they run with
     if total > config.max_gpus_per_pod:
         sidecars = any(gpu.sidecar for gpu in request.containers)
@@ -302,14 +311,54 @@ def mutate_gpu_pod(pod: dict[str, Any], request: PodGpuRequest, config: WebhookC
             f"its GPUs are not placed by {config.scheduler_name}"
         )
 
+    _patch_admission_mark(ops, pod)
     mounts = _desired_mounts(config)
-    for key, index, container, gpu in _gpu_containers(spec, request):
+    gpu_containers = _gpu_containers(spec, request)
+    for key, index, container, gpu in gpu_containers:
         base = ("spec", key, index)
         _patch_resources(ops, container, base)
         _patch_env(ops, warnings, container, gpu, base, config)
         _patch_mounts(ops, warnings, container, gpu.name, base, mounts)
+    with_gpus = {(key, index) for key, index, _container, _gpu in gpu_containers}
+    for key in ("initContainers", "containers"):
+        for index, container in enumerate(spec.get(key) or ()):
+            if (key, index) not in with_gpus:
+                _patch_no_devices(ops, warnings, container, ("spec", key, index))
     _patch_volumes(ops, warnings, spec, _desired_volumes(config))
     return decision
+
+
+def _patch_admission_mark(ops: list[dict[str, Any]], pod: dict[str, Any]) -> None:
+    """The mark the extender and the device plugin look for: this pod went through this webhook."""
+    metadata = pod.get("metadata") or {}
+    annotations = metadata.get("annotations")
+    if not annotations:
+        if "metadata" not in pod:
+            ops.append({"op": "add", "path": "/metadata", "value": {}})
+        _set(ops, metadata, "annotations", "/metadata/annotations", {POD_ADMITTED_ANNOTATION: ADMISSION_MARK_VALUE})
+    elif annotations.get(POD_ADMITTED_ANNOTATION) != ADMISSION_MARK_VALUE:
+        path = _pointer("metadata", "annotations", POD_ADMITTED_ANNOTATION)
+        _set(ops, annotations, POD_ADMITTED_ANNOTATION, path, ADMISSION_MARK_VALUE)
+
+
+def _patch_no_devices(
+    ops: list[dict[str, Any]], warnings: list[str], container: dict[str, Any], base: tuple[str | int, ...]
+) -> None:
+    """A container of a GPU pod that asks for no GPU gets none: NVIDIA_VISIBLE_DEVICES=void in its env (which wins
+    over envFrom and the image's own env, e.g. NVIDIA's CUDA images set it to all), so the NVIDIA runtime gives it
+    no device the limiter would not see."""
+    env: list[dict[str, Any]] = container.get("env") or []
+    wanted = {"name": ENV_NVIDIA_VISIBLE_DEVICES, "value": NO_DEVICES}
+    kept = [entry for entry in env if entry.get("name") != ENV_NVIDIA_VISIBLE_DEVICES]
+    new_env = [*kept, wanted]
+    if new_env == env:
+        return
+    if any(entry.get("name") == ENV_NVIDIA_VISIBLE_DEVICES and entry != wanted for entry in env):
+        warnings.append(
+            f"container {container.get('name', '?')}: env {ENV_NVIDIA_VISIBLE_DEVICES} set by the pod was replaced "
+            f"by {NO_DEVICES!r}: a container that asks for no vGPU gets no GPU"
+        )
+    _set(ops, container, "env", _pointer(*base, "env"), new_env)
 
 
 def _patch_resources(ops: list[dict[str, Any]], container: dict[str, Any], base: tuple[str | int, ...]) -> None:
@@ -367,7 +416,7 @@ def _patch_env(
     config: WebhookConfig,
 ) -> None:
     desired = _desired_env(gpu, config)
-    library = config.limiter_library_path if config.limiter_mode is LimiterMode.LD_PRELOAD else None
+    library = config.limiter_library_path if config.limiter_mode in _LD_PRELOAD_ENV_MODES else None
     env: list[dict[str, Any]] = container.get("env") or []
     new_env: list[dict[str, Any]] = []
     overridden: list[str] = []  # names whose pod-supplied entry was replaced or dropped
@@ -415,7 +464,7 @@ def _ld_preload_value(entry: dict[str, Any], library: str) -> str:
 
 def _desired_mounts(config: WebhookConfig) -> list[dict[str, Any]]:
     mounts: list[dict[str, Any]] = [{"name": CACHE_VOLUME, "mountPath": config.cache_dir}]
-    if config.limiter_mode is not LimiterMode.NONE:
+    if config.limiter_mode in _HOST_PATH_MODES:
         mounts.append({"name": LIMITER_VOLUME, "mountPath": config.limiter_library_path, "readOnly": True})
     if config.limiter_mode is LimiterMode.LD_SO_PRELOAD:
         mounts.append({"name": LD_SO_PRELOAD_VOLUME, "mountPath": LD_SO_PRELOAD_MOUNT_PATH, "readOnly": True})
@@ -425,7 +474,7 @@ def _desired_mounts(config: WebhookConfig) -> list[dict[str, Any]]:
 def _desired_volumes(config: WebhookConfig) -> list[dict[str, Any]]:
     volumes: list[dict[str, Any]] = [{"name": CACHE_VOLUME, "emptyDir": {}}]
     # type: File makes a node without the limiter fail the pod's start visibly instead of running it unlimited.
-    if config.limiter_mode is not LimiterMode.NONE:
+    if config.limiter_mode in _HOST_PATH_MODES:
         volumes.append({"name": LIMITER_VOLUME, "hostPath": {"path": config.limiter_library_path, "type": "File"}})
     if config.limiter_mode is LimiterMode.LD_SO_PRELOAD:
         volumes.append(

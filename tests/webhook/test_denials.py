@@ -25,6 +25,13 @@ class Row:
     old: dict[str, Any] | None = None
 
 
+ENVFROM_TAIL = (
+    'so the ConfigMap or Secret could set GPU limiter variables (CUDA_DISABLE_CONTROL, CUDA_DEVICE_MEMORY'
+    '_LIMIT_*, NVIDIA_VISIBLE_DEVICES, LD_PRELOAD, ...) that kube-vgpu cannot see at admission; give it a'
+    " prefix such as 'APP_' that no such variable starts with, or list the variables under env"
+)
+
+
 def _with_annotations(annotations: dict[str, str], *containers: dict[str, Any]) -> dict[str, Any]:
     return pod(*containers, annotations=annotations)
 
@@ -187,12 +194,81 @@ ROWS = [
         "container warmup: privileged containers cannot use vGPUs (a privileged container sees every GPU on the "
         "node, so its limits cannot be enforced); remove securityContext.privileged",
     ),
+    # -- ways around the limiter (issue 20 item 7)
+    Row(
+        "privileged-cpu-container-beside-vgpus",
+        pod(gpu_container(gpu="1"), container("debug", securityContext={"privileged": True})),
+        403,
+        "container debug: privileged containers cannot run beside vGPUs in one pod (a privileged container sees every "
+        "GPU on the node, so its limits cannot be enforced); remove securityContext.privileged",
+    ),
+    Row(
+        "host-pid",
+        pod(gpu_container(gpu="1"), hostPID=True),
+        403,
+        "GPU pods cannot set spec.hostPID: it could see and signal the processes of other pods on the node, including "
+        "their GPU work; remove it",
+    ),
+    Row(
+        "host-ipc",
+        pod(gpu_container(gpu="1"), hostIPC=True),
+        403,
+        "GPU pods cannot set spec.hostIPC: it would share the node's IPC namespace with other pods and the node; "
+        "remove it",
+    ),
+    *[
+        Row(
+            f"capability-{capability.lower()}-in-{where}",
+            pod(gpu_container(gpu="1", securityContext={"capabilities": {"add": ["NET_ADMIN", capability]}}))
+            if where == "gpu-container"
+            else pod(gpu_container(gpu="1"),
+                     container("tool", securityContext={"capabilities": {"add": [capability]}})),
+            403,
+            f"container {'trainer' if where == 'gpu-container' else 'tool'}: capabilities {capability} are not allowed "
+            "in a GPU pod (they can switch the GPU limiter off: SYS_ADMIN by mounting over it, SYS_PTRACE by rewriting "
+            "a limited process); remove them from securityContext.capabilities.add",
+        )
+        for capability in ("SYS_ADMIN", "SYS_PTRACE", "ALL", "CAP_SYS_ADMIN", "sys_ptrace")
+        for where in ("gpu-container", "cpu-container")
+    ],
+    *[
+        Row(
+            f"env-from-{label}",
+            pod(gpu_container(gpu="1", envFrom=[{"configMapRef": {"name": "settings"}, **extra}])),
+            403,
+            f"container trainer: envFrom[0] has {shown}, {ENVFROM_TAIL}",
+        )
+        for label, extra, shown in (
+            ("no-prefix", {}, "no prefix"),
+            ("empty-prefix", {"prefix": ""}, "no prefix"),
+            ("cuda-prefix", {"prefix": "CUDA_"}, "prefix 'CUDA_'"),
+            ("c-prefix", {"prefix": "C"}, "prefix 'C'"),
+            ("nvidia-prefix", {"prefix": "NVIDIA_"}, "prefix 'NVIDIA_'"),
+            ("in-memory-limit-family", {"prefix": "CUDA_DEVICE_MEMORY_LIMIT_0"}, "prefix 'CUDA_DEVICE_MEMORY_LIMIT_0'"),
+            ("ld-prefix", {"prefix": "LD_"}, "prefix 'LD_'"),
+            ("gpu-core-prefix", {"prefix": "GPU_CORE_"}, "prefix 'GPU_CORE_'"),
+        )
+    ],
+    Row(
+        "env-from-second-source-of-init-gpu-container",
+        pod(container("app"), init_containers=[gpu_container(
+            "warmup", gpu="1", envFrom=[{"prefix": "APP_", "secretRef": {"name": "a"}}, {"secretRef": {"name": "b"}}]
+        )]),
+        403,
+        f"container warmup: envFrom[1] has no prefix, {ENVFROM_TAIL}",
+    ),
     # -- internal annotations
     Row(
         "internal-annotation-on-gpu-pod",
         _with_annotations({"kube-vgpu.io/gpu-assignment": "{}"}, gpu_container(gpu="1")),
         403,
         "annotation kube-vgpu.io/gpu-assignment is written only by kube-vgpu; remove it from the pod",
+    ),
+    Row(
+        "admission-mark-with-another-value",
+        _with_annotations({"kube-vgpu.io/admitted": "v2"}, gpu_container(gpu="1")),
+        403,
+        "annotation kube-vgpu.io/admitted is written only by kube-vgpu; remove it from the pod",
     ),
     Row(
         "internal-annotations-on-cpu-pod",

@@ -260,7 +260,7 @@ def test_any_valid_gpu_pod_patches_cleanly_and_idempotently(sent: dict[str, Any]
             assert all(values[n] == [f"{merged[MEM]}m"] for n in memory_names)
         else:
             assert memory_names == []
-        if mode is LimiterMode.LD_PRELOAD:  # exactly one, ours first; other modes leave the pod's own alone
+        if mode in (LimiterMode.LD_PRELOAD, LimiterMode.DEVICE_PLUGIN):  # one, ours first; other modes leave it
             assert len(values["LD_PRELOAD"]) == 1
             assert values["LD_PRELOAD"][0].split(":")[0] == "/usr/local/vgpu/libvgpu.so"
         else:

@@ -38,6 +38,8 @@ PRELOAD_VOLUME = {
     "hostPath": {"path": "/usr/local/vgpu/ld.so.preload", "type": "File"},
 }
 LD_PRELOAD = {"name": "LD_PRELOAD", "value": LIB}
+ADMITTED = "kube-vgpu.io/admitted"
+NO_DEVICES = {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}
 
 
 def env(name: str, value: str) -> dict[str, str]:
@@ -54,6 +56,30 @@ def mem(index: int, mib: int) -> dict[str, str]:
 
 def cache(name: str) -> dict[str, str]:
     return env("CUDA_DEVICE_MEMORY_SHARED_CACHE", f"/run/kube-vgpu/{name}.cache")
+
+
+def _memory_1024_ld_preload(expected: dict[str, Any]) -> None:
+    spec = expected["spec"]
+    spec["schedulerName"] = SCHEDULER
+    c = spec["containers"][0]
+    c["env"] = [sm(0), mem(0, 1024), cache("trainer"), LD_PRELOAD]
+    c["volumeMounts"] = [CACHE_MOUNT, LIB_MOUNT]
+    spec["volumes"] = [CACHE_VOLUME, LIB_VOLUME]
+
+
+def _device_plugin_mode(expected: dict[str, Any]) -> None:
+    """LD_PRELOAD in the env, the library mounted by the device plugin: no hostPath anywhere in the pod."""
+    spec = expected["spec"]
+    spec["schedulerName"] = SCHEDULER
+    c = spec["containers"][0]
+    c["env"] = [sm(0), mem(0, 1024), cache("trainer"), LD_PRELOAD]
+    c["volumeMounts"] = [CACHE_MOUNT]
+    spec["volumes"] = [CACHE_VOLUME]
+
+
+def _cpu_container_gets_no_devices(expected: dict[str, Any]) -> None:
+    _memory_1024_ld_preload(expected)
+    expected["spec"]["containers"][1]["env"] = [{"name": "A", "value": "1"}, NO_DEVICES]
 
 
 @dataclass(frozen=True)
@@ -163,7 +189,9 @@ def _init_container_only(expected: dict[str, Any]) -> None:
     w["env"] = [sm(10), mem(0, 512), cache("warmup"), LD_PRELOAD]
     w["volumeMounts"] = [CACHE_MOUNT, LIB_MOUNT]
     spec["volumes"] = [CACHE_VOLUME, LIB_VOLUME]
-    # the app container and the CPU sidecar asked for no GPU: untouched
+    # the app container and the CPU sidecar asked for no GPU: they get none, whatever their image's env says
+    for c in spec["containers"]:
+        c["env"] = [NO_DEVICES]
 
 
 def _existing_volumes_and_mounts(expected: dict[str, Any]) -> None:
@@ -352,6 +380,34 @@ CASES = [
         config=WebhookConfig(limiter_mode=LimiterMode.LD_SO_PRELOAD),
     ),
     Case("no-scheduler-name-in-pod", _pod_without_scheduler_name(), _no_scheduler_name),
+    Case(
+        "device-plugin-mode-no-host-path",
+        pod(gpu_container(gpu="1", gpumem="1024")),
+        _device_plugin_mode,
+        config=WebhookConfig(limiter_mode=LimiterMode.DEVICE_PLUGIN),
+    ),
+    Case(
+        "cpu-container-asking-for-all-gpus-gets-none",
+        pod(
+            gpu_container(gpu="1", gpumem="1024"),
+            container("exporter", env=[env("NVIDIA_VISIBLE_DEVICES", "all"), env("A", "1")]),
+        ),
+        _cpu_container_gets_no_devices,
+        warnings=[
+            "container exporter: env NVIDIA_VISIBLE_DEVICES set by the pod was replaced by 'void': a container that "
+            "asks for no vGPU gets no GPU"
+        ],
+    ),
+    Case(
+        "env-from-with-a-safe-prefix-is-kept",
+        pod(gpu_container(gpu="1", gpumem="1024", envFrom=[{"prefix": "APP_", "configMapRef": {"name": "settings"}}])),
+        _memory_1024_ld_preload,
+    ),
+    Case(
+        "mark-already-present-from-an-earlier-pass",
+        pod(gpu_container(gpu="1", gpumem="1024"), annotations={ADMITTED: "v1", "team": "a"}),
+        _memory_1024_ld_preload,
+    ),
 ]
 
 
@@ -361,6 +417,8 @@ def test_patch_gives_exactly_the_expected_pod(case: Case) -> None:
     assert (outcome.http_status, outcome.result, response["allowed"]) == (200, Result.MUTATED, True)
     expected = copy.deepcopy(case.pod)
     case.edit(expected)
+    # every GPU pod the webhook admits carries its mark (the extender and device plugin refuse pods without it)
+    expected.setdefault("metadata", {}).setdefault("annotations", {})[ADMITTED] = "v1"
     assert apply_response(case.pod, response) == expected
     assert response.get("warnings", []) == case.warnings
 
