@@ -69,6 +69,8 @@ class DeliveryConfig:
     #: look for the limiter library / create cache dirs through the plugin's own view of those host paths
     #: (the DaemonSet mounts them at the same paths)
     check_host_paths: bool = True
+    #: Allocate only for pods carrying the webhook's admission mark (a pod that skipped the webhook has no limiter)
+    require_admission_mark: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +102,8 @@ class NodePods:
 
     candidates: list[Candidate] = field(default_factory=list)
     foreign: list[dict[str, Any]] = field(default_factory=list)
+    #: "namespace/name" of pods with an assignment but without the webhook's admission mark (when required)
+    unadmitted: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
 
@@ -165,7 +169,37 @@ def asks_for_gpu_devices(pod: Mapping[str, Any]) -> bool:
     return bool(_kubelet_order(pod))
 
 
-def read_node_pods(pods: list[dict[str, Any]], node_name: str) -> NodePods:
+ADMITTED = protocol.ADMISSION_MARK_VALUE
+
+
+def _next_container(
+    pod: Mapping[str, Any],
+    assignment: protocol.PodAssignment,
+    allocated: Mapping[str, tuple[str, ...]],
+    ref: str,
+    notes: list[str],
+) -> protocol.ContainerAssignment | None:
+    """The container kubelet will call Allocate for next, with its assigned devices; None when none is left or the
+    assignment cannot answer it (then a note says why)."""
+    started = _started_containers(pod)
+    by_name = {(c.name, c.init): c for c in assignment.containers if c.devices}
+    for name, init, count in _kubelet_order(pod):
+        if name in allocated or name in started:
+            continue
+        assigned = by_name.get((name, init))
+        if assigned is None or len(assigned.devices) != count:
+            # kubelet will ask for this container, but the assignment cannot answer it: skip the pod rather than
+            # let this container's request be matched against a later container's devices
+            notes.append(
+                f"{ref}: container {name} asks for {count} {protocol.RESOURCE_GPU} but was assigned "
+                f"{len(assigned.devices) if assigned else 0} device(s)"
+            )
+            return None
+        return assigned
+    return None
+
+
+def read_node_pods(pods: list[dict[str, Any]], node_name: str, *, require_admission_mark: bool = False) -> NodePods:
     result = NodePods()
     for pod in pods:
         metadata = pod.get("metadata") or {}
@@ -186,6 +220,10 @@ def read_node_pods(pods: list[dict[str, Any]], node_name: str) -> NodePods:
         if assignment.node != node_name:
             result.notes.append(f"{ref}: assigned to node {assignment.node}, not {node_name}")
             continue
+        if require_admission_mark and annotations.get(protocol.POD_ADMITTED_ANNOTATION) != ADMITTED:
+            # an assignment without the webhook's mark: the pod skipped the webhook, so no limiter is wired
+            result.unadmitted.append(ref)
+            continue
         allocated: dict[str, tuple[str, ...]] = {}
         if protocol.POD_ALLOCATION_ANNOTATION in annotations:
             try:
@@ -194,23 +232,7 @@ def read_node_pods(pods: list[dict[str, Any]], node_name: str) -> NodePods:
                 # an unreadable record must not let a container be allocated twice
                 result.notes.append(f"{ref}: unreadable allocation record ({exc}); pod skipped")
                 continue
-        started = _started_containers(pod)
-        by_name = {(c.name, c.init): c for c in assignment.containers if c.devices}
-        next_container = None
-        for name, init, count in _kubelet_order(pod):
-            if name in allocated or name in started:
-                continue
-            assigned = by_name.get((name, init))
-            if assigned is None or len(assigned.devices) != count:
-                # kubelet will ask for this container, but the assignment cannot answer it: skip the pod rather
-                # than let this container's request be matched against a later container's devices
-                result.notes.append(
-                    f"{ref}: container {name} asks for {count} {protocol.RESOURCE_GPU} but was assigned "
-                    f"{len(assigned.devices) if assigned else 0} device(s)"
-                )
-                break
-            next_container = assigned
-            break
+        next_container = _next_container(pod, assignment, allocated, ref, result.notes)
         if next_container is None:
             continue
         bind_time_s = math.inf  # pods bound before bind times were written go last
@@ -281,7 +303,8 @@ class Allocator:
         wanted = len(device_ids)
         for _attempt in range(MAX_CLAIM_ATTEMPTS):
             try:
-                seen = read_node_pods(self.pods.list_node_pods(self.node_name), self.node_name)
+                seen = read_node_pods(self.pods.list_node_pods(self.node_name), self.node_name,
+                                      require_admission_mark=self.delivery.require_admission_mark)
             except ApiUnavailable as exc:
                 raise AllocationError(f"cannot read the pods on node {self.node_name}: {exc}") from None
             eligible = [c for c in seen.candidates if len(c.container.devices) == wanted]
@@ -376,6 +399,11 @@ class Allocator:
                 f"pods asking for {protocol.RESOURCE_GPU} that did not go through kube-vgpu: {names}; "
                 f"GPU pods must use schedulerName {protocol.DEFAULT_SCHEDULER_NAME}"
             )
+        if seen.unadmitted:
+            parts.append(
+                f"pods refused because they skipped kube-vgpu's webhook (no {protocol.POD_ADMITTED_ANNOTATION} "
+                f"annotation, so no GPU limits were set up): {', '.join(seen.unadmitted[:5])}"
+            )
         parts.extend(seen.notes[:5])
         return "; ".join(parts)
 
@@ -458,7 +486,8 @@ class Allocator:
         target: list[str] = []
         if self.pods is not None:
             try:
-                seen = read_node_pods(self.pods.list_node_pods(self.node_name), self.node_name)
+                seen = read_node_pods(self.pods.list_node_pods(self.node_name), self.node_name,
+                                      require_admission_mark=self.delivery.require_admission_mark)
                 eligible = [c for c in seen.candidates if len(c.container.devices) == size]
                 if eligible:
                     target = [d.uuid for d in eligible[0].container.devices]

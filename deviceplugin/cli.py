@@ -87,6 +87,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=APPLICATION_XIDS,
         help="application-level XIDs that do not make a GPU unhealthy (default: 13,31,43,45,68,109)",
     )
+    parser.add_argument(
+        "--require-admission-mark",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Allocate only for pods the webhook admitted (kube-vgpu.io/admitted); a pod that skipped it has no "
+        "limiter wiring (default: on)",
+    )
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
 
@@ -127,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
             device_list_strategies=args.device_list_strategy,
             # fake GPUs have no limiter on this machine to check for: deliver the configured paths as they are
             check_host_paths=not args.fake_nvml,
+            require_admission_mark=args.require_admission_mark,
         ),
     )
     app = DevicePluginApp(config, nvml, cluster, holders)

@@ -49,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quota-unqueued", choices=("admit", "default", "refuse"), default="admit",
                         help="pods without a kueue.x-k8s.io/queue-name label: admit them uncounted, use the "
                              "namespace's LocalQueue named 'default' (as Kueue), or refuse them")
+    parser.add_argument("--require-admission-mark", action=argparse.BooleanOptionalAction, default=None,
+                        help="refuse GPU pods without the webhook's kube-vgpu.io/admitted annotation (they skipped "
+                             "the webhook, so no limiter is set up; default: on in live mode, off with --snapshot)")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -66,6 +69,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="kube-vgpu extender")
     add_arguments(parser)
     return parser.parse_args(list(argv))
+
+
+def admission_mark_required(args: argparse.Namespace) -> bool:
+    """On in live mode unless turned off; off for a snapshot (its pods never met a webhook) unless turned on."""
+    explicit: bool | None = args.require_admission_mark
+    return explicit if explicit is not None else not args.snapshot
 
 
 def build(args: argparse.Namespace) -> Extender:
@@ -102,7 +111,8 @@ def build(args: argparse.Namespace) -> Extender:
         gate = build_gate(state, quota_config=quota_config, api_client=api_client, unqueued=args.quota_unqueued)
         if gate is not None:
             gates.append(gate)
-    scheduler = Scheduler(state, binder, node_policy=args.policy, gpu_policy=args.gpu_policy, gates=gates)
+    scheduler = Scheduler(state, binder, node_policy=args.policy, gpu_policy=args.gpu_policy, gates=gates,
+                          require_admission_mark=admission_mark_required(args))
     # the source's watches and those of gates that have their own (quota: Kueue objects in live mode) start with the app
     def start_all() -> None:
         source.start()

@@ -51,6 +51,17 @@ STALE_REFRESH_PER_CALL = 16
 #: request shapes whose outdated nodes are being worked through at once (a shape evicted starts over when seen)
 REFRESHING_SHAPES = 64
 NOT_SYNCED = "kube-vgpu extender is still loading the cluster state (initial sync); the pod will be retried"
+NOT_ADMITTED = (
+    f"pod was not admitted by kube-vgpu's webhook (no {protocol.POD_ADMITTED_ANNOTATION} annotation: its namespace "
+    f"opts out with the label {protocol.LABEL_WEBHOOK}={protocol.LABEL_WEBHOOK_DISABLED} or is excluded, or the "
+    "webhook was not installed when the pod was created), so its GPU limits were never set up; recreate it in a "
+    "namespace the webhook serves"
+)
+
+
+def admitted_by_webhook(pod: Mapping[str, Any]) -> bool:
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    return annotations.get(protocol.POD_ADMITTED_ANNOTATION) == protocol.ADMISSION_MARK_VALUE
 
 
 class Binder(Protocol):
@@ -85,8 +96,11 @@ class Scheduler:
         gpu_policy: str = DEFAULT_GPU_POLICY,
         gates: Iterable[Gate] = (),
         policies: Mapping[str, type[Policy]] = REGISTRY,
+        require_admission_mark: bool = False,
     ) -> None:
         self.state = state
+        #: refuse GPU pods that did not pass the webhook (live clusters: `kube-vgpu extender` turns it on)
+        self.require_admission_mark = require_admission_mark
         self.binder = binder
         self._registry = policies  # name -> policy class; REGISTRY unless a caller adds policies of its own
         self._policies: dict[str, Policy] = {}
@@ -190,6 +204,9 @@ class Scheduler:
             node_policy, gpu_policy = self._policies_for(request)
         except InvalidGpuRequest as exc:
             outcome.error = f"invalid GPU request: {exc}"
+            return outcome, placements
+        if self.require_admission_mark and not admitted_by_webhook(pod):
+            outcome.error = NOT_ADMITTED
             return outcome, placements
         uid = (pod.get("metadata") or {}).get("uid")
         placement_request = self._placement_request(pod, request, node_policy, gpu_policy)
@@ -341,6 +358,8 @@ class Scheduler:
             node_policy, gpu_policy = self._policies_for(request)
         except InvalidGpuRequest as exc:
             raise BindError(f"invalid GPU request: {exc}") from None
+        if self.require_admission_mark and not admitted_by_webhook(pod):
+            raise BindError(NOT_ADMITTED)
         self.binder.remember_pod(pod)
 
         with state.lock:
@@ -411,12 +430,15 @@ class Scheduler:
             if record is None or record.node_name != node_name:
                 # the pod was deleted while its bind waited for the node (the delete dropped the reservation)
                 raise BindError(f"pod {namespace}/{name} went away while waiting to be bound to {node_name}")
+            queue = record.labels.get(protocol.LABEL_KUEUE_QUEUE_NAME, "")
         # The assignment travels in the Binding: the API server copies a Binding's annotations onto the pod as
         # it sets spec.nodeName, so the pod is never bound without its assignment nor annotated without being
         # bound. The bind time, taken once the node's turn came, orders a node's pending pods for Allocate.
         annotations = {
             protocol.POD_ASSIGNMENT_ANNOTATION: prepared.assignment,
             protocol.POD_BIND_TIME_ANNOTATION: protocol.format_bind_time(dt.datetime.now(dt.UTC)),
+            # the queue whose quota this pod uses, fixed for its life (state.pod_labels_at_bind reads it back)
+            protocol.POD_QUEUE_ANNOTATION: queue,
         }
         try:
             self.binder.bind(namespace, name, uid, node_name, annotations)

@@ -92,6 +92,20 @@ def usage_from_assignment(node: NodeState, assignment: PodAssignment) -> tuple[t
     return peak_usage(node, phases), missing
 
 
+def pod_labels_at_bind(metadata: Mapping[str, Any]) -> dict[str, str]:
+    """A bound pod's labels, with its Kueue queue as the extender recorded it at bind (POD_QUEUE_ANNOTATION):
+    relabelling a running pod cannot move its usage to another queue or out of quota. Pods bound before the
+    annotation existed keep their label."""
+    labels = dict(metadata.get("labels") or {})
+    recorded = (metadata.get("annotations") or {}).get(protocol.POD_QUEUE_ANNOTATION)
+    if isinstance(recorded, str):
+        if recorded:
+            labels[protocol.LABEL_KUEUE_QUEUE_NAME] = recorded
+        else:
+            labels.pop(protocol.LABEL_KUEUE_QUEUE_NAME, None)
+    return labels
+
+
 class ClusterState:
     def __init__(
         self,
@@ -257,7 +271,7 @@ class ClusterState:
             if record is not None and record.assignment_text == text:
                 record.confirmed = True
                 record.bound = bool(node_name)
-                record.labels = dict(metadata.get("labels") or {})
+                record.labels = pod_labels_at_bind(metadata)
                 return
             try:
                 assignment = protocol.decode_assignment(text)
@@ -280,7 +294,7 @@ class ClusterState:
                 assignment_text=text,
                 confirmed=True,
                 bound=bool(node_name),
-                labels=dict(metadata.get("labels") or {}),
+                labels=pod_labels_at_bind(metadata),
             )
             self._add(record)
 

@@ -485,8 +485,9 @@ ALLOCATION_SCHEMA_VERSION = 1
 #: annotations from users; the ValidatingAdmissionPolicy refuses it in namespaces the webhook does not see).
 POD_ADMITTED_ANNOTATION = ANNOTATION_PREFIX + "admitted"
 ADMISSION_MARK_VALUE = "v1"
-#: Pod annotation the extender writes at bind, in the same patch as POD_ASSIGNMENT_ANNOTATION: "namespace/localqueue
-#: -> clusterqueue" fixed for the pod's life (quota counts the pod there even if its queue label is later removed).
+#: Pod annotation the extender writes at bind, in the same Binding as POD_ASSIGNMENT_ANNOTATION: the pod's
+#: LABEL_KUEUE_QUEUE_NAME at bind ("" = none), fixed for the pod's life: quota keeps counting the pod in that queue
+#: even if the label is later changed or removed.
 POD_QUEUE_ANNOTATION = ANNOTATION_PREFIX + "queue"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import threading
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from kube_vgpu.deviceplugin.allocate import (
     Allocator,
     DeliveryConfig,
 )
+from kube_vgpu.deviceplugin.cli import add_arguments
 from kube_vgpu.deviceplugin.discovery import discover
 from kube_vgpu.deviceplugin.nvml import open_nvml
 from kube_vgpu.deviceplugin.state import DeviceState, device_id
@@ -382,3 +384,37 @@ def test_a_container_whose_assignment_does_not_fit_its_request_blocks_only_its_p
     assert allocator.allocate([ids(uuids[2], 0)])[0].pod == "default/fine"
     with pytest.raises(AllocationError, match=r"container main asks for 2 nvidia\.com/gpu but was assigned 1"):
         allocator.allocate([ids(uuids[2], 1, 2)])
+
+
+@pytest.mark.parametrize("mark", [None, "v2"], ids=["absent", "other-value"])
+def test_a_pod_that_skipped_the_webhook_gets_no_devices_when_the_mark_is_required(
+    cluster: InMemoryCluster, state: DeviceState, uuids: list[str], tmp_path: Path, mark: str | None
+) -> None:
+    """Issue 20 item 7: an assignment without the webhook's mark (the pod skipped the webhook, so its limiter env and
+    mounts were never added) is refused by name; a marked pod of the same shape is served."""
+    library = tmp_path / "libvgpu.so"
+    library.write_bytes(b"\x7fELF")
+    delivery = DeliveryConfig(limiter_library_path=str(library), cache_host_dir=str(tmp_path / "cache"),
+                              require_admission_mark=True)
+    allocator = Allocator(NODE, cluster, state, delivery)
+    stray = gpu_pod("stray", assignment={"main": [(uuids[0], 1024, 0)]}, bound_at=1)
+    if mark is not None:
+        stray["metadata"]["annotations"][protocol.POD_ADMITTED_ANNOTATION] = mark
+    cluster.add_pod(stray)
+    with pytest.raises(AllocationError) as failure:
+        allocator.allocate([ids(uuids[0], 0)])
+    assert "pods refused because they skipped kube-vgpu's webhook (no kube-vgpu.io/admitted annotation, so no GPU " \
+           "limits were set up): default/stray" in str(failure.value)
+    assert allocation_of(cluster.pod("default", "stray")) == {}
+    admitted = gpu_pod("admitted", assignment={"main": [(uuids[1], 1024, 0)]}, bound_at=2)
+    admitted["metadata"]["annotations"][protocol.POD_ADMITTED_ANNOTATION] = protocol.ADMISSION_MARK_VALUE
+    cluster.add_pod(admitted)
+    [served] = allocator.allocate([ids(uuids[1], 0)])
+    assert served.pod == "default/admitted"
+
+
+def test_the_device_plugin_requires_the_mark_by_default() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args([]).require_admission_mark is True
+    assert parser.parse_args(["--no-require-admission-mark"]).require_admission_mark is False

@@ -4,7 +4,6 @@ service keeps serving (issue 20, item 10)."""
 
 from __future__ import annotations
 
-import argparse
 import copy
 import socket
 from collections.abc import Iterator
@@ -16,7 +15,7 @@ import orjson
 import pytest
 
 from kube_vgpu import protocol
-from kube_vgpu.extender.cli import Extender, build
+from kube_vgpu.extender.cli import Extender, build, parse_args
 from kube_vgpu.extender.scheduler import FilterOutcome
 from kube_vgpu.extender.server import MAX_BODY_BYTES
 from tests.helpers import gpu_node, pod
@@ -34,8 +33,8 @@ def extender(tmp_path: Path) -> Extender:
     snapshot.write_bytes(orjson.dumps({"apiVersion": "v1", "kind": "List", "items": nodes}))
     quota = tmp_path / "quota.yaml"
     quota.write_text(FLAVORS + gpu_queue("team-a", {"a100": 8}) + local_queue("default", "q", "team-a"))
-    args = argparse.Namespace(snapshot=str(snapshot), kubeconfig=None, policy="binpack", gpu_policy="topology",
-                              heartbeat_ttl_seconds=120.0, quota_config=str(quota), quota_unqueued="admit")
+    args = parse_args([f"--snapshot={snapshot}", "--policy=binpack", "--gpu-policy=topology",
+                       f"--quota-config={quota}"])
     return build(args)
 
 

@@ -121,7 +121,7 @@ def test_only_the_device_plugin_mounts_host_paths_and_only_kubelet_s() -> None:
     for _, workload in WORKLOADS:
         paths = {v["hostPath"]["path"] for v in pod_spec(workload).get("volumes") or [] if "hostPath" in v}
         if workload["metadata"]["name"] == "kube-vgpu-device-plugin":
-            assert paths == {"/var/lib/kubelet/device-plugins", "/var/lib/kubelet/pod-resources"}
+            assert paths == {"/var/lib/kubelet/device-plugins", "/var/lib/kubelet/pod-resources", "/usr/local/vgpu"}
         else:
             assert not paths, workload["metadata"]["name"]
 
@@ -204,15 +204,20 @@ def test_a_node_is_stale_only_after_several_missed_device_plugin_heartbeats() ->
 # ---------------------------------------------------------------------------------------------
 
 
-def test_the_webhook_owns_the_limiter_and_the_device_plugin_mounts_neither_it_nor_the_cache() -> None:
+def test_the_device_plugin_mounts_the_limiter_and_no_tenant_pod_gets_a_host_path() -> None:
+    """Issue 20 item 7: the library reaches containers through Allocate (read-only), the webhook only sets LD_PRELOAD
+    and the cache emptyDir, so GPU namespaces can enforce Pod Security baseline."""
     objects = render("base")
     [plugin] = pod_spec(one(objects, "DaemonSet", "kube-vgpu-device-plugin"))["containers"]
     plugin_args = parse_ours(plugin)
-    assert plugin_args.limiter_library == "" and plugin_args.shared_cache_dir == "" and plugin_args.ld_so_preload == ""
-    assert not any(m["mountPath"].startswith("/usr/local/vgpu") for m in plugin["volumeMounts"])
+    assert plugin_args.limiter_library == DEFAULT_LIMITER_LIBRARY_PATH
+    assert plugin_args.shared_cache_dir == "" and plugin_args.ld_so_preload == ""
+    assert plugin_args.require_admission_mark is True
+    [limiter_mount] = [m for m in plugin["volumeMounts"] if m["mountPath"].startswith("/usr/local/vgpu")]
+    assert limiter_mount == {"name": "limiter", "mountPath": "/usr/local/vgpu", "readOnly": True}
     [webhook] = pod_spec(one(objects, "Deployment", "kube-vgpu-webhook"))["containers"]
     webhook_args = parse_ours(webhook)
-    assert webhook_args.limiter_mode == "ld-preload"
+    assert webhook_args.limiter_mode == "device-plugin"
     assert webhook_args.limiter_library_path == DEFAULT_LIMITER_LIBRARY_PATH
     assert webhook_args.scheduler_name == yaml.safe_load(SCHEDULER_CONFIG.read_text())["profiles"][0]["schedulerName"]
 

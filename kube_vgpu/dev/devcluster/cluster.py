@@ -681,6 +681,8 @@ class DevCluster:
             f"--kubeconfig={self.extender_kubeconfig}",
             "--host=127.0.0.1",
             f"--port={self.ports['extender']}",
+            # without the webhook no pod carries its admission mark: GPU pods would all be refused
+            *(() if self.options.webhook else ("--no-require-admission-mark",)),
             *self.options.extender_args,
         )
         self._spawn("extender", argv, env=self._python_env())
