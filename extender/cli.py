@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kube_vgpu.extender.engine.policies import DEFAULT_GPU_POLICY, DEFAULT_NODE_POLICY, policy_names
 from kube_vgpu.extender.gates import ClusterSource, Gate
 from kube_vgpu.extender.scheduler import Binder, Scheduler
 from kube_vgpu.extender.state import ClusterState
+
+if TYPE_CHECKING:
+    from kube_vgpu.extender.fence import LeaderFence
 
 log = logging.getLogger("kube_vgpu.extender")
 #: see run(): how long a thread may hold the GIL while another waits for it (CPython's default is 5 ms)
@@ -52,6 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--require-admission-mark", action=argparse.BooleanOptionalAction, default=None,
                         help="refuse GPU pods without the webhook's kube-vgpu.io/admitted annotation (they skipped "
                              "the webhook, so no limiter is set up; default: on in live mode, off with --snapshot)")
+    parser.add_argument("--fence-lease", metavar="NAMESPACE/NAME", default="",
+                        help="kube-scheduler's leader Lease: bind only while this replica's kube-scheduler holds it "
+                             "(several scheduler replicas; off when empty)")
+    parser.add_argument("--fence-identity-prefix", default="",
+                        help="holderIdentity prefix of this replica's kube-scheduler (default: $POD_NAME + '_', "
+                             "as kube-scheduler names itself <hostname>_<uuid>)")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -75,6 +85,32 @@ def admission_mark_required(args: argparse.Namespace) -> bool:
     """On in live mode unless turned off; off for a snapshot (its pods never met a webhook) unless turned on."""
     explicit: bool | None = args.require_admission_mark
     return explicit if explicit is not None else not args.snapshot
+
+
+def _build_fence(
+    args: argparse.Namespace, api_client: Any, source: ClusterSource
+) -> tuple[LeaderFence | None, Callable[[], None]]:
+    """The leader fence and what starts its Lease watch; (None, a no-op) without --fence-lease."""
+    lease: str = args.fence_lease
+    if not lease:
+        return None, lambda: None
+    from kube_vgpu.extender.fence import LeaderFence
+    from kube_vgpu.extender.sources.apiclient import DEFAULT_TIMEOUTS
+    from kube_vgpu.extender.sources.lease import LeaseWatcher
+    from kube_vgpu.extender.sources.live import LiveSource
+
+    namespace, _, name = lease.partition("/")
+    if not namespace or not name:
+        raise ValueError(f"--fence-lease must be NAMESPACE/NAME, got {lease!r}")
+    if api_client is None or not isinstance(source, LiveSource):
+        raise ValueError("--fence-lease needs live mode (--kubeconfig or in-cluster), not --snapshot")
+    prefix = args.fence_identity_prefix or (f"{os.environ['POD_NAME']}_" if os.environ.get("POD_NAME") else "")
+    if not prefix:
+        raise ValueError("--fence-lease needs --fence-identity-prefix or $POD_NAME (the downward API's metadata.name)")
+    fence = LeaderFence(prefix, write_window_s=DEFAULT_TIMEOUTS.bind_s)
+    fence.request_relist = lambda done: source.request_relist("pods", done)
+    watcher = LeaseWatcher(fence, api_client, namespace, name)
+    return fence, watcher.start
 
 
 def build(args: argparse.Namespace) -> Extender:
@@ -111,11 +147,13 @@ def build(args: argparse.Namespace) -> Extender:
         gate = build_gate(state, quota_config=quota_config, api_client=api_client, unqueued=args.quota_unqueued)
         if gate is not None:
             gates.append(gate)
+    fence, start_fence = _build_fence(args, api_client, source)
     scheduler = Scheduler(state, binder, node_policy=args.policy, gpu_policy=args.gpu_policy, gates=gates,
-                          require_admission_mark=admission_mark_required(args))
+                          require_admission_mark=admission_mark_required(args), fence=fence)
     # the source's watches and those of gates that have their own (quota: Kueue objects in live mode) start with the app
     def start_all() -> None:
         source.start()
+        start_fence()
         for started in gates:
             started.start()
 

@@ -35,6 +35,7 @@ from kube_vgpu.extender.engine.policies import (
     Policy,
     make_policy,
 )
+from kube_vgpu.extender.fence import LeaderFence
 from kube_vgpu.extender.gates import Gate
 from kube_vgpu.extender.state import ClusterState, PodRecord
 from kube_vgpu.protocol import InvalidGpuRequest, PodGpuRequest
@@ -97,10 +98,13 @@ class Scheduler:
         gates: Iterable[Gate] = (),
         policies: Mapping[str, type[Policy]] = REGISTRY,
         require_admission_mark: bool = False,
+        fence: LeaderFence | None = None,
     ) -> None:
         self.state = state
         #: refuse GPU pods that did not pass the webhook (live clusters: `kube-vgpu extender` turns it on)
         self.require_admission_mark = require_admission_mark
+        #: between scheduler replicas: binds reserve and write only in this replica's own leader term (fence.py)
+        self.fence = fence
         self.binder = binder
         self._registry = policies  # name -> policy class; REGISTRY unless a caller adds policies of its own
         self._policies: dict[str, Policy] = {}
@@ -345,6 +349,7 @@ class Scheduler:
         state = self.state
         if not state.synced.is_set():
             raise BindError(NOT_SYNCED)
+        self._check_fence()
         with state.lock:
             existing = state.pods.get(uid)
             if existing is not None and existing.node_name == node_name and existing.confirmed and existing.bound:
@@ -441,6 +446,11 @@ class Scheduler:
             protocol.POD_QUEUE_ANNOTATION: queue,
         }
         try:
+            self._check_fence()  # the last moment before the write: the term may have ended while this bind waited
+        except BindError:
+            self.state.release(uid, only_unconfirmed=True)
+            raise
+        try:
             self.binder.bind(namespace, name, uid, node_name, annotations)
         except Exception as exc:
             if not self._bound_as_asked(namespace, name, uid, node_name, annotations):
@@ -450,6 +460,13 @@ class Scheduler:
         # The Binding took effect: from now on the reservation is the pod's real usage, before the watch says so
         # (a late bind of the same pod to another node must find it bound, not a reservation to supersede).
         self.state.mark_bound(uid, node_name)
+
+    def _check_fence(self) -> None:
+        if self.fence is not None:
+            reason = self.fence.refusal()
+            if reason:
+                self.on_rejection("fenced")
+                raise BindError(reason)
 
     def abandon_bind(self, prepared: PreparedBind) -> None:
         """Give up a prepared bind that will not be committed (its caller went away)."""

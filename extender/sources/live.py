@@ -11,6 +11,7 @@ the cluster keeps syncing.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -74,6 +75,10 @@ class LiveSource:
         self._nodes_synced = threading.Event()
         self._pods_synced = threading.Event()
         self._threads: list[threading.Thread] = []
+        # relists asked for from outside (the leader fence), per resource: callbacks run once one is applied
+        self._relist_lock = threading.Lock()
+        self._relist_waiters: dict[str, list[Callable[[], None]]] = {"nodes": [], "pods": []}
+        self._open_watches: dict[str, Any] = {}
         #: resource -> how its watch is doing (/readyz, /metrics)
         self.health = {
             resource: WatchHealth(resource, timeouts.watch_progress_s, clock) for resource in ("nodes", "pods")
@@ -90,6 +95,48 @@ class LiveSource:
 
     def stop(self) -> None:
         self.stop_event.set()
+
+    def request_relist(self, resource: str, done: Callable[[], None]) -> None:
+        """Relist `resource` now, from a quorum read, in its watch thread (so no older event is applied after it),
+        and call `done` once the list has been applied."""
+        with self._relist_lock:
+            self._relist_waiters[resource].append(done)
+            response = self._open_watches.get(resource)
+        if response is not None:
+            # ends the watch at once (close() would wait for the reading thread's lock); the loop then relists
+            response.shutdown()
+
+    def _take_relist_waiters(self, resource: str) -> list[Callable[[], None]] | None:
+        with self._relist_lock:
+            waiting = self._relist_waiters[resource]
+            if not waiting:
+                return None
+            self._relist_waiters[resource] = []
+            return waiting
+
+    def _relist_if_needed(self, resource: str, resource_version: str, resync: Callable[[], str]) -> str:
+        """The version to watch from: relisted when there is none yet, or when a relist was asked for."""
+        waiters = self._take_relist_waiters(resource)
+        if resource_version and not waiters:
+            return resource_version
+        try:
+            resource_version = resync() or ""
+        except BaseException:
+            if waiters:  # still owed a relist: the next attempt serves them
+                with self._relist_lock:
+                    self._relist_waiters[resource][:0] = waiters
+            raise
+        self.health[resource].progressed()
+        for done in waiters or ():
+            done()
+        return resource_version
+
+    def _watch_opened(self, resource: str, response: Any) -> None:
+        with self._relist_lock:
+            self._open_watches[resource] = response
+            requested = bool(self._relist_waiters[resource])
+        if requested:
+            response.shutdown()
 
     def unready_reason(self) -> str | None:
         """Why the watches cannot be trusted right now (a watch silent past its progress timeout), or None."""
@@ -116,12 +163,10 @@ class LiveSource:
         resource_version = ""
         while not self.stop_event.is_set():
             try:
-                if not resource_version:
-                    resource_version = resync() or ""
-                    health.progressed()
+                resource_version = self._relist_if_needed(name, resource_version, resync)
                 for event in watch_events(
                     list_call, resource_version, self.stop_event, timeouts=self.timeouts,
-                    on_progress=health.progressed,
+                    on_progress=health.progressed, on_open=lambda response: self._watch_opened(name, response),
                 ):
                     kind = str(event.get("type"))
                     obj = event.get("object")
@@ -156,6 +201,8 @@ class LiveSource:
                 self.stop_event.wait(backoff_s)
                 backoff_s = min(backoff_s * 2, self.max_backoff_s)
             except Exception as exc:  # network errors, deadlines: keep the state, retry the watch
+                if self._relist_waiters[name]:
+                    continue  # we closed the watch ourselves to relist: no backoff
                 health.restarted("error", repr(exc))
                 log.warning("%s watch failed (%r); retrying in %.1fs", name, exc, backoff_s)
                 self.stop_event.wait(backoff_s)
@@ -263,6 +310,9 @@ class LiveBinder:
             "POST",
             "/api/v1/namespaces/{namespace}/pods/{name}/binding",
             path_params={"namespace": namespace, "name": name},
+            # the API server gives up on the write after this too, so it cannot land after our deadline (the leader
+            # fence counts on it: extender/fence.py)
+            query_params=[("timeout", f"{math.ceil(self.timeouts.bind_s)}s")],
             header_params={"Content-Type": "application/json", "Accept": "application/json"},
             auth_settings=["BearerToken"],
         )

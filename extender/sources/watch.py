@@ -73,10 +73,11 @@ def watch_events(
     *,
     timeouts: ApiTimeouts = DEFAULT_TIMEOUTS,
     on_progress: Callable[[], None] | None = None,
+    on_open: Callable[[Any], None] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """The events of one watch from `resource_version` (bookmarks included), until the API server ends it.
     Raises WatchStalled when nothing arrives for `timeouts.watch_progress_s`; `on_progress` is called when the
-    watch is open and whenever bytes arrive."""
+    watch is open and whenever bytes arrive; `on_open` gets the open response (closing it ends the watch)."""
     try:
         response = list_call(
             watch=True,
@@ -89,6 +90,8 @@ def watch_events(
         )
     except urllib3.exceptions.ReadTimeoutError:
         raise WatchStalled(f"the watch was not answered within {timeouts.watch_progress_s:g} s") from None
+    if on_open is not None:
+        on_open(response)
     if on_progress is not None:
         on_progress()
     buffer = b""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import orjson
 import pytest
 
 from kube_vgpu import protocol
+from kube_vgpu.dev.fixtures import gpu_pod_object
 from kube_vgpu.extender.cli import Extender, build, parse_args
 from kube_vgpu.extender.scheduler import Scheduler
 from kube_vgpu.extender.server import create_app
@@ -165,3 +167,36 @@ def _pod(name: str) -> dict[str, Any]:
         "spec": {"nodeName": "n1", "containers": [{"name": "main"}]},
         "status": {"phase": "Running"},
     })
+
+
+def test_a_relist_asked_for_ends_the_open_watch_and_reports_when_applied(
+    fake: tuple[FakeApiServer, str], tmp_path: Path
+) -> None:
+    """The leader fence's takeover relist (extender/fence.py): the pods watch is closed at once (not at its server
+    timeout), the pods are listed and applied in the watch thread, and only then is the fence told."""
+    server, url = fake
+    server.put("nodes", gpu_node("n1"))
+    slow = ApiTimeouts(connect_s=1.0, read_s=1.0, bind_s=2.0, list_page_s=5.0, watch_progress_s=120.0,
+                       watch_server_timeout_s=100)
+    state = ClusterState()
+    source = LiveSource(state, make_api_client(str(write_kubeconfig(tmp_path / "kubeconfig", url))), timeouts=slow)
+    source.start()
+    try:
+        assert wait_until(state.synced.is_set, 30)
+        # a Binding the watch has not delivered (the previous leader's last write, still on its way to us)
+        uuid = protocol.decode_inventory(
+            gpu_node("n1")["metadata"]["annotations"][protocol.NODE_INVENTORY_ANNOTATION]).gpus[0].uuid
+        share = protocol.ContainerAssignment("main", (protocol.DeviceShare(uuid, 1024, 0),))
+        unseen = gpu_pod_object("unseen", node_name="n1", memory_mib=1024, uid="uid-unseen",
+                                assignment=protocol.PodAssignment("n1", (share,)))
+        unseen["metadata"]["resourceVersion"] = "1"
+        with server.lock:
+            server.objects["pods"][FakeApiServer.key(unseen)] = unseen
+        done = threading.Event()
+        # from another thread, as the Lease watch asks: neither the ask nor the relist may wait for the watch's end
+        threading.Thread(target=source.request_relist, args=("pods", done.set), daemon=True).start()
+        assert done.wait(20), "the relist waited for the open watch to end (100 s)"
+        assert "uid-unseen" in state.pods  # applied before done was called
+        assert source.health["pods"].restarts.get("error", 0) == 0  # closing our own watch is not a failure
+    finally:
+        source.stop()
