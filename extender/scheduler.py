@@ -465,7 +465,6 @@ class Scheduler:
         if self.fence is not None:
             reason = self.fence.refusal()
             if reason:
-                self.on_rejection("fenced")
                 raise BindError(reason)
 
     def abandon_bind(self, prepared: PreparedBind) -> None:

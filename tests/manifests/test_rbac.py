@@ -39,7 +39,7 @@ INTENDED_ROLES: dict[tuple[str, str | None, str], dict[Grant, set[str]]] = {
         **{("kueue.x-k8s.io", plural, ""): {"list", "watch"} for plural in KUEUE},
     },
     ("Role", NAMESPACE, "kube-vgpu-scheduler-leader-election"): {
-        ("coordination.k8s.io", "leases", "kube-vgpu-scheduler"): {"get", "update"},
+        ("coordination.k8s.io", "leases", "kube-vgpu-scheduler"): {"get", "update", "list", "watch"},
     },
     ("ClusterRole", None, "kube-vgpu-device-plugin"): {
         ("", "pods", ""): {"list", "patch"},
@@ -165,7 +165,7 @@ def test_the_lease_role_names_the_lease_of_the_scheduler_configuration() -> None
     assert (election["resourceNamespace"], election["resourceName"]) != ("kube-system", "kube-scheduler")
     role = one(render("base"), "Role", "kube-vgpu-scheduler-leader-election")
     assert role["metadata"]["namespace"] == election["resourceNamespace"]
-    assert grants(role) == {("coordination.k8s.io", "leases", election["resourceName"]): {"get", "update"}}
+    assert grants(role) == {("coordination.k8s.io", "leases", election["resourceName"]): {"get", "update", "list", "watch"}}
 
 
 # ---------------------------------------------------------------------------------------------
