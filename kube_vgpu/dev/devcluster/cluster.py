@@ -772,9 +772,13 @@ class DevCluster:
         """Start the extender again (same port and arguments) and wait until it has synced."""
         self.start_component("extender")
 
-    def restart_extender(self, *, crash: bool = True) -> None:
-        """Kill the extender (SIGKILL by default: a crash, no graceful shutdown) and start it again."""
+    def restart_extender(self, *, crash: bool = True, extra_args: Sequence[str] = ()) -> None:
+        """Kill the extender (SIGKILL by default: a crash, no graceful shutdown) and start it again; `extra_args`
+        are appended to its command line from now on (a later flag wins, e.g. --kubeconfig through a proxy)."""
         self.stop_component("extender", crash=crash)
+        if extra_args:
+            with self._lock:
+                self._argv["extender"] = [*self._argv["extender"], *extra_args]
         self.start_extender()
 
     def restart_scheduler(self, *, with_extender: bool) -> None:
