@@ -129,24 +129,30 @@ def build(args: argparse.Namespace) -> Extender:
     quota_config: str | None = args.quota_config
     source: ClusterSource
     binder: Binder
-    if args.snapshot:
-        from kube_vgpu.extender.sources.snapshot import SnapshotCluster, load_snapshot
-
-        snapshot = SnapshotCluster(state, load_snapshot(args.snapshot))
-        source, binder = snapshot, snapshot
-        api_client = None
-    else:
-        from kube_vgpu.extender.sources.live import LiveBinder, LiveSource, make_api_client
+    api_client = None
+    if not args.snapshot:
+        from kube_vgpu.extender.sources.live import make_api_client
 
         api_client = make_api_client(args.kubeconfig)
-        source = LiveSource(state, api_client)
-        binder = LiveBinder(api_client)
+    # the gate before the source: it learns each pod (CPU, memory, priority) as the state receives it, and a
+    # snapshot's pods arrive when the source is built
     if quota_config or api_client is not None:
         from kube_vgpu.extender.quota.factory import build_gate
 
         gate = build_gate(state, quota_config=quota_config, api_client=api_client, unqueued=args.quota_unqueued)
         if gate is not None:
             gates.append(gate)
+    if args.snapshot:
+        from kube_vgpu.extender.sources.snapshot import SnapshotCluster, load_snapshot
+
+        snapshot = SnapshotCluster(state, load_snapshot(args.snapshot))
+        source, binder = snapshot, snapshot
+    else:
+        from kube_vgpu.extender.sources.live import LiveBinder, LiveSource
+
+        assert api_client is not None  # made above in live mode
+        source = LiveSource(state, api_client)
+        binder = LiveBinder(api_client)
     fence, start_fence = _build_fence(args, api_client, source)
     scheduler = Scheduler(state, binder, node_policy=args.policy, gpu_policy=args.gpu_policy, gates=gates,
                           require_admission_mark=admission_mark_required(args), fence=fence)

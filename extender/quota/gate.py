@@ -80,6 +80,10 @@ class QuotaGate:
     ) -> None:
         if unqueued not in UNQUEUED_POLICIES:
             raise ValueError(f"unqueued pods policy {unqueued!r} is not one of {', '.join(UNQUEUED_POLICIES)}")
+        if state.pods:
+            # the gate learns each pod's CPU, memory and priority as the state receives it; pods already there
+            # would be charged their GPUs only
+            raise ValueError("the quota gate must be built before the cluster state holds pods")
         self.state = state
         self.unqueued = unqueued
         self.file_documents = list(file_documents or [])
