@@ -129,12 +129,21 @@ def _exact(section: Mapping[str, Any] | None, wanted: frozenset[str] | None) -> 
         return out
     if wanted is None:
         for resource, value in section.items():
-            out[resource] = parse_quantity(value)
+            out[resource] = _non_negative(resource, value)
     else:  # callers want one or two resources of sections that name several
         for resource in wanted:
             if resource in section:
-                out[resource] = parse_quantity(section[resource])
+                out[resource] = _non_negative(resource, section[resource])
     return out
+
+
+def _non_negative(resource: str, value: Any) -> Decimal:
+    """The API server refuses negative requests and limits; a hand-made object's would lower a sum (and an init
+    container's peak could hide it), so it is refused here too."""
+    amount = parse_quantity(value)
+    if amount < 0:
+        raise InvalidQuantity(f"{resource}: {str(value)[:40]!r} is negative (requests and limits must not be)")
+    return amount
 
 
 def _container_exact(container: Mapping[str, Any], wanted: frozenset[str] | None) -> _Exact:

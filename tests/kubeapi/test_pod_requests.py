@@ -154,6 +154,22 @@ def test_bad_quantity_anywhere_raises_invalid_quantity(obj: dict[str, Any]) -> N
         kubeapi.pod_requests(obj)
 
 
+@pytest.mark.parametrize(
+    "obj",
+    [
+        pod([c("-1")]),
+        pod([c("4"), c("-2")], [c("3")]),  # the sum (2) would hide under the init container's peak (3)
+        pod([c("1", memory="-1Gi")]),
+        pod([c("1")], [c("-500m", sidecar=True)]),
+        pod([c("1")], overhead={"cpu": "-100m"}),
+    ],
+    ids=["container", "hidden-by-init-peak", "memory", "sidecar", "overhead"],
+)
+def test_a_negative_quantity_anywhere_is_refused(obj: dict[str, Any]) -> None:
+    with pytest.raises(InvalidQuantity, match="is negative"):
+        kubeapi.pod_requests(obj)
+
+
 def test_a_bad_quantity_of_another_resource_does_not_matter_when_restricted() -> None:
     assert kubeapi.pod_request(pod([c("1", memory="lots")]), "cpu") == 1000
 
