@@ -191,3 +191,12 @@ def wait_for(predicate: Any, timeout_s: float = 30.0) -> bool:
             return True
         time.sleep(0.02)
     return bool(predicate())
+
+
+def test_the_graceful_shutdown_lets_the_longest_bind_finish_inside_the_pods_grace_period() -> None:
+    from kube_vgpu.extender.cli import GRACEFUL_SHUTDOWN_S
+
+    deployment = yaml.safe_load(
+        (Path(__file__).resolve().parents[2] / "manifests/base/scheduler/deployment.yaml").read_text())
+    grace_s = deployment["spec"]["template"]["spec"].get("terminationGracePeriodSeconds", 30)  # Kubernetes' default
+    assert DEFAULT_TIMEOUTS.bind_worst_case_s < GRACEFUL_SHUTDOWN_S < grace_s
