@@ -159,6 +159,12 @@ def build(args: argparse.Namespace) -> Extender:
     fence, start_fence = _build_fence(args, api_client, source)
     scheduler = Scheduler(state, binder, node_policy=args.policy, gpu_policy=args.gpu_policy, gates=gates,
                           require_admission_mark=admission_mark_required(args), fence=fence)
+    if not args.snapshot:
+        from kube_vgpu.extender.binding import BindOrdering
+        from kube_vgpu.extender.sources.apiclient import DEFAULT_TIMEOUTS
+
+        # a bind's wait for its node's turn plus its own API calls fit in kube-scheduler's httpTimeout
+        scheduler.ordering = BindOrdering(turn_wait_limit_s=DEFAULT_TIMEOUTS.turn_wait_limit_s)
     # the source's watches and those of gates that have their own (quota: Kueue objects in live mode) start with the app
     def start_all() -> None:
         source.start()

@@ -200,3 +200,11 @@ def test_the_graceful_shutdown_lets_the_longest_bind_finish_inside_the_pods_grac
         (Path(__file__).resolve().parents[2] / "manifests/base/scheduler/deployment.yaml").read_text())
     grace_s = deployment["spec"]["template"]["spec"].get("terminationGracePeriodSeconds", 30)  # Kubernetes' default
     assert DEFAULT_TIMEOUTS.bind_worst_case_s < GRACEFUL_SHUTDOWN_S < grace_s
+
+
+def test_the_live_extender_waits_for_a_turn_only_as_long_as_its_deadlines_allow(tmp_path: Path) -> None:
+    from kube_vgpu.extender.cli import build, parse_args
+
+    extender = build(parse_args([f"--kubeconfig={write_kubeconfig(tmp_path / 'kc', 'https://127.0.0.1:1')}"]))
+    assert extender.scheduler.ordering.turn_wait_limit_s == DEFAULT_TIMEOUTS.turn_wait_limit_s
+    assert DEFAULT_TIMEOUTS.turn_wait_limit_s + DEFAULT_TIMEOUTS.bind_worst_case_s <= SCHEDULER_EXTENDER_TIMEOUT_S
