@@ -10,10 +10,17 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import ssl
 import sys
+from typing import TYPE_CHECKING
 
-from kube_vgpu.protocol import DEFAULT_LIMITER_LD_SO_PRELOAD_PATH, DEFAULT_LIMITER_LIBRARY_PATH, DEFAULT_SCHEDULER_NAME
+from kube_vgpu.protocol import (
+    DEFAULT_LIMITER_LD_SO_PRELOAD_PATH,
+    DEFAULT_LIMITER_LIBRARY_PATH,
+    DEFAULT_SCHEDULER_NAME,
+    LABEL_KUEUE_QUEUE_NAME,
+)
 from kube_vgpu.webhook.config import (
     DEFAULT_CACHE_DIR,
     DEFAULT_MAX_GPUS_PER_POD,
@@ -23,6 +30,9 @@ from kube_vgpu.webhook.config import (
     WebhookConfig,
 )
 from kube_vgpu.webhook.tls import DEFAULT_RELOAD_INTERVAL_S
+
+if TYPE_CHECKING:
+    from kube_vgpu.webhook.owners import OwnerResolver
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,6 +95,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=defaults.body_timeout_s,
         help="answer 408 to a request whose body takes longer to arrive (default: %(default)s)",
     )
+    serve.add_argument("--kubeconfig", metavar="FILE",
+                       help="API access for reading pods' owners (default: in-cluster when running in a Pod)")
+    serve.add_argument("--inherit-queue", action=argparse.BooleanOptionalAction, default=True,
+                       help="give a GPU pod without kueue.x-k8s.io/queue-name (or priority-class) its controller "
+                            "owners' (Job, JobSet, ...; read from the API server) (default: on)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--access-log", action="store_true", help="log every request (off: it costs latency)")
 
@@ -138,6 +153,31 @@ def limits_from_args(args: argparse.Namespace) -> ConnectionLimits:
     )
 
 
+def _owner_resolver(args: argparse.Namespace) -> OwnerResolver | None:
+    """Owners are read with --kubeconfig, or in-cluster; without either, pods keep only their own queue label (said
+    at start-up, not silently)."""
+    log = logging.getLogger("kube_vgpu.webhook")
+    if not args.inherit_queue:
+        return None
+    from kubernetes import client, config
+
+    from kube_vgpu.webhook.owners import OwnerResolver, api_fetch
+
+    configuration = client.Configuration()
+    try:
+        if args.kubeconfig:
+            config.load_kube_config(args.kubeconfig, client_configuration=configuration)
+        elif os.environ.get("KUBERNETES_SERVICE_HOST"):
+            config.load_incluster_config(client_configuration=configuration)
+        else:
+            log.warning("no --kubeconfig and not in a cluster: pods created by Jobs and other controllers keep only "
+                        "their own %s label (their owners' is not read)", LABEL_KUEUE_QUEUE_NAME)
+            return None
+    except Exception as exc:  # an unreadable kubeconfig is a start-up error
+        raise SystemExit(f"kube-vgpu webhook: cannot load API access for reading owners: {exc}") from None
+    return OwnerResolver(api_fetch(client.ApiClient(configuration)))
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -171,6 +211,7 @@ def run(args: argparse.Namespace) -> int:
 
     return_freed_buffers_to_the_os()
 
+    owners = _owner_resolver(args)
     try:
         server = WebhookServer(
             config,
@@ -183,6 +224,7 @@ def run(args: argparse.Namespace) -> int:
             access_log=args.access_log,
             shutdown_delay_s=args.shutdown_delay_seconds,
             limits=limits,
+            owners=owners,
         )
     except (OSError, ssl.SSLError) as exc:
         print(f"kube-vgpu webhook: cannot serve: {exc}", file=sys.stderr)

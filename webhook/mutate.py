@@ -41,6 +41,7 @@ from kube_vgpu.protocol import (
 )
 from kube_vgpu.webhook.config import LimiterMode, WebhookConfig
 from kube_vgpu.webhook.escapes import find_escape
+from kube_vgpu.webhook.owners import OwnerLookupError, OwnerResolver, owner_refs_of
 
 API_VERSION_V1 = "admission.k8s.io/v1"
 API_VERSION_V1BETA1 = "admission.k8s.io/v1beta1"
@@ -97,6 +98,7 @@ class Decision:
 
 
 ALLOW = Decision()  # shared: never mutated, handed out for the no-op cases
+_STATUS_REASONS = {403: "Forbidden", 503: "ServiceUnavailable"}
 
 
 class MalformedReview(ValueError):
@@ -108,15 +110,16 @@ class MalformedReview(ValueError):
 # ---------------------------------------------------------------------------------------------
 
 
-def review(body: bytes, config: WebhookConfig) -> AdmissionOutcome:
-    """Answer one AdmissionReview (v1 or v1beta1, in the version asked). Never raises."""
+def review(body: bytes, config: WebhookConfig, owners: OwnerResolver | None = None) -> AdmissionOutcome:
+    """Answer one AdmissionReview (v1 or v1beta1, in the version asked). Never raises. With `owners`, a GPU pod
+    lacking a queue label inherits its owners' (webhook/owners.py: API reads, so call it off the event loop)."""
     try:
-        api_version, uid, operation, subject, decision = _decide(body, config)
+        api_version, uid, operation, subject, decision = _decide(body, config, owners)
     except MalformedReview as exc:
         return _malformed(str(exc))
     response: dict[str, Any] = {"uid": uid, "allowed": decision.allowed}
     if not decision.allowed:
-        reason = "Forbidden" if decision.code == 403 else "BadRequest"
+        reason = _STATUS_REASONS.get(decision.code, "BadRequest")
         response["status"] = {"status": "Failure", "code": decision.code, "reason": reason, "message": decision.message}
         result = Result.DENIED
     elif decision.patch:
@@ -140,7 +143,9 @@ def _malformed(message: str) -> AdmissionOutcome:
     return AdmissionOutcome(400, orjson.dumps(status), Result.MALFORMED, "", str(status["message"]))
 
 
-def _decide(body: bytes, config: WebhookConfig) -> tuple[str, str, str, str, Decision]:
+def _decide(
+    body: bytes, config: WebhookConfig, owners: OwnerResolver | None = None
+) -> tuple[str, str, str, str, Decision]:
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -175,7 +180,7 @@ def _decide(body: bytes, config: WebhookConfig) -> tuple[str, str, str, str, Dec
     old_pod = _pod_object(request, "oldObject") if operation == "UPDATE" else None
     try:
         if old_pod is None:
-            decision = admit_create(pod, username, config)
+            decision = admit_create(pod, username, config, owners, str(request.get("namespace") or ""))
         else:
             decision = admit_update(pod, old_pod, username, config)
     except (AttributeError, TypeError, KeyError, IndexError, ValueError) as exc:
@@ -225,7 +230,13 @@ def _annotation_words(keys: list[str]) -> str:
     return f"annotation {keys[0]} is" if len(keys) == 1 else f"annotations {', '.join(keys)} are"
 
 
-def admit_create(pod: dict[str, Any], username: str, config: WebhookConfig) -> Decision:
+def admit_create(
+    pod: dict[str, Any],
+    username: str,
+    config: WebhookConfig,
+    owners: OwnerResolver | None = None,
+    namespace: str = "",
+) -> Decision:
     """Pod CREATE: validate, then mutate a pod that asks for vGPUs."""
     if username not in config.trusted_usernames:
         internal = _internal_annotations(pod)
@@ -265,7 +276,28 @@ def admit_create(pod: dict[str, Any], username: str, config: WebhookConfig) -> D
             "per pod allowed in this cluster"
             + (" (native sidecars count with the containers they run beside)" if sidecars else ""),
         )
-    return mutate_gpu_pod(pod, request, config)
+    decision = mutate_gpu_pod(pod, request, config)
+    if owners is not None:
+        try:
+            _patch_inherited_labels(decision, pod, owners, namespace or str(pod["metadata"].get("namespace") or ""))
+        except OwnerLookupError as exc:
+            return _deny(503, str(exc))
+    return decision
+
+
+def _patch_inherited_labels(decision: Decision, pod: dict[str, Any], owners: OwnerResolver, namespace: str) -> None:
+    """The queue (and Kueue priority class) of the pod's owners, stamped on the pod (webhook/owners.py)."""
+    metadata = pod.get("metadata") or {}
+    labels = metadata.get("labels") or {}
+    inherited = owners.inherited(namespace, labels, owner_refs_of(pod))
+    decision.warnings.extend(inherited.warnings)
+    if not inherited.labels:
+        return
+    if not labels:
+        _set(decision.patch, metadata, "labels", "/metadata/labels", dict(inherited.labels))
+        return
+    for key, value in inherited.labels.items():
+        decision.patch.append({"op": "add", "path": _pointer("metadata", "labels", key), "value": value})
 
 
 def _gpu_containers(

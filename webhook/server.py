@@ -28,6 +28,7 @@ from kube_vgpu.webhook.config import ConnectionLimits, WebhookConfig
 from kube_vgpu.webhook.connections import ConnectionGate
 from kube_vgpu.webhook.metrics import WebhookMetrics
 from kube_vgpu.webhook.mutate import Result, review
+from kube_vgpu.webhook.owners import OwnerResolver
 from kube_vgpu.webhook.registration import MUTATE_PATH
 from kube_vgpu.webhook.tls import DEFAULT_RELOAD_INTERVAL_S, ReloadingCertificate
 
@@ -39,7 +40,10 @@ _JSON = "application/json"
 
 
 def create_app(
-    config: WebhookConfig, metrics: WebhookMetrics | None = None, limits: ConnectionLimits | None = None
+    config: WebhookConfig,
+    metrics: WebhookMetrics | None = None,
+    limits: ConnectionLimits | None = None,
+    owners: OwnerResolver | None = None,
 ) -> FastAPI:
     metrics = metrics or WebhookMetrics()
     limits = limits or ConnectionLimits()
@@ -74,7 +78,10 @@ def create_app(
                 return refuse(400, "disconnected", "client disconnected before sending the whole body")
             if body is None:
                 return refuse(413, "too_large", f"request body larger than {MAX_BODY_BYTES} bytes")
-            outcome = review(body, config)
+            if owners is None:
+                outcome = review(body, config)
+            else:  # may read owners from the API server: off the event loop (the request slots bound the threads)
+                outcome = await asyncio.to_thread(review, body, config, owners)
         finally:
             slots.release()
         metrics.admissions.labels(outcome.operation or "unknown", outcome.result.value).inc()
@@ -145,6 +152,7 @@ class WebhookServer:
         access_log: bool = False,
         shutdown_delay_s: float = 0.0,
         limits: ConnectionLimits | None = None,
+        owners: OwnerResolver | None = None,
     ) -> None:
         self.metrics = WebhookMetrics()
         self.limits = limits or ConnectionLimits()
@@ -156,7 +164,7 @@ class WebhookServer:
 
         self.certificate = ReloadingCertificate(cert_file, key_file, on_reload=on_reload)
         self.reload_interval_s = reload_interval_s
-        self.app = create_app(config, self.metrics, self.limits)
+        self.app = create_app(config, self.metrics, self.limits, owners)
         # Bind here, not in uvicorn, so the port is known (port 0) and taken before anyone is told about it.
         self._socket = _bind(host, port)
         self.host = host

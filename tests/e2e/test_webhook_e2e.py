@@ -10,6 +10,7 @@ from typing import Any
 
 import orjson
 import pytest
+from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from kube_vgpu import protocol
@@ -39,6 +40,28 @@ def test_created_gpu_pod_comes_back_mutated(dev_cluster: DevCluster, e2e_namespa
     assert env["CUDA_DEVICE_SM_LIMIT"] == "25"
     limits = created["spec"]["containers"][0]["resources"]
     assert limits["requests"][protocol.RESOURCE_GPU] == limits["limits"][protocol.RESOURCE_GPU] == "2"
+
+
+def test_a_jobs_gpu_pods_get_the_jobs_queue(dev_cluster: DevCluster, e2e_namespace: str) -> None:
+    """Issue 13 item 2 through the real API server: the webhook reads the owner Job (under the manifests' read-only
+    RBAC) and stamps its kueue.x-k8s.io/queue-name and priority-class on a pod that lacks them; the admission mark
+    too, so the extender takes it."""
+    batch = client.BatchV1Api(dev_cluster.api)
+    job = {"apiVersion": "batch/v1", "kind": "Job",
+           "metadata": {"name": "train", "labels": {protocol.LABEL_KUEUE_QUEUE_NAME: "team-q",
+                                                     protocol.LABEL_KUEUE_PRIORITY_CLASS: "high"}},
+           "spec": {"suspend": True,  # no controller acts on it: the test creates the pod the Job would
+                    "template": {"spec": {"restartPolicy": "Never",
+                                          "containers": [{"name": "main", "image": "registry.k8s.io/pause:3.10"}]}}}}
+    created_job = orjson.loads(batch.create_namespaced_job(e2e_namespace, job, _preload_content=False).data)
+    pod = gpu_pod("train-0", memory_mib=1024)
+    pod["metadata"]["ownerReferences"] = [{"apiVersion": "batch/v1", "kind": "Job", "name": "train",
+                                           "uid": created_job["metadata"]["uid"], "controller": True}]
+    created = create(dev_cluster, e2e_namespace, pod)
+    labels = created["metadata"]["labels"]
+    assert labels[protocol.LABEL_KUEUE_QUEUE_NAME] == "team-q"
+    assert labels[protocol.LABEL_KUEUE_PRIORITY_CLASS] == "high"
+    assert created["metadata"]["annotations"][protocol.POD_ADMITTED_ANNOTATION] == protocol.ADMISSION_MARK_VALUE
 
 
 def test_invalid_gpu_pod_refused_with_our_message(dev_cluster: DevCluster, e2e_namespace: str) -> None:

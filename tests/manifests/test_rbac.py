@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from kube_vgpu.webhook.config import DEFAULT_DEVICE_PLUGIN_USERNAME, DEFAULT_EXTENDER_USERNAME
+from kube_vgpu.webhook.owners import SUPPORTED_OWNERS
 from tests.manifests.render import (
     INSTALLABLE,
     NAMESPACE,
@@ -46,6 +47,10 @@ INTENDED_ROLES: dict[tuple[str, str | None, str], dict[Grant, set[str]]] = {
         ("", "nodes", ""): {"get", "patch"},
         ("", "events", ""): {"create"},
     },
+    # get on exactly the owner kinds webhook/owners.py follows
+    ("ClusterRole", None, "kube-vgpu-webhook"): {
+        (group, plural, ""): {"get"} for (group, _kind), (_version, plural) in SUPPORTED_OWNERS.items()
+    },
     # the self-signed overlay only
     ("Role", NAMESPACE, "kube-vgpu-certs"): {
         ("", "secrets", ""): {"create"},
@@ -67,7 +72,7 @@ INTENDED_BINDINGS: dict[str, set[tuple[str, str | None, str]]] = {
         ("Role", "kube-system", "extension-apiserver-authentication-reader"),
     },
     "kube-vgpu-device-plugin": {("ClusterRole", None, "kube-vgpu-device-plugin")},
-    "kube-vgpu-webhook": set(),
+    "kube-vgpu-webhook": {("ClusterRole", None, "kube-vgpu-webhook")},
     "kube-vgpu-certs": {("Role", NAMESPACE, "kube-vgpu-certs"), ("ClusterRole", None, "kube-vgpu-certs")},
 }
 
@@ -129,7 +134,7 @@ def test_bindings_tie_each_service_account_to_exactly_its_roles(overlay: str) ->
 
 
 @pytest.mark.parametrize("overlay", INSTALLABLE)
-def test_each_workload_runs_as_its_account_and_the_webhook_has_no_token(overlay: str) -> None:
+def test_each_workload_runs_as_its_account(overlay: str) -> None:
     objects = render(overlay)
     accounts = {a["metadata"]["name"]: a for a in find(objects, "ServiceAccount")}
     used = {}
@@ -140,9 +145,9 @@ def test_each_workload_runs_as_its_account_and_the_webhook_has_no_token(overlay:
     assert used["kube-vgpu-scheduler"] == "kube-vgpu-extender"
     assert used["kube-vgpu-device-plugin"] == "kube-vgpu-device-plugin"
     assert used["kube-vgpu-webhook"] == "kube-vgpu-webhook"
-    # the webhook makes no API call: no binding (above) and no token in its pods
-    assert accounts["kube-vgpu-webhook"]["automountServiceAccountToken"] is False
-    assert pod_spec(one(objects, "Deployment", "kube-vgpu-webhook"))["automountServiceAccountToken"] is False
+    # the webhook reads pods' owners (get only, INTENDED_ROLES): its token is mounted
+    assert accounts["kube-vgpu-webhook"].get("automountServiceAccountToken", True) is True
+    assert pod_spec(one(objects, "Deployment", "kube-vgpu-webhook")).get("automountServiceAccountToken", True) is True
 
 
 def test_the_webhook_trusts_exactly_the_identities_the_writers_run_as() -> None:

@@ -22,6 +22,7 @@ from kube_vgpu.dev.fixtures.admission import (
 )
 from kube_vgpu.webhook.config import WebhookConfig
 from kube_vgpu.webhook.mutate import AdmissionOutcome, review
+from kube_vgpu.webhook.owners import OwnerResolver
 
 __all__ = ["CORES", "GPU", "LIB", "MEM", "PCT", "admission_review", "apply_response", "container", "decode",
            "gpu_container", "patch_ops", "pod", "run_review"]
@@ -34,11 +35,11 @@ def decode(outcome: AdmissionOutcome) -> dict[str, Any]:
 
 
 def run_review(
-    obj: dict[str, Any], config: WebhookConfig | None = None, **kwargs: Any
+    obj: dict[str, Any], config: WebhookConfig | None = None, owners: OwnerResolver | None = None, **kwargs: Any
 ) -> tuple[AdmissionOutcome, dict[str, Any]]:
     """(outcome, the AdmissionReview response object)."""
     sent = copy.deepcopy(obj)
-    outcome = review(orjson.dumps(admission_review(sent, **kwargs)), config or WebhookConfig())
+    outcome = review(orjson.dumps(admission_review(sent, **kwargs)), config or WebhookConfig(), owners)
     assert sent == obj, "the webhook must not modify the pod it was given"
     doc = decode(outcome)
     return outcome, doc.get("response", doc)

@@ -177,8 +177,8 @@ def test_deployment_is_highly_available_and_its_flags_exist() -> None:
     )
     (volume,) = pod_spec["volumes"]
     assert volume == {"name": mount["name"], "secret": {"secretName": "kube-vgpu-webhook-tls"}}
-    # hardened: no API access, non-root, read-only root
-    assert pod_spec["automountServiceAccountToken"] is False
+    # hardened: non-root, read-only root; its token only reads pods' owners (tests/manifests/test_rbac.py)
+    assert pod_spec.get("automountServiceAccountToken", True) is True
     assert pod_spec["serviceAccountName"] == objects["ServiceAccount"]["metadata"]["name"]
     assert pod_spec["securityContext"]["runAsNonRoot"] is True
     assert container["securityContext"] == {

@@ -60,11 +60,13 @@ SCHEDULER_CONFIG_MANIFEST = MANIFESTS_DIR / "base" / "scheduler" / "kube-schedul
 RBAC_MANIFESTS = (
     MANIFESTS_DIR / "base" / "scheduler" / "rbac.yaml",
     MANIFESTS_DIR / "base" / "deviceplugin" / "rbac.yaml",
+    MANIFESTS_DIR / "base" / "webhook" / "rbac.yaml",
 )
 
 NAMESPACE = "kube-vgpu"
 EXTENDER_SERVICE_ACCOUNT = "kube-vgpu-extender"
 DEVICE_PLUGIN_SERVICE_ACCOUNT = "kube-vgpu-device-plugin"
+WEBHOOK_SERVICE_ACCOUNT = "kube-vgpu-webhook"
 #: ServiceAccount tokens last as long as a dev cluster reasonably lives (no kubelet rotates them here).
 TOKEN_LIFETIME_S = 365 * 24 * 3600
 
@@ -193,7 +195,7 @@ def scheduler_config(
 
 def rbac_documents() -> list[dict[str, Any]]:
     """The RBAC objects that manifests/ ships for the scheduler Pod (kube-scheduler and the extender
-    share the ServiceAccount kube-vgpu-extender) and for the device plugin. The dev cluster runs its components
+    share the ServiceAccount kube-vgpu-extender), the device plugin and the webhook. The dev cluster runs its components
     under exactly these identities and rules, so every end-to-end run checks the shipped RBAC."""
     documents: list[dict[str, Any]] = []
     for path in RBAC_MANIFESTS:
@@ -261,6 +263,7 @@ class DevCluster:
         self.scheduler_kubeconfig = self.state_dir / "kube-scheduler.kubeconfig"
         self.extender_kubeconfig = self.state_dir / "extender.kubeconfig"
         self.device_plugin_kubeconfig = self.state_dir / "device-plugin.kubeconfig"
+        self.webhook_kubeconfig = self.state_dir / "webhook.kubeconfig"
         self.scheduler_config_path = self.state_dir / "kube-scheduler-config.yaml"
         self.nodes_file = self.state_dir / NODES_FILE
         self.ports: dict[str, int] = {}
@@ -538,7 +541,7 @@ class DevCluster:
         api = self.api
         core: Any = client.CoreV1Api(api)  # Any: raw dicts in, raw JSON out (the stubs expect model objects)
         core.create_namespace({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
-        for account in (EXTENDER_SERVICE_ACCOUNT, DEVICE_PLUGIN_SERVICE_ACCOUNT):
+        for account in (EXTENDER_SERVICE_ACCOUNT, DEVICE_PLUGIN_SERVICE_ACCOUNT, WEBHOOK_SERVICE_ACCOUNT):
             core.create_namespaced_service_account(
                 NAMESPACE, {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": account}}
             )
@@ -550,6 +553,8 @@ class DevCluster:
             # the manifests run kube-scheduler in the extender's Pod, under the same ServiceAccount
             (EXTENDER_SERVICE_ACCOUNT, self.scheduler_kubeconfig),
             (DEVICE_PLUGIN_SERVICE_ACCOUNT, self.device_plugin_kubeconfig),
+            # it reads GPU pods' owners (their Kueue queue) under the manifests' read-only role
+            (WEBHOOK_SERVICE_ACCOUNT, self.webhook_kubeconfig),
         ):
             response = core.create_namespaced_service_account_token(
                 account,
@@ -659,6 +664,7 @@ class DevCluster:
             f"--port={port}",
             f"--tls-cert-file={certs.cert}",
             f"--tls-key-file={certs.key}",
+            f"--kubeconfig={self.webhook_kubeconfig}",
             *[f"--trusted-user={user}" for user in self.trusted_usernames()],
         )
         self._spawn("webhook", argv, env=self._python_env())

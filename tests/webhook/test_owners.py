@@ -1,0 +1,131 @@
+"""Issue 13 item 2: a GPU pod without a queue label gets its controller owners' (Job, JobSet, ...), stamped at
+admission. The resolver is driven here through a table of owner objects (the API reads are its only I/O; the e2e
+tier, tests/e2e/test_webhook_e2e.py, reads real Jobs from the real API server under the manifests' RBAC)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+
+from kube_vgpu.webhook.config import WebhookConfig
+from kube_vgpu.webhook.mutate import Result
+from kube_vgpu.webhook.owners import OwnerResolver
+from tests.webhook.builders import apply_response, gpu_container, pod, run_review
+
+QUEUE, PRIORITY = "kueue.x-k8s.io/queue-name", "kueue.x-k8s.io/priority-class"
+
+
+def ref(kind: str, name: str, api_version: str = "batch/v1", controller: bool = True) -> dict[str, Any]:
+    return {"apiVersion": api_version, "kind": kind, "name": name, "uid": f"uid-{name}", "controller": controller}
+
+
+def obj(name: str, labels: dict[str, str] | None = None, owners: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    metadata: dict[str, Any] = {"name": name, "namespace": "team-a", "labels": labels or {}}
+    if owners:
+        metadata["ownerReferences"] = owners
+    return {"metadata": metadata}
+
+
+class Api:
+    """Owner objects by (plural, name); counts the reads."""
+
+    def __init__(self, objects: Mapping[tuple[str, str], dict[str, Any]], fail: bool = False) -> None:
+        self.objects, self.fail, self.reads = dict(objects), fail, 0
+
+    def __call__(self, group: str, version: str, plural: str, namespace: str, name: str) -> dict[str, Any] | None:
+        self.reads += 1
+        if self.fail:
+            raise TimeoutError("no answer within 3 s")
+        assert namespace == "team-a"
+        return self.objects.get((plural, name))
+
+
+def gpu_pod_owned_by(*owners: dict[str, Any], labels: dict[str, str] | None = None) -> dict[str, Any]:
+    p = pod(gpu_container(gpu="1", gpumem="1024"))
+    p["metadata"]["ownerReferences"] = list(owners)
+    if labels is not None:
+        p["metadata"]["labels"] = labels
+    return p
+
+
+ROWS = [
+    ("job-label", gpu_pod_owned_by(ref("Job", "train")), {("jobs", "train"): obj("train", {QUEUE: "q"})},
+     {QUEUE: "q"}),
+    ("job-queue-and-priority", gpu_pod_owned_by(ref("Job", "train")),
+     {("jobs", "train"): obj("train", {QUEUE: "q", PRIORITY: "high"})}, {QUEUE: "q", PRIORITY: "high"}),
+    ("jobset-above-the-job", gpu_pod_owned_by(ref("Job", "w-0")),
+     {("jobs", "w-0"): obj("w-0", {}, [ref("JobSet", "js", "jobset.x-k8s.io/v1alpha2")]),
+      ("jobsets", "js"): obj("js", {QUEUE: "q"})}, {QUEUE: "q"}),
+    ("nearest-owner-wins", gpu_pod_owned_by(ref("Job", "w-0")),
+     {("jobs", "w-0"): obj("w-0", {QUEUE: "near"}, [ref("JobSet", "js", "jobset.x-k8s.io/v1alpha2")]),
+      ("jobsets", "js"): obj("js", {QUEUE: "far"})}, {QUEUE: "near"}),
+    ("pods-own-label-wins", gpu_pod_owned_by(ref("Job", "train"), labels={QUEUE: "mine"}),
+     {("jobs", "train"): obj("train", {QUEUE: "q", PRIORITY: "high"})}, {QUEUE: "mine", PRIORITY: "high"}),
+    ("pytorchjob-replica", gpu_pod_owned_by(ref("PyTorchJob", "ptj", "kubeflow.org/v1")),
+     {("pytorchjobs", "ptj"): obj("ptj", {QUEUE: "q"})}, {QUEUE: "q"}),
+    ("deployment-through-replicaset", gpu_pod_owned_by(ref("ReplicaSet", "web-5d", "apps/v1")),
+     {("replicasets", "web-5d"): obj("web-5d", {}, [ref("Deployment", "web", "apps/v1")]),
+      ("deployments", "web"): obj("web", {QUEUE: "q"})}, {QUEUE: "q"}),
+    ("owner-without-labels", gpu_pod_owned_by(ref("Job", "train")), {("jobs", "train"): obj("train")}, {}),
+    ("owner-gone", gpu_pod_owned_by(ref("Job", "train")), {}, {}),
+    ("not-a-controller-reference", gpu_pod_owned_by(ref("Job", "train", controller=False)),
+     {("jobs", "train"): obj("train", {QUEUE: "q"})}, {}),
+]
+
+
+@pytest.mark.parametrize(("case", "sent", "objects", "stamped"), ROWS, ids=[row[0] for row in ROWS])
+def test_the_pod_gets_its_owners_queue(case: str, sent: dict[str, Any], objects: dict[Any, Any],
+                                       stamped: dict[str, str]) -> None:
+    outcome, response = run_review(sent, WebhookConfig(), owners=OwnerResolver(Api(objects)))
+    assert outcome.result is Result.MUTATED
+    labels = apply_response(sent, response)["metadata"].get("labels") or {}
+    assert {key: labels[key] for key in (QUEUE, PRIORITY) if key in labels} == stamped
+
+
+def test_an_owner_kind_it_does_not_read_is_said_not_silently_ignored() -> None:
+    sent = gpu_pod_owned_by(ref("Workflow", "wf", "argoproj.io/v1alpha1"))
+    api = Api({})
+    outcome, response = run_review(sent, WebhookConfig(), owners=OwnerResolver(api))
+    assert outcome.result is Result.MUTATED and api.reads == 0
+    assert response["warnings"] == [
+        "owner Workflow team-a/wf (argoproj.io/v1alpha1) is not a kind kube-vgpu reads for kueue.x-k8s.io/queue-name; "
+        "set the label on the pod template instead"
+    ]
+
+
+def test_an_owner_that_cannot_be_read_refuses_the_pod_so_that_it_is_retried() -> None:
+    sent = gpu_pod_owned_by(ref("Job", "train"))
+    outcome, response = run_review(sent, WebhookConfig(), owners=OwnerResolver(Api({}, fail=True)))
+    assert outcome.result is Result.DENIED
+    assert response["status"]["code"] == 503 and response["status"]["reason"] == "ServiceUnavailable"
+    assert response["status"]["message"] == (
+        "cannot read the pod's owner Job team-a/train to find its queue (no answer within 3 s); the pod is refused "
+        "so that its controller retries")
+
+
+def test_a_burst_of_one_jobs_pods_reads_the_job_once() -> None:
+    api = Api({("jobs", "train"): obj("train", {QUEUE: "q"})})
+    resolver = OwnerResolver(api)
+    for _ in range(50):
+        outcome, _ = run_review(gpu_pod_owned_by(ref("Job", "train")), WebhookConfig(), owners=resolver)
+        assert outcome.result is Result.MUTATED
+    assert api.reads == 1
+
+
+def test_cached_answers_expire() -> None:
+    now = [0.0]
+    api = Api({("jobs", "train"): obj("train", {QUEUE: "q"})})
+    resolver = OwnerResolver(api, ttl_s=30, clock=lambda: now[0])
+    resolver.inherited("team-a", {}, [ref("Job", "train")])
+    now[0] = 31.0
+    resolver.inherited("team-a", {}, [ref("Job", "train")])
+    assert api.reads == 2
+
+
+def test_pods_with_both_labels_read_nothing() -> None:
+    api = Api({})
+    run_review(gpu_pod_owned_by(ref("Job", "train"), labels={QUEUE: "q", PRIORITY: "p"}), WebhookConfig(),
+               owners=OwnerResolver(api))
+    assert api.reads == 0

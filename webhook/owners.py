@@ -1,0 +1,159 @@
+"""A pod's queue from its owners (issue 13): Kueue users put `kueue.x-k8s.io/queue-name` (and
+`kueue.x-k8s.io/priority-class`) on the Job, JobSet or training job, and the controllers do not copy it to the pods.
+At admission the webhook walks the pod's controller `ownerReferences` up to the top-level workload and stamps the
+first value found on the pod, so the API server holds it and the extender reads it from the pod alone.
+
+This is the webhook's only I/O: one GET per owner, through the kubernetes client's connection pool, under a deadline,
+cached for `ttl_s` (a Job's pods arrive in bursts: one read serves them all). Only the owner kinds below are read
+(RBAC: get on exactly these); an owner of another kind ends the walk with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from cachetools import TTLCache
+
+from kube_vgpu.protocol import LABEL_KUEUE_PRIORITY_CLASS, LABEL_KUEUE_QUEUE_NAME
+
+log = logging.getLogger(__name__)
+
+#: (apiVersion group, kind) -> (version, plural) of the owners read; the group's served version for each.
+SUPPORTED_OWNERS: Mapping[tuple[str, str], tuple[str, str]] = {
+    ("batch", "Job"): ("v1", "jobs"),
+    ("batch", "CronJob"): ("v1", "cronjobs"),
+    ("apps", "ReplicaSet"): ("v1", "replicasets"),
+    ("apps", "Deployment"): ("v1", "deployments"),
+    ("apps", "StatefulSet"): ("v1", "statefulsets"),
+    ("jobset.x-k8s.io", "JobSet"): ("v1alpha2", "jobsets"),
+    ("kubeflow.org", "PyTorchJob"): ("v1", "pytorchjobs"),
+    ("kubeflow.org", "TFJob"): ("v1", "tfjobs"),
+    ("kubeflow.org", "MPIJob"): ("v2beta1", "mpijobs"),
+    ("ray.io", "RayJob"): ("v1", "rayjobs"),
+    ("ray.io", "RayCluster"): ("v1", "rayclusters"),
+    ("leaderworkerset.x-k8s.io", "LeaderWorkerSet"): ("v1", "leaderworkersets"),
+}
+#: labels a pod inherits from its owners when it lacks them
+INHERITED_LABELS = (LABEL_KUEUE_QUEUE_NAME, LABEL_KUEUE_PRIORITY_CLASS)
+#: Job -> JobSet -> ... : deeper chains are not workloads we know
+MAX_DEPTH = 5
+DEFAULT_TTL_S = 30.0
+DEFAULT_DEADLINE_S = 3.0  # inside the API server's 10 s webhook timeout, with room for the rest of the review
+
+
+class OwnerLookupError(Exception):
+    """An owner could not be read; the pod is refused (admitting it without its queue would escape quota)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Inherited:
+    labels: dict[str, str]
+    #: where each came from, e.g. "Job team-a/train-7"
+    sources: dict[str, str]
+    warnings: tuple[str, ...] = ()
+
+
+#: (group, version, plural, namespace, name) -> the object, or None when it does not exist. Raises on any failure.
+Fetch = Callable[[str, str, str, str, str], Mapping[str, Any] | None]
+
+
+def _controller(owner_refs: Any) -> Mapping[str, Any] | None:
+    if not isinstance(owner_refs, list):
+        return None
+    for ref in owner_refs:
+        if isinstance(ref, Mapping) and ref.get("controller") is True:
+            return ref
+    return None
+
+
+class OwnerResolver:
+    def __init__(self, fetch: Fetch, *, ttl_s: float = DEFAULT_TTL_S, clock: Callable[[], float] = time.monotonic):
+        self.fetch = fetch
+        self._cache: TTLCache[tuple[str, str, str, str], Mapping[str, Any] | None] = TTLCache(
+            maxsize=4096, ttl=ttl_s, timer=clock
+        )
+        self._lock = threading.Lock()
+
+    def _read(self, group: str, kind: str, namespace: str, name: str) -> Mapping[str, Any] | None:
+        version, plural = SUPPORTED_OWNERS[(group, kind)]
+        key = (group, plural, namespace, name)
+        with self._lock:
+            if key in self._cache:
+                return self._cache[key]
+        try:
+            obj = self.fetch(group, version, plural, namespace, name)
+        except Exception as exc:
+            raise OwnerLookupError(f"cannot read the pod's owner {kind} {namespace}/{name} to find its queue "
+                                   f"({exc}); the pod is refused so that its controller retries") from None
+        with self._lock:
+            self._cache[key] = obj
+        return obj
+
+    def inherited(self, namespace: str, labels: Mapping[str, str], owner_refs: Any) -> Inherited:
+        """The INHERITED_LABELS the pod lacks, from the nearest controller owner carrying each."""
+        missing = [key for key in INHERITED_LABELS if not labels.get(key)]
+        found: dict[str, str] = {}
+        sources: dict[str, str] = {}
+        warnings: list[str] = []
+        ref = _controller(owner_refs)
+        depth = 0
+        while ref is not None and missing and depth < MAX_DEPTH:
+            depth += 1
+            api_version, kind, name = str(ref.get("apiVersion", "")), str(ref.get("kind", "")), str(ref.get("name", ""))
+            group = api_version.rpartition("/")[0] if "/" in api_version else ""
+            if (group, kind) not in SUPPORTED_OWNERS:
+                warnings.append(f"owner {kind} {namespace}/{name} ({api_version}) is not a kind kube-vgpu reads "
+                                f"for {LABEL_KUEUE_QUEUE_NAME}; set the label on the pod template instead")
+                break
+            obj = self._read(group, kind, namespace, name)
+            if obj is None:
+                break  # deleted meanwhile: nothing to inherit
+            metadata = obj.get("metadata") or {}
+            owner_labels = metadata.get("labels") or {}
+            for key in list(missing):
+                value = owner_labels.get(key)
+                if isinstance(value, str) and value:
+                    found[key] = value
+                    sources[key] = f"{kind} {namespace}/{name}"
+                    missing.remove(key)
+            ref = _controller(metadata.get("ownerReferences"))
+        return Inherited(found, sources, tuple(warnings))
+
+
+def api_fetch(api_client: Any, timeout_s: float = DEFAULT_DEADLINE_S) -> Fetch:
+    """A Fetch over the kubernetes client's connection pool: a raw GET (no model deserialisation), connect and each
+    read bounded by `timeout_s` (the API server is trusted to send a small object promptly once it answers)."""
+    import urllib3
+
+    def fetch(group: str, version: str, plural: str, namespace: str, name: str) -> Mapping[str, Any] | None:
+        prefix = f"/apis/{group}/{version}" if group else f"/api/{version}"
+        _, url, headers, _, _ = api_client.param_serialize(
+            "GET", f"{prefix}/namespaces/{{namespace}}/{plural}/{{name}}",
+            path_params={"namespace": namespace, "name": name},
+            header_params={"Accept": "application/json"}, auth_settings=["BearerToken"],
+        )
+        response = api_client.rest_client.pool_manager.request(
+            "GET", url, headers=headers, retries=False,
+            timeout=urllib3.Timeout(connect=timeout_s, read=timeout_s),
+        )
+        if response.status == 404:
+            return None
+        if not 200 <= response.status < 300:
+            raise RuntimeError(f"HTTP {response.status}: {response.data[:200].decode(errors='replace')}")
+        doc = orjson.loads(response.data)
+        if not isinstance(doc, dict):
+            raise RuntimeError("the API server answered with something other than an object")
+        return doc
+
+    return fetch
+
+
+def owner_refs_of(pod: Mapping[str, Any]) -> Sequence[Any]:
+    refs = (pod.get("metadata") or {}).get("ownerReferences")
+    return refs if isinstance(refs, list) else []
