@@ -24,6 +24,7 @@ from kube_vgpu.extender.binding import BindError, BindOrdering, PreparedBind
 from kube_vgpu.extender.engine.fit import place
 from kube_vgpu.extender.engine.model import (
     FitFailure,
+    NodeState,
     Placement,
     PlacementRequest,
     assignment_from_placement,
@@ -36,6 +37,8 @@ from kube_vgpu.extender.engine.policies import (
     make_policy,
 )
 from kube_vgpu.extender.fence import LeaderFence
+from kube_vgpu.extender.gangs import DEFAULT_TIMEOUT_S as DEFAULT_GANG_TIMEOUT_S
+from kube_vgpu.extender.gangs import Gang, GangKey, GangTracker, InvalidGang, Member, gang_of
 from kube_vgpu.extender.gates import Gate
 from kube_vgpu.extender.state import ClusterState, PodRecord
 from kube_vgpu.protocol import InvalidGpuRequest, PodGpuRequest
@@ -99,12 +102,17 @@ class Scheduler:
         policies: Mapping[str, type[Policy]] = REGISTRY,
         require_admission_mark: bool = False,
         fence: LeaderFence | None = None,
+        gang_timeout_s: float = DEFAULT_GANG_TIMEOUT_S,
     ) -> None:
         self.state = state
         #: refuse GPU pods that did not pass the webhook (live clusters: `kube-vgpu extender` turns it on)
         self.require_admission_mark = require_admission_mark
         #: between scheduler replicas: binds reserve and write only in this replica's own leader term (fence.py)
         self.fence = fence
+        #: all-or-nothing groups (gangs.py): members learnt from pod events, plans reserved in the state
+        self.gangs = GangTracker(timeout_s=gang_timeout_s, clock=state.clock)
+        with state.lock:
+            state.pod_listeners.append(self.gangs.on_pod)
         self.binder = binder
         self._registry = policies  # name -> policy class; REGISTRY unless a caller adds policies of its own
         self._policies: dict[str, Policy] = {}
@@ -212,6 +220,13 @@ class Scheduler:
         if self.require_admission_mark and not admitted_by_webhook(pod):
             outcome.error = NOT_ADMITTED
             return outcome, placements
+        try:
+            declared = gang_of(pod)
+        except InvalidGang as exc:
+            outcome.error = f"invalid gang: {exc}"
+            return outcome, placements
+        if declared is not None and not request.is_empty:
+            return self._gang_outcome(pod, declared, node_names), placements
         uid = (pod.get("metadata") or {}).get("uid")
         placement_request = self._placement_request(pod, request, node_policy, gpu_policy)
         cacheable = node_policy.cacheable and gpu_policy.cacheable
@@ -305,6 +320,129 @@ class Scheduler:
                 result.append((name, round((raw - low) / spread * MAX_EXTENDER_SCORE)))
         return result
 
+    # --- gangs (all-or-nothing; extender/gangs.py) -------------------------------------------------
+    def _gang_outcome(
+        self, pod: Mapping[str, Any], declared: tuple[GangKey, int], node_names: Iterable[str]
+    ) -> FilterOutcome:
+        """A gang member passes only the node planned for it; the gang is planned whole, once every member exists."""
+        outcome = FilterOutcome()
+        names = list(node_names)
+        uid = str((pod.get("metadata") or {}).get("uid") or "")
+        state = self.state
+        with state.lock:
+            for _expired, released in self.gangs.expired():
+                for member_uid in released:
+                    state.release(member_uid, only_unconfirmed=True)
+            gang = self.gangs.note(uid, pod, *declared, known=self._bound_members)
+            node = gang.plan.get(uid)
+            if node is not None and uid not in state.pods:
+                del gang.plan[uid]  # its reservation went (a failed bind released it): plan it again
+                node = None
+            reason = ""
+            if node is None:
+                reason = self._plan_gang(gang)
+                node = gang.plan.get(uid)
+            if node is None:
+                why = reason or f"gang {gang.key}: this member is already bound"
+                outcome.failed = dict.fromkeys(names, why)
+                return outcome
+            for name in names:
+                if name == node:
+                    outcome.passed.append(name)
+                else:
+                    outcome.failed[name] = f"gang {gang.key}: this member's GPUs are reserved on node {node}"
+            return outcome
+
+    def _bound_members(self, key: GangKey) -> list[Member]:
+        """Members the state holds as bound (from their assignments), for a gang first seen after they were loaded."""
+        return [
+            Member(record.uid, record.name, "", {}, bound_to=record.node_name)
+            for record in self.state.pods.values()
+            if record.namespace == key.namespace and record.confirmed
+            and record.labels.get(protocol.LABEL_KUEUE_POD_GROUP_NAME) == key.name
+        ]
+
+    def _plan_gang(self, gang: Gang) -> str:
+        """Place and reserve every pending member at once (caller holds the state lock); "" when planned, else why
+        the gang waits (then nothing is reserved)."""
+        now = self.state.clock()
+        if now < gang.retry_after_s:
+            return gang.waiting
+        if len(gang.members) < gang.size:
+            gang.waiting = (f"gang {gang.key}: {len(gang.members)} of {gang.size} members created; waiting for the "
+                            "rest before placing any")
+            return gang.waiting
+        reserved: list[str] = []
+        for member in gang.pending():
+            why = self._plan_member(gang, member.uid, member.pod)
+            if why:
+                for member_uid in reserved:
+                    gang.plan.pop(member_uid, None)
+                    self.state.release(member_uid, only_unconfirmed=True)
+                fit = gang.bound() + len(gang.plan) + len(reserved)
+                gang.waiting = f"gang {gang.key}: {fit} of {gang.size} members fit; waiting for {why}"
+                return gang.waiting
+            reserved.append(member.uid)
+        gang.planned_at_s = now
+        gang.waiting = ""
+        return ""
+
+    def _plan_member(self, gang: Gang, uid: str, pod: Mapping[str, Any]) -> str:
+        """Reserve the best node for one member (preferring nodes the gang already uses); "" or why it fits nowhere."""
+        try:
+            request = protocol.parse_pod_gpu_request(pod)
+            node_policy, gpu_policy = self._policies_for(request)
+        except InvalidGpuRequest as exc:
+            return f"member {(pod.get('metadata') or {}).get('name')}: invalid GPU request: {exc}"
+        if request.is_empty:
+            gang.plan[uid] = ""  # asks for no GPU: nothing to reserve
+            return ""
+        state = self.state
+        placement_request = self._placement_request(pod, request, node_policy, gpu_policy)
+        used_nodes = set(gang.plan.values()) | {m.bound_to for m in gang.members.values() if m.bound_to}
+        best: tuple[tuple[bool, float, str], NodeState, Placement] | None = None
+        for node in state.nodes.values():
+            age = state.heartbeat_age_s(node)
+            if not node.gpus or age is None or age > state.heartbeat_ttl_s:
+                continue
+            result = place(node, placement_request, gpu_policy, node_policy)
+            if isinstance(result, FitFailure):
+                continue
+            if any(gate.check(pod, request, node) for gate in self.gates):
+                continue
+            rank = (node.name in used_nodes, result.score, node.name)
+            if best is None or rank[:2] > best[0][:2]:
+                best = (rank, node, result)
+        if best is None:
+            return f"a node for member {(pod.get('metadata') or {}).get('name')} ({_shape(request)})"
+        _, node, placement = best
+        for gate in self.gates:
+            refusal = gate.reserve(pod, request, node, uid)
+            if refusal:
+                return refusal
+        metadata = pod.get("metadata") or {}
+        state.reserve(uid, str(metadata.get("namespace") or ""), str(metadata.get("name") or ""),
+                      assignment_from_placement(node, placement), metadata.get("labels") or {})
+        gang.plan[uid] = node.name
+        return ""
+
+    def _planned_gang_bind(self, namespace: str, name: str, uid: str, node_name: str) -> PreparedBind | None:
+        """The bind of a planned gang member: its reservation, as planned (no new placement); None when the pod is
+        not a planned member."""
+        with self.state.lock:
+            gang = self.gangs.gang_of_uid(uid)
+            if gang is None or uid not in gang.plan:
+                return None
+            planned = gang.plan[uid]
+            if planned != node_name:
+                raise BindError(f"gang {gang.key}: member {namespace}/{name} is reserved on node {planned}, "
+                                f"not {node_name}")
+            record = self.state.pods.get(uid)
+            if record is None or record.confirmed or record.bound:
+                del gang.plan[uid]
+                return None  # its reservation went meanwhile: bind it as any pod (re-placed on fresh state)
+            return PreparedBind(namespace, name, uid, node_name, record.assignment_text)
+
     # --- bind -----------------------------------------------------------------------------------
     def bind(self, namespace: str, name: str, uid: str, node_name: str) -> None:
         """Decide the exact GPUs and commit in the node's turn, blocking this thread (the blocking face of
@@ -365,6 +503,10 @@ class Scheduler:
             raise BindError(f"invalid GPU request: {exc}") from None
         if self.require_admission_mark and not admitted_by_webhook(pod):
             raise BindError(NOT_ADMITTED)
+        planned = self._planned_gang_bind(namespace, name, uid, node_name)
+        if planned is not None:
+            self.binder.remember_pod(pod)
+            return planned
         self.binder.remember_pod(pod)
 
         with state.lock:
@@ -460,6 +602,8 @@ class Scheduler:
         # The Binding took effect: from now on the reservation is the pod's real usage, before the watch says so
         # (a late bind of the same pod to another node must find it bound, not a reservation to supersede).
         self.state.mark_bound(uid, node_name)
+        with self.state.lock:
+            self.gangs.mark_bound(uid, node_name)
 
     def _check_fence(self) -> None:
         if self.fence is not None:
@@ -488,3 +632,17 @@ class Scheduler:
         return (pod.get("spec") or {}).get("nodeName") == node_name and written.get(
             protocol.POD_ASSIGNMENT_ANNOTATION
         ) == annotations[protocol.POD_ASSIGNMENT_ANNOTATION]
+
+
+def _shape(request: PodGpuRequest) -> str:
+    """A member's ask, for gang reasons: '2 x 40960 MiB, 50% cores'."""
+    parts = []
+    for container in request.containers:
+        if container.memory_mib is not None:
+            memory = f"{container.memory_mib} MiB"
+        elif container.memory_percent is not None:
+            memory = f"{container.memory_percent}% memory"
+        else:
+            memory = "a whole GPU"
+        parts.append(f"{container.count} x {memory}, {container.cores}% cores")
+    return "; ".join(parts)

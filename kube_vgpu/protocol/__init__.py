@@ -108,6 +108,9 @@ KUEUE_API_GROUP = "kueue.x-k8s.io"
 LABEL_KUEUE_QUEUE_NAME = KUEUE_API_GROUP + "/queue-name"
 #: Pod label naming a Kueue WorkloadPriorityClass; as in Kueue, it wins over the pod's PriorityClass.
 LABEL_KUEUE_PRIORITY_CLASS = KUEUE_API_GROUP + "/priority-class"
+#: Kueue's plain-pod groups (all-or-nothing gangs): the group's name (pod label) and its size (pod annotation).
+LABEL_KUEUE_POD_GROUP_NAME = KUEUE_API_GROUP + "/pod-group-name"
+ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT = KUEUE_API_GROUP + "/pod-group-total-count"
 #: Namespace label the API server sets on every namespace (ClusterQueue namespaceSelectors may use it).
 LABEL_NAMESPACE_NAME = "kubernetes.io/metadata.name"
 # --- end of quota additions ---

@@ -1,0 +1,195 @@
+"""Gangs: all-or-nothing groups of pods (issue 13), bookkeeping only; the decisions are in scheduler.py.
+
+A gang is declared as Kueue declares a plain-pod group: every member carries the label
+`kueue.x-k8s.io/pod-group-name` and the annotation `kueue.x-k8s.io/pod-group-total-count` (the gang's size). The
+extender learns where kube-scheduler puts a pod only at bind, so members filtered one by one could be handed the same
+GPU, or some of them placed while the rest never fit (a half gang holding GPUs nobody else can use). Instead, the
+first filter after every member exists plans the whole gang: each member is placed in turn and reserved in the
+cluster state (quota included), so no other pod can take the capacity, and each member's filter then passes only the
+node planned for it. If some member does not fit, nothing is reserved and every member waits, with a reason that
+says how many fit.
+
+A plan that is not fully bound within the gang's timeout (kube-scheduler's own plugins may refuse a planned node) is
+dropped and its reservations released; the gang is then not planned again for a while (`retry_after_s`) so that
+others can use the capacity. Plans live in memory only: after a restart the members already bound are known from
+their assignment annotations, and the members still pending are planned again (on what is free then).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kube_vgpu import protocol
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 300.0
+#: one gang may name at most this many members (a typo like 40000 must not make every member wait forever unseen)
+MAX_GANG_SIZE = 4096
+#: phases after which a pod no longer holds anything
+FINISHED = ("Succeeded", "Failed")
+
+
+class InvalidGang(ValueError):
+    """The pod's gang declaration cannot be read; the message says what to fix."""
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class GangKey:
+    namespace: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+def gang_of(pod: Mapping[str, Any]) -> tuple[GangKey, int] | None:
+    """(gang, size) of a pod that declares one; None for a pod outside any gang. Raises InvalidGang."""
+    metadata = pod.get("metadata") or {}
+    name = (metadata.get("labels") or {}).get(protocol.LABEL_KUEUE_POD_GROUP_NAME)
+    if not name:
+        return None
+    text = (metadata.get("annotations") or {}).get(protocol.ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT)
+    if text is None:
+        raise InvalidGang(f"pod has the label {protocol.LABEL_KUEUE_POD_GROUP_NAME}={name} but no annotation "
+                          f"{protocol.ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT} (the number of pods in the group)")
+    try:
+        size = int(str(text))
+    except ValueError:
+        size = 0
+    if not 1 <= size <= MAX_GANG_SIZE:
+        raise InvalidGang(f"annotation {protocol.ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT} must be a whole number "
+                          f"from 1 to {MAX_GANG_SIZE}, got {str(text)[:20]!r}")
+    return GangKey(str(metadata.get("namespace") or ""), str(name)), size
+
+
+@dataclass(slots=True)
+class Member:
+    uid: str
+    name: str
+    created: str  # creationTimestamp: members are planned in creation order
+    pod: Mapping[str, Any]
+    bound_to: str = ""
+
+
+@dataclass(slots=True)
+class Gang:
+    key: GangKey
+    size: int
+    members: dict[str, Member] = field(default_factory=dict)
+    #: uid -> the node planned for that member (its reservation is in the cluster state)
+    plan: dict[str, str] = field(default_factory=dict)
+    planned_at_s: float = 0.0
+    #: no new plan before this (after a timeout: let other pods use the capacity)
+    retry_after_s: float = 0.0
+    #: why the gang waits, for filter reasons and /state
+    waiting: str = ""
+
+    def bound(self) -> int:
+        return sum(1 for member in self.members.values() if member.bound_to)
+
+    def pending(self) -> list[Member]:
+        """Members neither bound nor planned, in creation order."""
+        found = [m for m in self.members.values() if not m.bound_to and m.uid not in self.plan]
+        return sorted(found, key=lambda m: (m.created, m.name))
+
+    def complete(self) -> bool:
+        return self.bound() >= self.size
+
+
+class GangTracker:
+    """Every gang's members (from pod events, and from filter, whichever comes first) and plans. The caller holds
+    the cluster state's lock for every method (pod events arrive under it)."""
+
+    def __init__(self, *, timeout_s: float = DEFAULT_TIMEOUT_S, clock: Callable[[], float]) -> None:
+        self.timeout_s = timeout_s
+        self.clock = clock
+        self.gangs: dict[GangKey, Gang] = {}
+        self._gang_of_uid: dict[str, GangKey] = {}
+
+    # --- membership ------------------------------------------------------------------------------------------
+    def on_pod(self, uid: str, pod: Mapping[str, Any] | None) -> None:
+        """A pod event (ClusterState.pod_listeners; None: deleted)."""
+        if pod is None or (pod.get("status") or {}).get("phase") in FINISHED:
+            self.forget(uid)
+            return
+        try:
+            declared = gang_of(pod)
+        except InvalidGang:
+            declared = None  # filter says why, to the pod's owner
+        if declared is None:
+            if uid in self._gang_of_uid:
+                self.forget(uid)
+            return
+        self.note(uid, pod, *declared, known=lambda _key: [])
+
+    def note(
+        self, uid: str, pod: Mapping[str, Any], key: GangKey, size: int, known: Callable[[GangKey], list[Member]]
+    ) -> Gang:
+        gang = self.gangs.get(key)
+        if gang is None:
+            gang = self.gangs[key] = Gang(key, size)
+            # members bound before this tracker saw their events (it started after the state was loaded)
+            for bound in known(key):
+                if bound.uid not in gang.members:
+                    gang.members[bound.uid] = bound
+                    self._gang_of_uid[bound.uid] = key
+        gang.size = size  # the latest declaration wins
+        metadata = pod.get("metadata") or {}
+        found = gang.members.get(uid)
+        if found is None:
+            member = Member(uid, str(metadata.get("name") or ""), str(metadata.get("creationTimestamp") or ""), pod)
+            gang.members[uid] = member
+            self._gang_of_uid[uid] = key
+        else:
+            member = found
+            member.pod = pod
+        node = (pod.get("spec") or {}).get("nodeName")
+        if isinstance(node, str) and node:
+            member.bound_to = node
+            gang.plan.pop(uid, None)
+        return gang
+
+    def forget(self, uid: str) -> str | None:
+        """A member went away; the node its unbound plan held, if any (the caller releases the reservation)."""
+        key = self._gang_of_uid.pop(uid, None)
+        if key is None:
+            return None
+        gang = self.gangs.get(key)
+        if gang is None:
+            return None
+        gang.members.pop(uid, None)
+        planned = gang.plan.pop(uid, None)
+        if not gang.members:
+            del self.gangs[key]
+        return planned
+
+    def gang_of_uid(self, uid: str) -> Gang | None:
+        key = self._gang_of_uid.get(uid)
+        return self.gangs.get(key) if key is not None else None
+
+    def mark_bound(self, uid: str, node: str) -> None:
+        gang = self.gang_of_uid(uid)
+        if gang is not None and uid in gang.members:
+            gang.members[uid].bound_to = node
+            gang.plan.pop(uid, None)
+
+    # --- plans -----------------------------------------------------------------------------------------------
+    def expired(self) -> list[tuple[Gang, list[str]]]:
+        """Plans older than the timeout with members still unbound: (gang, the uids whose reservations to release).
+        Their plans are dropped here."""
+        now = self.clock()
+        found = []
+        for gang in self.gangs.values():
+            if gang.plan and now - gang.planned_at_s > self.timeout_s and not gang.complete():
+                released = list(gang.plan)
+                gang.plan.clear()
+                gang.retry_after_s = now + self.timeout_s / 2
+                gang.waiting = (f"gang {gang.key}: {gang.bound()} of {gang.size} members were bound within "
+                                f"{self.timeout_s:g} s; the rest's reservations were released (retried later)")
+                log.warning("%s", gang.waiting)
+                found.append((gang, released))
+        return found

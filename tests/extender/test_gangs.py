@@ -1,0 +1,257 @@
+"""Gangs (issue 13 item 3): a Kueue plain-pod group is placed all or nothing. Planned whole at the first filter after
+every member exists, reserved (GPUs and quota) so nobody else takes the capacity, each member's filter passing only
+its planned node; members bound as planned; a plan not completed within the timeout released."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kube_vgpu import protocol
+from kube_vgpu.extender.binding import BindError
+from kube_vgpu.extender.scheduler import Scheduler
+from kube_vgpu.extender.sources.snapshot import SnapshotCluster
+from kube_vgpu.extender.state import ClusterState
+from tests.helpers import gpu_node, pod
+from tests.quota.helpers import FLAVORS, a100_node, gpu_queue, local_queue, make_env, queued_pod
+
+WHOLE_MIB = 81920
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_800_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def member(gang: str, size: int, index: int, memory_mib: int = WHOLE_MIB, **kwargs: Any) -> dict[str, Any]:
+    p = pod(f"{gang}-{index}", memory_mib=memory_mib, **kwargs)
+    p["metadata"]["labels"][protocol.LABEL_KUEUE_POD_GROUP_NAME] = gang
+    p["metadata"]["annotations"][protocol.ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT] = str(size)
+    p["metadata"]["creationTimestamp"] = f"2026-11-24T10:00:{index:02d}Z"
+    return p
+
+
+class Env:
+    """Nodes of one 80 GB GPU each, a snapshot API, a scheduler; `free` nodes, the rest held by blocker pods."""
+
+    def __init__(self, nodes: int, free: int, *, timeout_s: float = 300.0) -> None:
+        self.clock = Clock()
+        self.state = ClusterState(heartbeat_ttl_s=float("inf"), clock=self.clock)
+        self.names = [f"n{i}" for i in range(nodes)]
+        nodes_ = [gpu_node(name, gpus=1, memory_mib=WHOLE_MIB) for name in self.names]
+        self.cluster = SnapshotCluster(self.state, nodes_)
+        self.scheduler = Scheduler(self.state, self.cluster, gang_timeout_s=timeout_s)
+        self.blockers = []
+        for name in self.names[free:]:
+            blocker = pod(f"blocker-{name}", memory_mib=WHOLE_MIB)
+            self.cluster.add_pod(blocker)
+            self.bind(blocker, name)
+            self.blockers.append(blocker)
+
+    def filter(self, p: dict[str, Any]) -> tuple[list[str], set[str]]:
+        outcome = self.scheduler.filter(p, self.names)
+        return outcome.passed, set(outcome.failed.values()) | set(outcome.unresolvable.values()) | (
+            {outcome.error} if outcome.error else set())
+
+    def bind(self, p: dict[str, Any], node: str) -> None:
+        meta = p["metadata"]
+        self.scheduler.bind(meta["namespace"], meta["name"], meta["uid"], node)
+
+    def schedule(self, p: dict[str, Any]) -> str | None:
+        """What kube-scheduler does with one extender: filter, then bind to the (only) passing node."""
+        passed, _ = self.filter(p)
+        if not passed:
+            return None
+        self.bind(p, passed[0])
+        return passed[0]
+
+    def used_mib(self) -> dict[str, int]:
+        return {name: sum(g.used_memory_mib for g in self.state.nodes[name].gpus) for name in self.names}
+
+    def bound(self, *pods: dict[str, Any]) -> list[str]:
+        out = []
+        for p in pods:
+            stored = self.cluster.get_pod(p["metadata"]["namespace"], p["metadata"]["name"])
+            out.append((stored or {}).get("spec", {}).get("nodeName") or "")
+        return out
+
+
+def test_a_gang_that_does_not_fit_reserves_nothing_and_binds_nothing_then_all_at_once() -> None:
+    env = Env(nodes=4, free=3)
+    gang = [member("train", 4, i) for i in range(4)]
+    for p in gang:
+        env.cluster.add_pod(p)
+    for p in gang:
+        passed, reasons = env.filter(p)
+        assert passed == []
+        assert reasons == {"gang default/train: 3 of 4 members fit; waiting for a node for member train-3 "
+                           "(1 x 81920 MiB, 0% cores)"}
+    assert sum(env.used_mib().values()) == WHOLE_MIB  # only the blocker: nothing reserved for the gang
+    env.cluster.delete_pod("default", env.blockers[0]["metadata"]["name"])  # a 4th GPU frees
+    nodes = [env.schedule(p) for p in gang]
+    assert sorted(n for n in nodes if n) == env.names  # every member bound, one per GPU
+    assert all(used == WHOLE_MIB for used in env.used_mib().values())
+
+
+def test_members_wait_until_every_member_exists() -> None:
+    env = Env(nodes=4, free=4)
+    first, second = member("train", 4, 0), member("train", 4, 1)
+    for p in (first, second):
+        env.cluster.add_pod(p)
+    assert env.filter(first) == ([], {"gang default/train: 2 of 4 members created; waiting for the rest before "
+                                      "placing any"})
+    assert sum(env.used_mib().values()) == 0
+
+
+def test_two_gangs_racing_for_six_gpus_end_one_whole_and_one_waiting() -> None:
+    env = Env(nodes=6, free=6)
+    a = [member("a", 4, i) for i in range(4)]
+    b = [member("b", 4, i) for i in range(4)]
+    for p in a + b:
+        env.cluster.add_pod(p)
+    # kube-scheduler interleaves the two gangs' pods
+    results = {}
+    for p in [x for pair in zip(a, b, strict=True) for x in pair]:
+        results[p["metadata"]["name"]] = env.schedule(p)
+    assert all(results[f"a-{i}"] for i in range(4))
+    assert not any(results[f"b-{i}"] for i in range(4))
+    passed, reasons = env.filter(b[0])
+    assert passed == [] and reasons == {"gang default/b: 2 of 4 members fit; waiting for a node for member b-2 "
+                                        "(1 x 81920 MiB, 0% cores)"}
+    assert sum(env.used_mib().values()) == 4 * WHOLE_MIB  # gang b holds nothing
+
+
+def test_a_member_passes_only_its_planned_node_and_cannot_bind_elsewhere() -> None:
+    env = Env(nodes=3, free=3)
+    gang = [member("g", 2, i) for i in range(2)]
+    for p in gang:
+        env.cluster.add_pod(p)
+    passed, _ = env.filter(gang[0])
+    assert len(passed) == 1
+    other = next(name for name in env.names if name != passed[0])
+    with pytest.raises(BindError, match=f"is reserved on node {passed[0]}, not {other}"):
+        env.bind(gang[0], other)
+    env.bind(gang[0], passed[0])
+    assert env.bound(gang[0]) == [passed[0]]
+
+
+def test_a_small_gang_shares_one_node_when_it_can() -> None:
+    state = ClusterState(heartbeat_ttl_s=float("inf"))
+    names = ["m0", "m1"]
+    cluster = SnapshotCluster(state, [gpu_node(name, gpus=8, memory_mib=WHOLE_MIB) for name in names])
+    scheduler = Scheduler(state, cluster)
+    gang = [member("g", 4, i) for i in range(4)]
+    for p in gang:
+        cluster.add_pod(p)
+    nodes = {tuple(scheduler.filter(p, names).passed) for p in gang}
+    assert len(nodes) == 1  # fewest nodes: all four on one 8-GPU node
+
+
+def test_a_failed_member_bind_releases_only_its_reservation_and_is_planned_again() -> None:
+    class Flaky(SnapshotCluster):
+        fail = True
+
+        def bind(self, namespace: str, name: str, uid: str, node: str, annotations: dict[str, str]) -> None:
+            if self.fail and name == "g-1":
+                self.fail = False
+                raise ConnectionError("connection reset")
+            super().bind(namespace, name, uid, node, annotations)
+
+    state = ClusterState(heartbeat_ttl_s=float("inf"))
+    names = ["n0", "n1"]
+    cluster = Flaky(state, [gpu_node(name, gpus=1, memory_mib=WHOLE_MIB) for name in names])
+    scheduler = Scheduler(state, cluster)
+    gang = [member("g", 2, i) for i in range(2)]
+    for p in gang:
+        cluster.add_pod(p)
+    placed = {}
+    for p in gang:
+        (placed[p["metadata"]["name"]],) = scheduler.filter(p, names).passed
+    meta = gang[1]["metadata"]
+    with pytest.raises(BindError, match="connection reset"):
+        scheduler.bind("default", meta["name"], meta["uid"], placed["g-1"])
+    assert meta["uid"] not in state.pods  # released
+    assert scheduler.filter(gang[1], names).passed == [placed["g-1"]]  # planned again, the same free GPU
+    scheduler.bind("default", meta["name"], meta["uid"], placed["g-1"])
+    meta0 = gang[0]["metadata"]
+    scheduler.bind("default", meta0["name"], meta0["uid"], placed["g-0"])
+    assert sorted(placed.values()) == names
+
+
+def test_a_plan_not_completed_in_time_is_released_and_retried_later() -> None:
+    env = Env(nodes=3, free=3, timeout_s=60)
+    gang = [member("g", 3, i) for i in range(3)]
+    for p in gang:
+        env.cluster.add_pod(p)
+    passed, _ = env.filter(gang[0])
+    env.bind(gang[0], passed[0])
+    assert sum(env.used_mib().values()) == 3 * WHOLE_MIB  # one bound, two reserved
+    env.clock.now += 61  # the other two were never bound (kube-scheduler refused their planned nodes)
+    passed, reasons = env.filter(gang[1])
+    assert passed == []
+    assert reasons == {"gang default/g: 1 of 3 members were bound within 60 s; the rest's reservations were "
+                       "released (retried later)"}
+    assert sum(env.used_mib().values()) == WHOLE_MIB  # the capacity is free for others meanwhile
+    env.clock.now += 31
+    assert len(env.filter(gang[1])[0]) == 1  # planned again
+
+
+def test_after_a_restart_the_pending_members_are_planned_on_what_is_free() -> None:
+    env = Env(nodes=4, free=4)
+    gang = [member("g", 4, i) for i in range(4)]
+    for p in gang:
+        env.cluster.add_pod(p)
+    for p in gang[:2]:
+        assert env.schedule(p)
+    stored = [env.cluster.get_pod("default", p["metadata"]["name"]) for p in gang]
+    state = ClusterState(heartbeat_ttl_s=float("inf"))  # a new extender: the API objects only
+    cluster = SnapshotCluster(state, [gpu_node(n, gpus=1, memory_mib=WHOLE_MIB) for n in env.names]
+                              + [p for p in stored if p])
+    scheduler = Scheduler(state, cluster)
+    # its pending members' events came before the scheduler existed: it learns them as kube-scheduler filters them
+    # (the bound ones from their assignments), and plans once all are known
+    pending = [p for p in stored[2:] if p]
+    first_round = [scheduler.filter(p, env.names) for p in pending]
+    assert first_round[0].passed == []
+    assert set(first_round[0].failed.values()) == {"gang default/g: 3 of 4 members created; waiting for the rest "
+                                                   "before placing any"}
+    placed = [scheduler.filter(p, env.names).passed for p in pending]
+    bound_nodes = {p["spec"]["nodeName"] for p in stored[:2] if p}
+    assert all(len(nodes) == 1 and nodes[0] not in bound_nodes for nodes in placed)
+    assert placed[0] != placed[1]
+
+
+@pytest.mark.parametrize(("annotation", "message"), [
+    (None, "no annotation kueue.x-k8s.io/pod-group-total-count"),
+    ("four", "must be a whole number from 1 to 4096, got 'four'"),
+    ("0", "must be a whole number from 1 to 4096, got '0'"),
+])
+def test_an_unreadable_gang_declaration_is_an_error(annotation: str | None, message: str) -> None:
+    env = Env(nodes=1, free=1)
+    p = member("g", 2, 0)
+    if annotation is None:
+        del p["metadata"]["annotations"][protocol.ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT]
+    else:
+        p["metadata"]["annotations"][protocol.ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT] = annotation
+    passed, reasons = env.filter(p)
+    assert passed == [] and len(reasons) == 1 and message in reasons.pop()
+
+
+def test_a_gang_over_its_quota_reserves_neither_gpus_nor_quota() -> None:
+    quota = FLAVORS + gpu_queue("team-a", {"a100": 3}) + local_queue("team-a", "q", "team-a")
+    env = make_env(quota, [a100_node("a100-0", gpus=4)])
+    gang = []
+    for _ in range(4):
+        p = queued_pod("q", gpus=1, memory_mib=1000)
+        p["metadata"]["labels"][protocol.LABEL_KUEUE_POD_GROUP_NAME] = "g"
+        p["metadata"]["annotations"][protocol.ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT] = "4"
+        gang.append(p)
+        env.cluster.add_pod(p)
+    outcome = env.filter(gang[0])
+    assert outcome.passed == []
+    assert "gang team-a/g: 3 of 4 members fit; waiting for a node for member" in next(iter(outcome.failed.values()))
+    assert env.used("team-a", "a100") == 0
