@@ -73,6 +73,8 @@ class Member:
     created: str  # creationTimestamp: members are planned in creation order
     pod: Mapping[str, Any]
     bound_to: str = ""
+    #: the nodes kube-scheduler last found feasible for it (its own plugins: resources, taints, ...), when known
+    feasible: frozenset[str] | None = None
 
 
 @dataclass(slots=True)

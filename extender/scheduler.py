@@ -334,6 +334,7 @@ class Scheduler:
                 for member_uid in released:
                     state.release(member_uid, only_unconfirmed=True)
             gang = self.gangs.note(uid, pod, *declared, known=self._bound_members)
+            gang.members[uid].feasible = frozenset(names)  # what kube-scheduler's own plugins allow it
             node = gang.plan.get(uid)
             if node is not None and uid not in state.pods:
                 del gang.plan[uid]  # its reservation went (a failed bind released it): plan it again
@@ -400,10 +401,17 @@ class Scheduler:
         state = self.state
         placement_request = self._placement_request(pod, request, node_policy, gpu_policy)
         used_nodes = set(gang.plan.values()) | {m.bound_to for m in gang.members.values() if m.bound_to}
+        feasible = gang.members[uid].feasible
         best: tuple[tuple[bool, float, str], NodeState, Placement] | None = None
         for node in state.nodes.values():
             age = state.heartbeat_age_s(node)
             if not node.gpus or age is None or age > state.heartbeat_ttl_s:
+                continue
+            # only nodes kube-scheduler would allow it: the nodes it last offered for this member, if it did, and
+            # the member's node selector and required affinity in any case
+            if (feasible is not None and node.name not in feasible) or not kubeapi.node_matches_pod(
+                pod, node.labels, node.name
+            ):
                 continue
             result = place(node, placement_request, gpu_policy, node_policy)
             if isinstance(result, FitFailure):
@@ -635,14 +643,15 @@ class Scheduler:
 
 
 def _shape(request: PodGpuRequest) -> str:
-    """A member's ask, for gang reasons: '2 x 40960 MiB, 50% cores'."""
+    """A member's ask, for gang reasons: '2 x 40960 MiB, gpucores 50'."""
     parts = []
     for container in request.containers:
         if container.memory_mib is not None:
             memory = f"{container.memory_mib} MiB"
         elif container.memory_percent is not None:
-            memory = f"{container.memory_percent}% memory"
+            memory = f"gpumem-percentage {container.memory_percent}"
         else:
             memory = "a whole GPU"
-        parts.append(f"{container.count} x {memory}, {container.cores}% cores")
+        # no '%': kube-scheduler formats an extender's reason as a format string in its events
+        parts.append(f"{container.count} x {memory}, gpucores {container.cores}")
     return "; ".join(parts)

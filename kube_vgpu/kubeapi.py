@@ -421,3 +421,58 @@ def _json_type(value: Any) -> str:
     if isinstance(value, Mapping):
         return "an object"
     return type(value).__name__
+
+
+# ---------------------------------------------------------------------------------------------
+# Node selection (kube-scheduler's NodeAffinity plugin: nodeSelector and required node affinity)
+# ---------------------------------------------------------------------------------------------
+
+
+def _expression_matches(expression: Mapping[str, Any], value: str | None) -> bool:
+    operator = expression.get("operator")
+    values = [str(v) for v in expression.get("values") or ()]
+    if operator == "In":
+        return value is not None and value in values
+    if operator == "NotIn":
+        return value is None or value not in values
+    if operator == "Exists":
+        return value is not None
+    if operator == "DoesNotExist":
+        return value is None
+    if operator in ("Gt", "Lt") and value is not None and len(values) == 1:
+        try:
+            left, right = int(value), int(values[0])
+        except ValueError:
+            return False
+        return left > right if operator == "Gt" else left < right
+    return False  # an unknown operator matches nothing, as the API server would not have stored it
+
+
+def _term_matches(term: Mapping[str, Any], labels: Mapping[str, str], node_name: str) -> bool:
+    expressions = term.get("matchExpressions") or ()
+    fields = term.get("matchFields") or ()
+    if not expressions and not fields:
+        return False  # an empty term matches no node (kube-scheduler's rule)
+    for expression in expressions:
+        if not _expression_matches(expression, labels.get(str(expression.get("key")))):
+            return False
+    for expression in fields:
+        value = node_name if expression.get("key") == "metadata.name" else None
+        if not _expression_matches(expression, value):
+            return False
+    return True
+
+
+def node_matches_pod(pod: Mapping[str, Any], labels: Mapping[str, str], node_name: str) -> bool:
+    """Whether the pod's nodeSelector and required node affinity admit this node (terms ORed, expressions ANDed)."""
+    spec = pod.get("spec") or {}
+    for key, value in (spec.get("nodeSelector") or {}).items():
+        if labels.get(key) != value:
+            return False
+    required = ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    )
+    if not required:
+        return True
+    terms = required.get("nodeSelectorTerms") or ()
+    return any(_term_matches(term, labels, node_name) for term in terms)
