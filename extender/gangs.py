@@ -195,3 +195,20 @@ class GangTracker:
                 log.warning("%s", gang.waiting)
                 found.append((gang, released))
         return found
+
+
+def gangs_view(tracker: GangTracker) -> list[dict[str, Any]]:
+    """JSON-ready gangs for GET /state (caller holds the state lock): members seen, bound, planned, and why waiting."""
+    view = []
+    for key in sorted(tracker.gangs):
+        gang = tracker.gangs[key]
+        view.append({
+            "name": str(key),
+            "size": gang.size,
+            "membersSeen": len(gang.members),
+            "bound": gang.bound(),
+            "planned": {gang.members[uid].name: node for uid, node in sorted(gang.plan.items())
+                        if uid in gang.members},
+            "waiting": gang.waiting if not gang.complete() else "",
+        })
+    return view

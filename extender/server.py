@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
+from kube_vgpu.extender.gangs import gangs_view
 from kube_vgpu.extender.scheduler import BindError, Scheduler
 from kube_vgpu.extender.state import ClusterState
 from kube_vgpu.kubeapi import InvalidObject, check_pod
@@ -361,7 +362,10 @@ def add_views(app: FastAPI, scheduler: Scheduler, registry: CollectorRegistry) -
 
     @app.get("/state")
     async def state_view() -> Response:
-        return _json(state.snapshot())
+        view = state.snapshot()
+        with state.lock:
+            view["gangs"] = gangs_view(scheduler.gangs)
+        return _json(view)
 
     @app.get("/quota")
     async def quota_view() -> Response:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import httpx
 import pytest
 
 from kube_vgpu import protocol
@@ -48,6 +49,11 @@ def test_a_gang_binds_no_member_until_all_fit_then_all(
     # each member's latest event: waiting for the others to exist, or (once all did) that only 3 fit
     assert all(f"gang {e2e_namespace}/train: " in outcome.refused[n] for n in names(train)), outcome.describe()
     assert any("3 of 4 members fit" in outcome.refused[n] for n in names(train)), outcome.describe()
+    # /state says the same
+    [view] = [g for g in httpx.get(f"{dev_cluster.extender_url}/state", timeout=30).json()["gangs"]
+              if g["name"] == f"{e2e_namespace}/train"]
+    assert (view["size"], view["membersSeen"], view["bound"], view["planned"]) == (4, 4, 0, {})
+    assert "3 of 4 members fit" in view["waiting"]
     dev_cluster.core.delete_namespaced_pod("blocker", e2e_namespace, grace_period_seconds=0)  # a 4th GPU frees
     outcome = wait_for_pods(dev_cluster.api, e2e_namespace, names(train), timeout_s=WAIT_S)
     assert sorted(outcome.bound.values()) == sorted(nodes.names), outcome.describe()
