@@ -291,13 +291,15 @@ def _patch_inherited_labels(decision: Decision, pod: dict[str, Any], owners: Own
     labels = metadata.get("labels") or {}
     inherited = owners.inherited(namespace, labels, owner_refs_of(pod))
     decision.warnings.extend(inherited.warnings)
-    if not inherited.labels:
-        return
-    if not labels:
-        _set(decision.patch, metadata, "labels", "/metadata/labels", dict(inherited.labels))
-        return
-    for key, value in inherited.labels.items():
-        decision.patch.append({"op": "add", "path": _pointer("metadata", "labels", key), "value": value})
+    if inherited.labels:
+        if not labels:
+            _set(decision.patch, metadata, "labels", "/metadata/labels", dict(inherited.labels))
+        else:
+            for key, value in inherited.labels.items():
+                decision.patch.append({"op": "add", "path": _pointer("metadata", "labels", key), "value": value})
+    # after the admission mark's patch, which creates metadata.annotations when the pod had none
+    for key, value in inherited.annotations.items():
+        decision.patch.append({"op": "add", "path": _pointer("metadata", "annotations", key), "value": value})
 
 
 def _gpu_containers(

@@ -14,13 +14,19 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 from cachetools import TTLCache
 
-from kube_vgpu.protocol import LABEL_KUEUE_PRIORITY_CLASS, LABEL_KUEUE_QUEUE_NAME
+from kube_vgpu.protocol import (
+    ANNOTATION_JOB_GANG,
+    ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT,
+    LABEL_KUEUE_POD_GROUP_NAME,
+    LABEL_KUEUE_PRIORITY_CLASS,
+    LABEL_KUEUE_QUEUE_NAME,
+)
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +63,8 @@ class Inherited:
     #: where each came from, e.g. "Job team-a/train-7"
     sources: dict[str, str]
     warnings: tuple[str, ...] = ()
+    #: annotations to add (a Job marked as a gang: the Kueue pod-group count)
+    annotations: dict[str, str] = field(default_factory=dict)
 
 
 #: (group, version, plural, namespace, name) -> the object, or None when it does not exist. Raises on any failure.
@@ -101,9 +109,11 @@ class OwnerResolver:
         found: dict[str, str] = {}
         sources: dict[str, str] = {}
         warnings: list[str] = []
+        annotations: dict[str, str] = {}
         ref = _controller(owner_refs)
         depth = 0
-        while ref is not None and missing and depth < MAX_DEPTH:
+        want_gang = not labels.get(LABEL_KUEUE_POD_GROUP_NAME)
+        while ref is not None and (missing or want_gang) and depth < MAX_DEPTH:
             depth += 1
             api_version, kind, name = str(ref.get("apiVersion", "")), str(ref.get("kind", "")), str(ref.get("name", ""))
             group = api_version.rpartition("/")[0] if "/" in api_version else ""
@@ -116,6 +126,14 @@ class OwnerResolver:
                 break  # deleted meanwhile: nothing to inherit
             metadata = obj.get("metadata") or {}
             owner_labels = metadata.get("labels") or {}
+            if want_gang and depth == 1 and (group, kind) == ("batch", "Job"):
+                want_gang = False  # only the pod's own Job can make it a gang member
+                if str((metadata.get("annotations") or {}).get(ANNOTATION_JOB_GANG, "")).lower() == "true":
+                    size = (obj.get("spec") or {}).get("parallelism", 1)
+                    found[LABEL_KUEUE_POD_GROUP_NAME] = name
+                    sources[LABEL_KUEUE_POD_GROUP_NAME] = f"{kind} {namespace}/{name}"
+                    annotations[ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT] = str(size if isinstance(size, int) else 1)
+            want_gang = False
             for key in list(missing):
                 value = owner_labels.get(key)
                 if isinstance(value, str) and value:
@@ -123,7 +141,7 @@ class OwnerResolver:
                     sources[key] = f"{kind} {namespace}/{name}"
                     missing.remove(key)
             ref = _controller(metadata.get("ownerReferences"))
-        return Inherited(found, sources, tuple(warnings))
+        return Inherited(found, sources, tuple(warnings), annotations)
 
 
 def api_fetch(api_client: Any, timeout_s: float = DEFAULT_DEADLINE_S) -> Fetch:

@@ -15,6 +15,7 @@ from kube_vgpu.webhook.owners import OwnerResolver
 from tests.webhook.builders import apply_response, gpu_container, pod, run_review
 
 QUEUE, PRIORITY = "kueue.x-k8s.io/queue-name", "kueue.x-k8s.io/priority-class"
+GROUP, COUNT = "kueue.x-k8s.io/pod-group-name", "kueue.x-k8s.io/pod-group-total-count"
 
 
 def ref(kind: str, name: str, api_version: str = "batch/v1", controller: bool = True) -> dict[str, Any]:
@@ -124,8 +125,43 @@ def test_cached_answers_expire() -> None:
     assert api.reads == 2
 
 
-def test_pods_with_both_labels_read_nothing() -> None:
+def test_pods_that_already_say_everything_read_nothing() -> None:
     api = Api({})
-    run_review(gpu_pod_owned_by(ref("Job", "train"), labels={QUEUE: "q", PRIORITY: "p"}), WebhookConfig(),
+    run_review(gpu_pod_owned_by(ref("Job", "train"), labels={QUEUE: "q", PRIORITY: "p", GROUP: "g"}), WebhookConfig(),
                owners=OwnerResolver(api))
     assert api.reads == 0
+
+
+def gang_job(name: str, parallelism: Any, mark: str | None = "true", owners: list[dict[str, Any]] | None = None,
+             labels: dict[str, str] | None = None) -> dict[str, Any]:
+    job = obj(name, labels, owners)
+    if mark is not None:
+        job["metadata"]["annotations"] = {"kube-vgpu.io/gang": mark}
+    job["spec"] = {"parallelism": parallelism} if parallelism is not None else {}
+    return job
+
+
+@pytest.mark.parametrize(("case", "job", "group", "count"), [
+    ("marked", gang_job("train", 4), "train", "4"),
+    ("marked-any-case", gang_job("train", 2, "True"), "train", "2"),
+    ("parallelism-defaults-to-1", gang_job("train", None), "train", "1"),
+    ("not-marked", gang_job("train", 4, None), None, None),
+    ("marked-false", gang_job("train", 4, "false"), None, None),
+])
+def test_a_job_marked_as_a_gang_makes_its_pods_one_gang(case: str, job: dict[str, Any], group: str | None,
+                                                        count: str | None) -> None:
+    sent = gpu_pod_owned_by(ref("Job", "train"), labels={QUEUE: "q"})
+    _, response = run_review(sent, WebhookConfig(), owners=OwnerResolver(Api({("jobs", "train"): job})))
+    mutated = apply_response(sent, response)
+    assert mutated["metadata"]["labels"].get(GROUP) == group
+    assert mutated["metadata"]["annotations"].get(COUNT) == count
+    assert mutated["metadata"]["annotations"]["kube-vgpu.io/admitted"] == "v1"
+
+
+def test_only_the_pods_own_job_makes_a_gang_and_the_queue_still_comes_from_above() -> None:
+    api = Api({("jobs", "w-0"): gang_job("w-0", 3, None, [ref("JobSet", "js", "jobset.x-k8s.io/v1alpha2")]),
+               ("jobsets", "js"): gang_job("js", 8, "true", labels={QUEUE: "q"})})
+    sent = gpu_pod_owned_by(ref("Job", "w-0"))
+    _, response = run_review(sent, WebhookConfig(), owners=OwnerResolver(api))
+    mutated = apply_response(sent, response)
+    assert mutated["metadata"]["labels"][QUEUE] == "q" and GROUP not in mutated["metadata"]["labels"]
