@@ -38,6 +38,9 @@ DEFAULT_SERVICE_NAME = "kube-vgpu-webhook"
 DEFAULT_TIMEOUT_SECONDS = 5
 #: Matches the namespace name: set by the API server on every namespace since Kubernetes 1.21.
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
+#: Namespaces the webhook never sees (besides those labelled kube-vgpu.io/webhook=disabled): kube-system, and our own,
+#: whose pods must be creatable while the webhook is down.
+DEFAULT_EXCLUDED_NAMESPACES = ("kube-system", DEFAULT_NAMESPACE)
 
 FailurePolicy = Literal["Fail", "Ignore"]
 
@@ -56,7 +59,7 @@ def mutating_webhook_configuration(
     url: str | None = None,
     service: ServiceReference | None = None,
     name: str = CONFIGURATION_NAME,
-    excluded_namespaces: tuple[str, ...] = ("kube-system", DEFAULT_NAMESPACE),
+    excluded_namespaces: tuple[str, ...] = DEFAULT_EXCLUDED_NAMESPACES,
     timeout_seconds: int = DEFAULT_TIMEOUT_SECONDS,
     update_failure_policy: FailurePolicy = "Fail",
     trusted_usernames: Iterable[str] = DEFAULT_TRUSTED_USERNAMES,
@@ -81,12 +84,7 @@ def mutating_webhook_configuration(
     pem = ca_bundle_pem.encode() if isinstance(ca_bundle_pem, str) else ca_bundle_pem
     if pem:
         client_config["caBundle"] = base64.b64encode(pem).decode()
-    namespace_selector = {
-        "matchExpressions": [
-            {"key": NAMESPACE_NAME_LABEL, "operator": "NotIn", "values": list(excluded_namespaces)},
-            {"key": LABEL_WEBHOOK, "operator": "NotIn", "values": [LABEL_WEBHOOK_DISABLED]},
-        ]
-    }
+    selector = namespace_selector(excluded_namespaces)
 
     def webhook(webhook_name: str, operation: str, failure_policy: FailurePolicy, reinvocation: str) -> dict[str, Any]:
         entry = {
@@ -105,7 +103,7 @@ def mutating_webhook_configuration(
             ],
             "failurePolicy": failure_policy,
             "matchPolicy": "Equivalent",
-            "namespaceSelector": copy.deepcopy(namespace_selector),
+            "namespaceSelector": copy.deepcopy(selector),
             "sideEffects": "None",
             "timeoutSeconds": timeout_seconds,
             "reinvocationPolicy": reinvocation,
@@ -117,7 +115,7 @@ def mutating_webhook_configuration(
         if operation == "UPDATE":
             conditions = []
             if trusted:
-                listed = ", ".join(_cel_string(user) for user in trusted)
+                listed = ", ".join(cel_string(user) for user in trusted)
                 expression = f"!(request.userInfo.username in [{listed}])"
                 conditions.append({"name": "not-from-kube-vgpu-components", "expression": expression})
             conditions.append({"name": "changes-internal-annotations", "expression": _UPDATE_CONDITION})
@@ -140,8 +138,19 @@ def mutating_webhook_configuration(
     }
 
 
+def namespace_selector(excluded_namespaces: Iterable[str] = DEFAULT_EXCLUDED_NAMESPACES) -> dict[str, Any]:
+    """The namespaces the webhook sees (both webhooks): every one but the excluded and the opted-out. The
+    ValidatingAdmissionPolicies (webhook.policies) mirror it to guard the namespaces the webhook does not see."""
+    return {
+        "matchExpressions": [
+            {"key": NAMESPACE_NAME_LABEL, "operator": "NotIn", "values": list(excluded_namespaces)},
+            {"key": LABEL_WEBHOOK, "operator": "NotIn", "values": [LABEL_WEBHOOK_DISABLED]},
+        ]
+    }
+
+
 def _cel_container_asks_gpu(container: str) -> str:
-    names = ", ".join(_cel_string(name) for name in GPU_RESOURCES)
+    names = ", ".join(cel_string(name) for name in GPU_RESOURCES)
     return (
         f"has({container}.resources) && ("
         f"(has({container}.resources.limits) && {container}.resources.limits.exists(k, k in [{names}])) || "
@@ -149,7 +158,7 @@ def _cel_container_asks_gpu(container: str) -> str:
     )
 
 
-def _cel_string(text: str) -> str:
+def cel_string(text: str) -> str:
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
@@ -159,13 +168,13 @@ _CREATE_CONDITION = (
     f"object.spec.containers.exists(c, {_cel_container_asks_gpu('c')}) || "
     f"(has(object.spec.initContainers) && object.spec.initContainers.exists(c, {_cel_container_asks_gpu('c')})) || "
     f"(has(object.metadata.annotations) && "
-    f"object.metadata.annotations.exists(k, k.startsWith({_cel_string(ANNOTATION_PREFIX)})))"
+    f"object.metadata.annotations.exists(k, k.startsWith({cel_string(ANNOTATION_PREFIX)})))"
 )
 
 
 def _cel_changed_annotations(new: str, old: str) -> str:
     """CEL: `new` carries an internal annotation that `old` lacks or holds with another value."""
-    prefix = _cel_string(ANNOTATION_PREFIX)
+    prefix = cel_string(ANNOTATION_PREFIX)
     return (
         f"(has({new}.metadata.annotations) && {new}.metadata.annotations.exists(k, k.startsWith({prefix}) && "
         f"!(has({old}.metadata.annotations) && k in {old}.metadata.annotations && "

@@ -18,7 +18,9 @@ Fixtures (for everyone adding e2e tests here; mark tests with ``@pytest.mark.e2e
     .webhook_url         https://127.0.0.1:<port>/mutate; .webhook_ca_pem its CA
     .extender_kubeconfig / .device_plugin_kubeconfig   token kubeconfigs of the two kube-vgpu ServiceAccounts
                          (system:serviceaccount:kube-vgpu:kube-vgpu-extender / ...-device-plugin), with the RBAC
-                         of manifests/ (cluster.rbac_documents()) bound to them
+                         of manifests/ (cluster.rbac_documents()) bound to them; the device plugin's token names no
+                         node, so the admission policies (cluster.admission_policy_documents()) refuse its writes:
+    .device_plugin_kubeconfig_for(node)  the device plugin's account with a token bound to that Node
     .restart_extender(crash=True)        SIGKILL + start + wait for its first sync; same port and arguments
     .stop_component(name, crash=False)   stop webhook / extender / kube-scheduler / heartbeat (crash: SIGKILL)
     .start_component(name)               start it again with the same command line and wait until ready

@@ -37,7 +37,9 @@ def plugin_node(dev_cluster: DevCluster, gpu_nodes: Any) -> Iterator[tuple[Any, 
         plugin = subprocess.Popen(
             [sys.executable, "-m", "kube_vgpu.cli", "device-plugin", f"--node-name={node_name}",
              "--fake-nvml=t4-4-pcie", f"--kubelet-dir={kubelet.directory}",
-             f"--kubeconfig={dev_cluster.device_plugin_kubeconfig}", "--probe-address=",
+             # a token bound to its node, as a DaemonSet pod's projected token: the admission policies hold the
+             # device plugin to the node its token names
+             f"--kubeconfig={dev_cluster.device_plugin_kubeconfig_for(node_name)}", "--probe-address=",
              "--pod-resources-socket=", "--heartbeat-seconds=5"],
             stdout=log, stderr=subprocess.STDOUT,
         )

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from kube_vgpu.dev.devcluster.binaries import KUBERNETES_VERSION
+from kube_vgpu.webhook.policies import POLICY_NAMES
 from tests.manifests.render import (
     IMAGE_REPOSITORY,
     INSTALLABLE,
@@ -30,7 +31,8 @@ from tests.manifests.render import (
 )
 
 CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "MutatingWebhookConfiguration",
-                  "ValidatingWebhookConfiguration", "PriorityClass",
+                  "ValidatingWebhookConfiguration", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
+                  "PriorityClass",
                   # Kueue's cluster-scoped objects (examples/kueue)
                   "ResourceFlavor", "ClusterQueue", "Cohort", "WorkloadPriorityClass"}
 PROJECT_VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
@@ -48,7 +50,7 @@ def test_every_kustomization_renders(kustomization: str) -> None:
 
 
 @pytest.mark.parametrize("directory", ["base", "base/scheduler", "base/webhook", "base/deviceplugin",
-                                       "overlays/cert-manager", "overlays/self-signed", "examples"])
+                                       "base/admission", "overlays/cert-manager", "overlays/self-signed", "examples"])
 def test_no_manifest_file_is_left_out_of_its_kustomization(directory: str) -> None:
     folder = MANIFESTS / directory
     kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())
@@ -69,6 +71,9 @@ def test_an_installable_overlay_holds_every_component(overlay: str) -> None:
     one(objects, "Deployment", "kube-vgpu-webhook")
     one(objects, "DaemonSet", "kube-vgpu-device-plugin")
     one(objects, "MutatingWebhookConfiguration", "kube-vgpu-webhook")
+    for name in POLICY_NAMES:
+        one(objects, "ValidatingAdmissionPolicy", name)
+        one(objects, "ValidatingAdmissionPolicyBinding", name)
     configmaps = [c["metadata"]["name"] for c in find(objects, "ConfigMap")]
     assert len([name for name in configmaps if name.startswith("kube-vgpu-scheduler-config-")]) == 1
     for kind in ("PodDisruptionBudget",):

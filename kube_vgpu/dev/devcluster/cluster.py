@@ -14,8 +14,14 @@ Identities (--authorization-mode=Node,RBAC; the RBAC objects are the ones manife
   admin                       client cert, group system:masters (the kubeconfig `up` prints; tests use it)
   kube-scheduler, extender    ServiceAccount token of kube-vgpu/kube-vgpu-extender (as in the manifests, where
                               both run in one Pod under that account)
-  heartbeat                   ServiceAccount token of kube-vgpu/kube-vgpu-device-plugin (the device plugin's job)
-The webhook trusts the two ServiceAccounts to write kube-vgpu.io/ pod annotations (webhook.registration).
+  device plugin               ServiceAccount token of kube-vgpu/kube-vgpu-device-plugin bound to one Node
+                              (device_plugin_kubeconfig_for: the token names its node, as a DaemonSet pod's does)
+  heartbeat                   ServiceAccount token of kube-vgpu/kube-vgpu-dev-heartbeat, a dev-only account bound to
+                              the device plugin's ClusterRole: one process stands in for every node's device plugin,
+                              which the device plugin's own identity may not (its admission policies hold it to one
+                              node)
+The webhook trusts the extender's and the device plugin's ServiceAccounts to write kube-vgpu.io/ pod annotations
+(webhook.registration), and the manifests' ValidatingAdmissionPolicies (webhook.policies) are in force.
 """
 
 from __future__ import annotations
@@ -62,11 +68,16 @@ RBAC_MANIFESTS = (
     MANIFESTS_DIR / "base" / "deviceplugin" / "rbac.yaml",
     MANIFESTS_DIR / "base" / "webhook" / "rbac.yaml",
 )
+#: THE ValidatingAdmissionPolicies and their bindings (generated from webhook.policies), applied as shipped.
+ADMISSION_POLICY_MANIFEST = MANIFESTS_DIR / "base" / "admission" / "validatingadmissionpolicies.yaml"
 
 NAMESPACE = "kube-vgpu"
 EXTENDER_SERVICE_ACCOUNT = "kube-vgpu-extender"
 DEVICE_PLUGIN_SERVICE_ACCOUNT = "kube-vgpu-device-plugin"
 WEBHOOK_SERVICE_ACCOUNT = "kube-vgpu-webhook"
+#: The heartbeat's dev-only account (not in manifests/), bound to the device plugin's ClusterRole.
+HEARTBEAT_SERVICE_ACCOUNT = "kube-vgpu-dev-heartbeat"
+DEVICE_PLUGIN_CLUSTER_ROLE = "kube-vgpu-device-plugin"
 #: ServiceAccount tokens last as long as a dev cluster reasonably lives (no kubelet rotates them here).
 TOKEN_LIFETIME_S = 365 * 24 * 3600
 
@@ -199,14 +210,34 @@ def rbac_documents() -> list[dict[str, Any]]:
     under exactly these identities and rules, so every end-to-end run checks the shipped RBAC."""
     documents: list[dict[str, Any]] = []
     for path in RBAC_MANIFESTS:
-        try:
-            text = path.read_text()
-        except OSError as exc:
-            raise DevClusterError(
-                f"cannot read {path} (the dev cluster runs with the RBAC manifests/ ships): {exc}"
-            ) from None
-        documents += [doc for doc in yaml.safe_load_all(text) if isinstance(doc, dict)]
+        documents += _manifest_documents(path, "the RBAC")
     return documents
+
+
+def admission_policy_documents() -> list[dict[str, Any]]:
+    """The ValidatingAdmissionPolicies and bindings that manifests/ ships; the dev cluster enforces exactly these."""
+    return _manifest_documents(ADMISSION_POLICY_MANIFEST, "the admission policies")
+
+
+def heartbeat_binding() -> dict[str, Any]:
+    """The dev-only ClusterRoleBinding giving the heartbeat's account the device plugin's ClusterRole."""
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRoleBinding",
+        "metadata": {"name": HEARTBEAT_SERVICE_ACCOUNT},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": DEVICE_PLUGIN_CLUSTER_ROLE},
+        "subjects": [{"kind": "ServiceAccount", "name": HEARTBEAT_SERVICE_ACCOUNT, "namespace": NAMESPACE}],
+    }
+
+
+def _manifest_documents(path: Path, what: str) -> list[dict[str, Any]]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise DevClusterError(
+            f"cannot read {path} (the dev cluster runs with {what} manifests/ ships): {exc}"
+        ) from None
+    return [doc for doc in yaml.safe_load_all(text) if isinstance(doc, dict)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -262,8 +293,11 @@ class DevCluster:
         self.kubeconfig = self.state_dir / KUBECONFIG_FILE
         self.scheduler_kubeconfig = self.state_dir / "kube-scheduler.kubeconfig"
         self.extender_kubeconfig = self.state_dir / "extender.kubeconfig"
+        #: the device plugin's account with a token bound to no node: the admission policies refuse its writes
+        #: (a device plugin's kubeconfig is device_plugin_kubeconfig_for(node))
         self.device_plugin_kubeconfig = self.state_dir / "device-plugin.kubeconfig"
         self.webhook_kubeconfig = self.state_dir / "webhook.kubeconfig"
+        self.heartbeat_kubeconfig = self.state_dir / "heartbeat.kubeconfig"
         self.scheduler_config_path = self.state_dir / "kube-scheduler-config.yaml"
         self.nodes_file = self.state_dir / NODES_FILE
         self.ports: dict[str, int] = {}
@@ -409,9 +443,11 @@ class DevCluster:
             self._save_state()
 
     def _wait_ready(
-        self, name: str, what: str, probe: Callable[[], str | None], timeout_s: float | None = None
+        self, name: str, what: str, probe: Callable[[], str | None], timeout_s: float | None = None,
+        *, record: bool = True,
     ) -> None:
-        self._probes[name] = (what, probe)  # start_component waits the same way
+        if record:
+            self._probes[name] = (what, probe)  # start_component waits the same way
         if timeout_s is None:
             timeout_s = dict(self.options.ready_timeouts).get(name, self.options.ready_timeout_s)
         start_s = time.monotonic()
@@ -496,8 +532,8 @@ class DevCluster:
             f"--service-account-signing-key-file={self.pki.service_account_key}",
             "--service-cluster-ip-range=10.96.0.0/16",
             "--authorization-mode=Node,RBAC",
-            # On by default in 1.34; listed so that no default change can switch our webhook off unnoticed.
-            "--enable-admission-plugins=MutatingAdmissionWebhook,ValidatingAdmissionWebhook",
+            # On by default in 1.34; listed so that no default change can switch our webhook or policies off unnoticed.
+            "--enable-admission-plugins=MutatingAdmissionWebhook,ValidatingAdmissionPolicy,ValidatingAdmissionWebhook",
             # No kube-controller-manager runs, so no namespace gets its `default` ServiceAccount, and this plugin
             # would refuse every pod; nothing runs in the pods, they need no token.
             "--disable-admission-plugins=ServiceAccount",
@@ -541,13 +577,13 @@ class DevCluster:
         api = self.api
         core: Any = client.CoreV1Api(api)  # Any: raw dicts in, raw JSON out (the stubs expect model objects)
         core.create_namespace({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
-        for account in (EXTENDER_SERVICE_ACCOUNT, DEVICE_PLUGIN_SERVICE_ACCOUNT, WEBHOOK_SERVICE_ACCOUNT):
+        for account in (EXTENDER_SERVICE_ACCOUNT, DEVICE_PLUGIN_SERVICE_ACCOUNT, WEBHOOK_SERVICE_ACCOUNT,
+                        HEARTBEAT_SERVICE_ACCOUNT):
             core.create_namespaced_service_account(
                 NAMESPACE, {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": account}}
             )
-        for document in rbac_documents():
+        for document in [*rbac_documents(), heartbeat_binding(), *admission_policy_documents()]:
             utils.create_from_dict(api, document)
-        assert self.pki is not None
         for account, path in (
             (EXTENDER_SERVICE_ACCOUNT, self.extender_kubeconfig),
             # the manifests run kube-scheduler in the extender's Pod, under the same ServiceAccount
@@ -555,19 +591,72 @@ class DevCluster:
             (DEVICE_PLUGIN_SERVICE_ACCOUNT, self.device_plugin_kubeconfig),
             # it reads GPU pods' owners (their Kueue queue) under the manifests' read-only role
             (WEBHOOK_SERVICE_ACCOUNT, self.webhook_kubeconfig),
+            (HEARTBEAT_SERVICE_ACCOUNT, self.heartbeat_kubeconfig),
         ):
-            response = core.create_namespaced_service_account_token(
-                account,
-                NAMESPACE,
-                {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
-                 "spec": {"expirationSeconds": TOKEN_LIFETIME_S}},
-                _preload_content=False,
-            )
-            token = orjson.loads(response.data)["status"]["token"]
-            user = f"system:serviceaccount:{NAMESPACE}:{account}"
-            pki_module.write_kubeconfig(
-                path, pki_module.kubeconfig_document(self.server, self.pki.ca_cert, user, token=token)
-            )
+            self.write_token_kubeconfig(account, path)
+        self._wait_for_admission_policies()
+
+    def write_token_kubeconfig(self, account: str, path: Path, bound_to: dict[str, str] | None = None) -> None:
+        """Write a kubeconfig with a TokenRequest token of the account in the kube-vgpu namespace, bound to
+        `bound_to` (an object reference: a Node, or a Pod, whose node the token then names too) if given."""
+        from kubernetes import client
+
+        assert self.pki is not None
+        core: Any = client.CoreV1Api(self.api)
+        spec: dict[str, Any] = {"expirationSeconds": TOKEN_LIFETIME_S}
+        if bound_to is not None:
+            spec["boundObjectRef"] = bound_to
+        response = core.create_namespaced_service_account_token(
+            account,
+            NAMESPACE,
+            {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec},
+            _preload_content=False,
+        )
+        token = orjson.loads(response.data)["status"]["token"]
+        user = f"system:serviceaccount:{NAMESPACE}:{account}"
+        pki_module.write_kubeconfig(
+            path, pki_module.kubeconfig_document(self.server, self.pki.ca_cert, user, token=token)
+        )
+
+    def device_plugin_kubeconfig_for(self, node_name: str) -> Path:
+        """A kubeconfig of the device plugin's account whose token is bound to the Node (so it carries the
+        authentication.kubernetes.io/node-name claim the admission policies hold the device plugin to, as the
+        projected token of a DaemonSet pod does). Valid while the Node exists."""
+        from kubernetes import client
+
+        core: Any = client.CoreV1Api(self.api)
+        node = orjson.loads(core.read_node(node_name, _preload_content=False).data)
+        path = self.state_dir / f"device-plugin-{node_name}.kubeconfig"
+        reference = {"apiVersion": "v1", "kind": "Node", "name": node_name, "uid": node["metadata"]["uid"]}
+        self.write_token_kubeconfig(DEVICE_PLUGIN_SERVICE_ACCOUNT, path, bound_to=reference)
+        return path
+
+    def _wait_for_admission_policies(self) -> None:
+        """The API server loads new policies in the background: wait until the last one refuses what it must, so no
+        test (and no benchmark) runs before they are in force. The probe is a dry run: nothing is created."""
+        from kubernetes import client
+        from kubernetes.client.rest import ApiException
+
+        from kube_vgpu.protocol import ADMISSION_MARK_VALUE, POD_ADMITTED_ANNOTATION
+
+        core: Any = client.CoreV1Api(self.api)
+        probe = {"apiVersion": "v1", "kind": "Pod",
+                 "metadata": {"name": "kube-vgpu-policy-probe",
+                              "annotations": {POD_ADMITTED_ANNOTATION: ADMISSION_MARK_VALUE}},
+                 "spec": {"containers": [{"name": "probe", "image": "registry.k8s.io/pause:3.10"}]}}
+
+        def refused() -> str | None:
+            try:
+                core.create_namespaced_pod(NAMESPACE, probe, dry_run="All", _preload_content=False)
+            except ApiException as exc:
+                body = exc.body.decode(errors="replace") if isinstance(exc.body, bytes) else str(exc.body)
+                if exc.status == 403 and "ValidatingAdmissionPolicy" in body:
+                    return None
+                return f"HTTP {exc.status}: {body[:300]}"
+            return "a pod carrying the admission mark is still accepted in the webhook's own namespace"
+
+        # named after the API server: its log says why a policy is not in force
+        self._wait_ready("kube-apiserver", "admission policies refusing a forged admission mark", refused, record=False)
 
     def trusted_usernames(self) -> list[str]:
         return [f"system:serviceaccount:{NAMESPACE}:{account}"
@@ -731,7 +820,7 @@ class DevCluster:
             sys.executable,
             "-m",
             "kube_vgpu.dev.devcluster.heartbeat",
-            f"--kubeconfig={self.device_plugin_kubeconfig}",
+            f"--kubeconfig={self.heartbeat_kubeconfig}",
             f"--nodes-file={self.nodes_file}",
             f"--interval-seconds={self.options.heartbeat_interval_s:g}",
             f"--ready-file={ready_file}",

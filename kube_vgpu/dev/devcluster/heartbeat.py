@@ -1,7 +1,9 @@
 """The dev cluster's stand-in for the device plugins' heartbeat: the nodes have no kubelet and no device plugin,
 so this process re-publishes each registered node's heartbeat annotation every interval, through the same client
-call the device plugin's publisher makes (deviceplugin.kube.KubeClient.patch_node_metadata), as the device
-plugin's ServiceAccount, so the manifests' device-plugin RBAC is exercised too.
+call the device plugin's publisher makes (deviceplugin.kube.KubeClient.patch_node_metadata), under the device
+plugin's ClusterRole (the manifests' RBAC is exercised too). Its account is the dev cluster's own
+(kube-vgpu-dev-heartbeat): the device plugin's account may write only to the one node its token names (the
+ValidatingAdmissionPolicies of webhook.policies), and this one process stands in for every node's device plugin.
 
     python -m kube_vgpu.dev.devcluster.heartbeat --kubeconfig F --nodes-file F [--interval-seconds S]
 
