@@ -50,6 +50,9 @@ ROOT = Path(__file__).resolve().parent.parent
 NAMESPACE = "bench"
 REFERENCE = {"go_extender_pods_per_s": 111.0, "bare_pods_per_s": 991.0, "nodes": 500}
 TARGET_PODS_PER_S = 150.0
+GANG_SIZE = 8
+#: modes whose kube-scheduler calls our extender
+WITH_EXTENDER = ("extender", "gang")
 TRIAL_TIMEOUT_S = 600.0
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -61,7 +64,7 @@ def _progress(message: str) -> None:
 @dataclass
 class Trial:
     nodes: int
-    mode: str  # "extender" or "bare"
+    mode: str  # "extender", "gang" (the same pods in 8-pod gangs, with the extender) or "bare"
     pods: int
     pods_per_s: float
     create_s: float
@@ -114,12 +117,17 @@ class ApiConnection:
 def _bodies(mode: str, count: int, run_id: str, memory_mib: int = 4096) -> list[bytes]:
     bodies = []
     for index in range(count):
-        if mode == "extender":
+        if mode in WITH_EXTENDER:
             pod = gpu_pod(f"{run_id}-{index:05d}", memory_mib=memory_mib, cores=10,
                           scheduler_name=protocol.DEFAULT_SCHEDULER_NAME)
+            if mode == "gang":  # consecutive pods form gangs of GANG_SIZE (the last one smaller if need be)
+                first = index - index % GANG_SIZE
+                pod["metadata"]["labels"] = {protocol.LABEL_KUEUE_POD_GROUP_NAME: f"{run_id}-g{first // GANG_SIZE}"}
+                pod["metadata"]["annotations"] = {
+                    protocol.ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT: str(min(GANG_SIZE, count - first))}
         else:
             pod = gpu_pod(f"{run_id}-{index:05d}", scheduler_name=protocol.DEFAULT_SCHEDULER_NAME)
-        pod["metadata"]["labels"] = {"bench-run": run_id}
+        pod["metadata"].setdefault("labels", {})["bench-run"] = run_id
         bodies.append(orjson.dumps(pod))
     return bodies
 
@@ -252,9 +260,10 @@ def run_trial(  # noqa: C901
     watching.wait(30)
     time.sleep(0.2)  # the watch request is sent before stream() yields; give the server a moment to register it
 
-    profiler = _start_profiler(cluster, profile_dir, f"extender-{nodes}-nodes-{run_id}") if mode == "extender" else None
+    profiler = (_start_profiler(cluster, profile_dir, f"extender-{nodes}-nodes-{run_id}") if mode in WITH_EXTENDER
+                else None)
     cpu_before = _cpu_snapshot(cluster)
-    before = _extender_counters(cluster) if mode == "extender" else ExtenderCounters()
+    before = _extender_counters(cluster) if mode in WITH_EXTENDER else ExtenderCounters()
     next_index = iter(range(len(bodies)))
     lock = threading.Lock()
     failures: list[str] = []
@@ -287,7 +296,7 @@ def run_trial(  # noqa: C901
     if precreate:
         create_took_s = created_s - start_s
         start_s = time.monotonic()
-        cluster.start_scheduler(with_extender=(mode == "extender"))
+        cluster.start_scheduler(with_extender=(mode in WITH_EXTENDER))
         created_s = start_s + create_took_s  # reported as the creation time
     if not all_bound.wait(timeout_s):
         raise RuntimeError(
@@ -296,7 +305,7 @@ def run_trial(  # noqa: C901
             f"kube-scheduler log:\n{cluster.log_tail('kube-scheduler')}\nextender log:\n{cluster.log_tail('extender')}"
         )
     cpu_after = _cpu_snapshot(cluster)
-    after = _extender_counters(cluster) if mode == "extender" else ExtenderCounters()
+    after = _extender_counters(cluster) if mode in WITH_EXTENDER else ExtenderCounters()
     _stop_profiler(profiler)
     last_s = max(bound_at.values())
     total_s = last_s - start_s
@@ -330,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="nvidia.com/gpumem of the extender trial's pods (default %(default)s; 30000 puts two on "
                              "an 80 GB GPU, far fewer than kube-scheduler's own slot count allows)")
     parser.add_argument("--creators", type=int, default=16, help="concurrent pod-creating connections")
-    parser.add_argument("--modes", nargs="+", choices=("extender", "bare"), default=["extender", "bare"])
+    parser.add_argument("--modes", nargs="+", choices=("extender", "gang", "bare"), default=["extender", "bare"],
+                        help="gang: the extender trial's pods in gangs of 8 (Kueue pod groups)")
     parser.add_argument("--heartbeat-seconds", type=float, default=60.0,
                         help="node heartbeat interval (spread over the interval; default %(default)s)")
     parser.add_argument("--trial-timeout-seconds", type=float, default=TRIAL_TIMEOUT_S)
@@ -372,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
                 for mode in args.modes:
                     run_number += 1
                     if not args.precreate:  # with --precreate the trial starts kube-scheduler itself
-                        cluster.restart_scheduler(with_extender=(mode == "extender"))
+                        cluster.restart_scheduler(with_extender=(mode in WITH_EXTENDER))
                     load = os.getloadavg()[0]
                     trial = run_trial(cluster, nodes, mode, args.pods, args.creators, f"r{run_number}",
                                       args.profile, args.trial_timeout_seconds, args.precreate, args.gpumem_mib)
@@ -383,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
                     _progress(f"{nodes} nodes, {mode}: {trial.pods_per_s:.0f} pods/s ({trial.pods} pods in "
                               f"{trial.total_s:.2f} s, created in {trial.create_s:.2f} s; load before {load:.1f}; "
                               f"cpu s: {cpu}" + (f"; extender mean ms: {verbs}" if verbs else "")
-                              + (f"; failed binds: {trial.failed_binds}" if mode == "extender" else "") + ")")
+                              + (f"; failed binds: {trial.failed_binds}" if mode in WITH_EXTENDER else "") + ")")
                     _reset(cluster)
     finally:
         if args.keep:
@@ -404,6 +414,16 @@ def main(argv: list[str] | None = None) -> int:
         ext, bare = rates.get("extender"), rates.get("bare")
         ratio = f"{bare / ext:.1f}x" if ext and bare else "-"
         print(f"| {nodes} | {args.pods} | {ext or 0:.0f} | {bare or 0:.0f} | {ratio} |")
+    if "gang" in args.modes:
+        print(f"\n| nodes | pods | gangs of {GANG_SIZE} (pods/s) | same pods without gangs (pods/s) | gang / plain |")
+        print("|---|---|---|---|---|")
+        for nodes in sorted(args.nodes):
+            by_mode = {mode: [t.pods_per_s for t in trials if t.nodes == nodes and t.mode == mode]
+                       for mode in ("gang", "extender")}
+            gang_rate = statistics.median(by_mode["gang"]) if by_mode["gang"] else 0.0
+            plain = statistics.median(by_mode["extender"]) if by_mode["extender"] else 0.0
+            share = f"{gang_rate / plain:.2f}" if plain else "-"
+            print(f"| {nodes} | {args.pods} | {gang_rate:.0f} | {plain:.0f} | {share} |")
     print(f"\nreference (published, 500 nodes): trivial Go extender ~{REFERENCE['go_extender_pods_per_s']:.0f} pods/s, "
           f"bare ~{REFERENCE['bare_pods_per_s']:.0f} pods/s (9x); target with our extender at 500 nodes: "
           f">= {TARGET_PODS_PER_S:.0f} pods/s")

@@ -72,3 +72,17 @@ def test_two_gangs_racing_for_six_gpus_end_one_whole_and_one_waiting(
     bound_b = [n for n in names(b) if n in outcome.bound]
     assert sorted([len(bound_a), len(bound_b)]) == [0, 4], outcome.describe()
     assert_no_overcommit(dev_cluster)
+
+
+def test_the_extender_killed_among_a_gangs_binds_leaves_no_half_gang_and_no_overcommit(
+    dev_cluster: DevCluster, e2e_namespace: str, gpu_nodes: Callable[..., NodeSet]
+) -> None:
+    nodes = gpu_nodes(4, gpus=1)
+    train = gang("crash", 4, nodes)
+    create_pods(dev_cluster.api, e2e_namespace, train)
+    # kill it as soon as the first member is bound (or later: whenever the poll notices)
+    wait_for_pods(dev_cluster.api, e2e_namespace, names(train)[:1], timeout_s=WAIT_S)
+    dev_cluster.restart_extender(crash=True)
+    outcome = wait_for_pods(dev_cluster.api, e2e_namespace, names(train), timeout_s=WAIT_S)
+    assert sorted(outcome.bound.values()) == sorted(nodes.names), outcome.describe()  # the rest planned again, bound
+    assert_no_overcommit(dev_cluster)
