@@ -35,9 +35,10 @@ Fixtures (for everyone adding e2e tests here; mark tests with ``@pytest.mark.e2e
     the namespace itself (the namespace controller deletes what else is left in it, e.g. Jobs and Deployments, in the
     background). The webhook mutates pods in every namespace but kube-system and kube-vgpu.
 
-``gpu_nodes`` -> factory ``gpu_nodes(count, gpus=8, model=..., memory_mib=..., topology=...) -> NodeSet``:
+``gpu_nodes`` -> factory ``gpu_nodes(count, gpus=8, model=..., memory_mib=..., topology=..., kwok=True) -> NodeSet``:
     nodes only this test's pods can land on (a unique label; ``NodeSet.selector`` is the nodeSelector to put on
-    the pods), deleted after the test. Tests on shared nodes would see each other's pods.
+    the pods), deleted after the test. Tests on shared nodes would see each other's pods. ``kwok=False``: KWOK
+    leaves the nodes' pods alone (they stay Pending once bound), for a test that plays their kubelet itself.
 
 The cluster's own nodes (``BASE_NODE_GROUPS``) are there for tests that just need somewhere to schedule.
 Set KUBE_VGPU_E2E_KEEP=1 to leave the cluster running after the session (its state dir is printed).
@@ -135,6 +136,7 @@ def gpu_nodes(dev_cluster: DevCluster, request: pytest.FixtureRequest) -> Iterat
         model: str = "NVIDIA A100-SXM4-80GB",
         memory_mib: int = 81920,
         topology: str = "nvswitch",
+        kwok: bool = True,
     ) -> NodeSet:
         number = next(_counter)
         value = f"{_slug(request.node.name, 30)}-{number}"
@@ -146,6 +148,7 @@ def gpu_nodes(dev_cluster: DevCluster, request: pytest.FixtureRequest) -> Iterat
             topology=topology,
             prefix=f"e2e-{number}",
             labels=((NODE_GROUP_LABEL, value),),
+            kwok=kwok,
         )
         names = dev_cluster.add_nodes(group)
         created.extend(names)

@@ -121,6 +121,9 @@ class NodeGroup:
     prefix: str = "gpu-node"
     labels: tuple[tuple[str, str], ...] = ()
     first_index: int = 0
+    #: With ClusterOptions.lifecycle, KWOK plays these nodes' kubelets (runs and finishes their pods). False for
+    #: nodes whose kubelet is something else, e.g. a test's kubelet stand-in driving the real device plugin.
+    kwok: bool = True
 
     def names(self) -> list[str]:
         return [f"{self.prefix}-{index}" for index in range(self.first_index, self.first_index + self.count)]
@@ -639,7 +642,7 @@ class DevCluster:
         for name in group.names():
             inventory = synth_inventory(name, group.gpus, group.model, group.memory_mib, group.topology)
             obj = node_object(name, inventory, extra_labels=dict(group.labels))
-            if self.options.lifecycle:  # KWOK plays this node's kubelet (it never writes the node's metadata)
+            if self.options.lifecycle and group.kwok:  # KWOK plays its kubelet (it never writes node metadata)
                 obj["metadata"].setdefault("annotations", {})[lifecycle_module.NODE_ANNOTATION] = (
                     lifecycle_module.NODE_ANNOTATION_VALUE
                 )
