@@ -18,8 +18,10 @@ import pytest
 from kube_vgpu.dev.devcluster import binaries
 from kube_vgpu.dev.devcluster.binaries import (
     BINARY_NAMES,
+    CORE_BINARY_NAMES,
     ETCD_VERSION,
     KUBERNETES_VERSION,
+    KWOK_VERSION,
     BinaryBuildError,
     GoNotFoundError,
     PrebuiltBinariesError,
@@ -37,8 +39,11 @@ def _write_executable(path: Path, text: str = STUB_SCRIPT) -> Path:
 
 
 def _write_stamp(keys: dict[str, str]) -> None:
-    stamp = {"binaries": {name: {"key": key} for name, key in keys.items()}}
-    binaries.stamp_path().write_text(json.dumps(stamp))
+    """Stamp files of both cache homes (each lists the binaries kept there)."""
+    for home in (binaries.cache_dir(), binaries.kwok_cache_dir()):
+        mine = {name: {"key": key} for name, key in keys.items() if binaries.home_of(name) == home}
+        binaries.stamp_path(home).parent.mkdir(parents=True, exist_ok=True)
+        binaries.stamp_path(home).write_text(json.dumps({"binaries": mine}))
 
 
 @pytest.fixture
@@ -56,7 +61,7 @@ def no_go_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def cached(no_go_env: Path) -> Path:
     """A cache holding stub executables of every binary and a stamp with the current build keys."""
     for name in BINARY_NAMES:
-        _write_executable(binaries.bin_dir() / name)
+        _write_executable(binaries.binary_path(name))
     _write_stamp(binaries.build_keys())
     return binaries.bin_dir()
 
@@ -66,19 +71,41 @@ def test_cache_dir_is_keyed_by_kubernetes_version(no_go_env: Path, tmp_path: Pat
     assert binaries.bin_dir() == binaries.cache_dir() / "bin"
 
 
+def test_kwok_has_its_own_versioned_cache_dir(no_go_env: Path, tmp_path: Path) -> None:
+    assert binaries.kwok_cache_dir() == tmp_path / "cache" / "kube-vgpu" / f"kwok-{KWOK_VERSION}"
+    assert binaries.binary_path("kwok") == binaries.kwok_cache_dir() / "bin" / "kwok"
+    assert binaries.binary_path("kube-controller-manager") == binaries.bin_dir() / "kube-controller-manager"
+
+
 def test_build_keys_name_versions_of_every_binary() -> None:
     keys = binaries.build_keys()
-    assert set(keys) == set(BINARY_NAMES) == {"etcd", "kube-apiserver", "kube-scheduler", "kubectl"}
+    assert set(keys) == set(BINARY_NAMES) == {
+        "etcd", "kube-apiserver", "kube-scheduler", "kubectl", "kube-controller-manager", "kwok"
+    }
     assert ETCD_VERSION in keys["etcd"]
-    for name in ("kube-apiserver", "kube-scheduler", "kubectl"):
+    for name in ("kube-apiserver", "kube-scheduler", "kubectl", "kube-controller-manager"):
         assert f"k8s.io/kubernetes@{KUBERNETES_VERSION}" in keys[name]
+    assert f"sigs.k8s.io/kwok@{KWOK_VERSION}" in keys["kwok"]
 
 
 def test_cached_binaries_are_returned_without_go(cached: Path) -> None:
     messages: list[str] = []
     paths = ensure_binaries(progress=messages.append)
-    assert paths == {name: cached / name for name in BINARY_NAMES}
+    assert paths == {name: binaries.binary_path(name) for name in BINARY_NAMES}
+    assert paths["kubectl"] == cached / "kubectl"
     assert messages == []  # nothing was (re)built, nothing to report
+
+
+def test_only_the_binaries_asked_for_are_needed(cached: Path) -> None:
+    # a cluster without lifecycle needs neither kube-controller-manager nor kwok: a stale kwok is not built then
+    binaries.binary_path("kwok").unlink()
+    assert ensure_binaries(progress=lambda _message: None, names=CORE_BINARY_NAMES) == {
+        name: cached / name for name in CORE_BINARY_NAMES
+    }
+    with pytest.raises(GoNotFoundError):
+        ensure_binaries(progress=lambda _message: None)
+    with pytest.raises(binaries.BinariesError, match="unknown binaries kubelet"):
+        ensure_binaries(progress=lambda _message: None, names=("kubelet",))
 
 
 def test_stamp_with_other_etcd_version_triggers_rebuild_of_etcd_only(cached: Path) -> None:
@@ -101,7 +128,7 @@ def test_missing_or_non_executable_binary_is_stale(cached: Path) -> None:
 def test_missing_or_corrupt_stamp_means_everything_is_rebuilt(cached: Path, stamp_text: str) -> None:
     binaries.stamp_path().write_text(stamp_text)
     stamp = binaries.read_stamp(binaries.stamp_path())
-    assert binaries.stale_binaries(cached, stamp) == list(BINARY_NAMES)
+    assert binaries.stale_binaries(cached, stamp) == list(CORE_BINARY_NAMES)
     binaries.stamp_path().unlink()
     assert binaries.read_stamp(binaries.stamp_path()) == {}
 
@@ -126,8 +153,10 @@ def test_bin_dir_env_missing_binary_is_a_clear_error(
         _write_executable(prebuilt / name)
     (prebuilt / "kubectl").write_text("not executable")
     monkeypatch.setenv(binaries.BIN_DIR_ENV, str(prebuilt))
-    with pytest.raises(PrebuiltBinariesError, match=r"lacks executable kubectl"):
+    with pytest.raises(PrebuiltBinariesError, match=r"lacks executable kubectl, kube-controller-manager, kwok"):
         ensure_binaries(progress=lambda _message: None)
+    _write_executable(prebuilt / "kubectl")
+    assert set(ensure_binaries(progress=lambda _message: None, names=CORE_BINARY_NAMES)) == set(CORE_BINARY_NAMES)
 
 
 def test_empty_cache_without_go_says_how_to_install_it(no_go_env: Path) -> None:
@@ -205,13 +234,20 @@ elif args[:3] == ["mod", "download", "-json"]:
     (state / "k8s.mod").write_text("replace (\\n\\tk8s.io/api => ./staging/src/k8s.io/api\\n)\\n")
     (state / "k8s.info").write_text(json.dumps({{"Version": "v1.34.4", "Time": "2026-02-10T12:53:36Z"}}))
     print(json.dumps({{"GoMod": str(state / "k8s.mod"), "Info": str(state / "k8s.info")}}))
-elif args[0] == "build":
-    out = Path(args[args.index("-o") + 1])
+elif args[0] in ("build", "install"):
+    if args[0] == "build":
+        out = Path(args[args.index("-o") + 1])
+        module = Path("go.mod").read_text().splitlines()[0]
+    else:  # go install pkg@version: no module of ours, the binary lands in $GOBIN
+        out = Path(os.environ["GOBIN"]) / args[-1].split("@")[0].rsplit("/", 1)[-1]
+        out.parent.mkdir(parents=True, exist_ok=True)
+        module = "install " + args[-1].split("@")[1]
     with (state / "builds.log").open("a") as log:
-        log.write(f"{{os.getpid()}} {{args[-1]}} {{Path('go.mod').read_text().splitlines()[0]}}\\n")
+        log.write(f"{{os.getpid()}} {{args[-1].split('@')[0]}} {{module}}\\n")
     time.sleep(0.5)  # long enough for a concurrent caller to find the lock taken
     out.write_text(
         "#!/bin/sh\\necho 'etcd Version: 3.6.5'; echo 'Kubernetes v1.34.4'; echo 'Client Version: v1.34.4'\\n"
+        "echo 'kwok version v0.7.0 (go1.26.0)'\\n"
     )
     out.chmod(0o755)
 else:
@@ -234,24 +270,30 @@ def test_build_records_stamp_and_second_call_does_not_rebuild(fake_go: Path) -> 
     _write_executable(binaries.cache_dir() / "work" / "kubernetes-killed" / "go.mod", "module x\n")
     messages: list[str] = []
     paths = ensure_binaries(progress=messages.append)
-    assert paths == {name: binaries.bin_dir() / name for name in BINARY_NAMES}
+    assert paths == {name: binaries.binary_path(name) for name in BINARY_NAMES}
     log_lines = fake_go.read_text().splitlines()
-    # Each binary is built from its own throw-away module.
+    # Etcd and Kubernetes are built from throw-away modules of their own; kwok is `go install`ed as released.
     assert [line.split()[2:] for line in log_lines] == [["module", "kube-vgpu.local/build/etcd"]] + [
         ["module", "kube-vgpu.local/build/kubernetes"]
-    ] * 3
+    ] * 4 + [["install", KWOK_VERSION]]
     built = [line.split()[1] for line in log_lines]
     assert built == [
         "go.etcd.io/etcd/server/v3",
         "k8s.io/kubernetes/cmd/kube-apiserver",
         "k8s.io/kubernetes/cmd/kube-scheduler",
         "k8s.io/kubernetes/cmd/kubectl",
+        "k8s.io/kubernetes/cmd/kube-controller-manager",
+        "sigs.k8s.io/kwok/cmd/kwok",
     ]
-    assert binaries.read_stamp(binaries.stamp_path()) == binaries.build_keys()
+    keys = binaries.build_keys()
+    assert binaries.read_stamp(binaries.stamp_path()) == {name: keys[name] for name in keys if name != "kwok"}
+    assert binaries.read_stamp(binaries.stamp_path(binaries.kwok_cache_dir())) == {"kwok": keys["kwok"]}
     assert any("kube-apiserver" in message and "done in" in message for message in messages)
     # Only the final names are left: no partial outputs, no throw-away modules.
-    assert sorted(os.listdir(binaries.bin_dir())) == sorted(BINARY_NAMES)
-    assert list((binaries.cache_dir() / "work").iterdir()) == []
+    assert sorted(os.listdir(binaries.bin_dir())) == sorted(set(BINARY_NAMES) - {"kwok"})
+    assert os.listdir(binaries.bin_dir(binaries.kwok_cache_dir())) == ["kwok"]
+    for home in (binaries.cache_dir(), binaries.kwok_cache_dir()):
+        assert list((home / "work").iterdir()) == []
 
     ensure_binaries(progress=messages.append)
     assert len(fake_go.read_text().splitlines()) == len(BINARY_NAMES)
@@ -276,5 +318,7 @@ def test_concurrent_callers_build_each_binary_once(fake_go: Path) -> None:
             "k8s.io/kubernetes/cmd/kube-apiserver",
             "k8s.io/kubernetes/cmd/kube-scheduler",
             "k8s.io/kubernetes/cmd/kubectl",
+            "k8s.io/kubernetes/cmd/kube-controller-manager",
+            "sigs.k8s.io/kwok/cmd/kwok",
         ]
     )

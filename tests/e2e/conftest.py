@@ -3,8 +3,11 @@
 It is a real etcd, kube-apiserver (TLS, --authorization-mode=Node,RBAC, MutatingAdmissionWebhook), our webhook
 (registered by URL through a MutatingWebhookConfiguration with its CA bundle), our extender in live mode, and
 kube-scheduler running the manifests' KubeSchedulerConfiguration; see kube_vgpu/devcluster/cluster.py and
-docs/dev-cluster.md. Nodes are API objects carrying the device plugin's inventory annotation (no kubelet: pods are
-scheduled and bound, never run). The first run builds the Kubernetes binaries (cached afterwards).
+docs/dev-cluster.md. Nodes are API objects carrying the device plugin's inventory annotation. With lifecycle on
+(as here), kube-controller-manager runs the Job, ReplicaSet, Deployment, garbage-collector, disruption and namespace
+controllers, and KWOK plays the nodes' kubelets: a bound pod becomes Running, a pod annotated with
+kube_vgpu.dev.devcluster.lifecycle.RUN_SECONDS_ANNOTATION (restartPolicy Never/OnFailure) Succeeds that many seconds
+later, a deleted pod goes away. The first run builds the binaries (cached afterwards).
 
 Fixtures (for everyone adding e2e tests here; mark tests with ``@pytest.mark.e2e``):
 
@@ -30,13 +33,14 @@ Fixtures (for everyone adding e2e tests here; mark tests with ``@pytest.mark.e2e
     Leave the cluster as you found it: delete your pods and nodes, restart what you stopped (a component a test
     leaves stopped is started again after it, and the test fails, so the next tests are not affected).
 
-``e2e_namespace`` -> str: a fresh namespace for this test; its pods are deleted afterwards (grace period 0).
-    Namespaces themselves stay: no kube-controller-manager runs, so a deleted namespace would never finish
-    terminating. The webhook mutates pods in every namespace but kube-system and kube-vgpu.
+``e2e_namespace`` -> str: a fresh namespace for this test; its pods are deleted afterwards (grace period 0), then
+    the namespace itself (the namespace controller deletes what else is left in it, e.g. Jobs and Deployments, in the
+    background). The webhook mutates pods in every namespace but kube-system and kube-vgpu.
 
-``gpu_nodes`` -> factory ``gpu_nodes(count, gpus=8, model=..., memory_mib=..., topology=...) -> NodeSet``:
+``gpu_nodes`` -> factory ``gpu_nodes(count, gpus=8, model=..., memory_mib=..., topology=..., kwok=True) -> NodeSet``:
     nodes only this test's pods can land on (a unique label; ``NodeSet.selector`` is the nodeSelector to put on
-    the pods), deleted after the test. Tests on shared nodes would see each other's pods.
+    the pods), deleted after the test. Tests on shared nodes would see each other's pods. ``kwok=False``: KWOK
+    leaves the nodes' pods alone (they stay Pending once bound), for a test that plays their kubelet itself.
 
 The cluster's own nodes (``BASE_NODE_GROUPS``) are there for tests that just need somewhere to schedule.
 Set KUBE_VGPU_E2E_KEEP=1 to leave the cluster running after the session (its state dir is printed).
@@ -79,6 +83,7 @@ def dev_cluster() -> Iterator[DevCluster]:
         state_dir=state_dir,
         node_groups=BASE_NODE_GROUPS,
         die_with_parent=not keep,
+        lifecycle=True,
         progress=lambda message: print(f"[dev-cluster] {message}", file=sys.stderr, flush=True),
     )
     try:
@@ -107,6 +112,9 @@ def e2e_namespace(dev_cluster: DevCluster, request: pytest.FixtureRequest) -> It
     yield name
     delete_pods(dev_cluster.api, name)
     wait_until_gone(dev_cluster.api, name, timeout_s=30)
+    if dev_cluster.options.lifecycle:  # a controller (Deployment, Job) may recreate pods: the namespace goes too
+        with contextlib.suppress(ApiException):
+            dev_cluster.core.delete_namespace(name, _preload_content=False)
 
 
 @dataclass(frozen=True)
@@ -130,6 +138,7 @@ def gpu_nodes(dev_cluster: DevCluster, request: pytest.FixtureRequest) -> Iterat
         model: str = "NVIDIA A100-SXM4-80GB",
         memory_mib: int = 81920,
         topology: str = "nvswitch",
+        kwok: bool = True,
     ) -> NodeSet:
         number = next(_counter)
         value = f"{_slug(request.node.name, 30)}-{number}"
@@ -141,6 +150,7 @@ def gpu_nodes(dev_cluster: DevCluster, request: pytest.FixtureRequest) -> Iterat
             topology=topology,
             prefix=f"e2e-{number}",
             labels=((NODE_GROUP_LABEL, value),),
+            kwok=kwok,
         )
         names = dev_cluster.add_nodes(group)
         created.extend(names)

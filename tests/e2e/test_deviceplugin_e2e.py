@@ -27,7 +27,8 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture
 def plugin_node(dev_cluster: DevCluster, gpu_nodes: Any) -> Iterator[tuple[Any, KubeletStandIn]]:
-    nodes = gpu_nodes(1, gpus=4, model="Tesla T4", memory_mib=15360, topology="pcie")
+    # the kubelet stand-in below is this node's kubelet (Allocate runs for pods still Pending): not KWOK
+    nodes = gpu_nodes(1, gpus=4, model="Tesla T4", memory_mib=15360, topology="pcie", kwok=False)
     (node_name,) = nodes.names
     directory = Path(tempfile.mkdtemp(prefix="kvdp-e2e-", dir="/tmp"))  # unix socket paths must stay short
     kubelet = KubeletStandIn(directory / "device-plugins")

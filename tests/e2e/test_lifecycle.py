@@ -125,8 +125,8 @@ def test_cli_up_detaches_refuses_a_second_up_and_down_stops_exactly_what_up_star
         kubeconfig = state_dir / "kubeconfig"
         assert f"export KUBECONFIG={kubeconfig}" in started.stdout
         # `up` has exited; its processes live on
-        assert {r.name for r in records} == {"etcd", "kube-apiserver", "webhook", "extender", "kube-scheduler",
-                                            "heartbeat"}
+        assert {r.name for r in records} == {"etcd", "kube-apiserver", "kube-controller-manager", "webhook",
+                                            "extender", "kube-scheduler", "heartbeat", "kwok"}
         assert all(is_running(record) for record in records)
         kubectl = ensure_binaries(progress=lambda message: None)["kubectl"]
         nodes = subprocess.run(

@@ -1,15 +1,18 @@
 """Build (once) and locate the Kubernetes control-plane binaries the dev cluster and the end-to-end tests run.
 
-The binaries (etcd, kube-apiserver, kube-scheduler, kubectl) are compiled with the machine's Go from the official
-Go modules, so nothing but a Go toolchain and the Go module proxy is needed:
+The binaries (etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, and KWOK's kwok) are compiled
+with the machine's Go from the official Go modules, so nothing but a Go toolchain and the Go module proxy is needed:
 
 * Kubernetes: a throw-away module requires ``k8s.io/kubernetes`` and ``replace``s every staging module
   (``k8s.io/api``, ``k8s.io/client-go``, ...; upstream's go.mod points them at ``./staging/src/...``, which a
   dependency cannot use) with the matching published ``v0.x.y`` release.
 * etcd: a throw-away module requires ``go.etcd.io/etcd/server/v3``, whose root package is etcd's ``main``.
+* kwok (sigs.k8s.io/kwok, pod and node lifecycle without kubelets): ``go install sigs.k8s.io/kwok/cmd/kwok@<version>``,
+  which builds with KWOK's own go.mod and go.sum as released.
 
-Results are cached under ``${XDG_CACHE_HOME:-~/.cache}/kube-vgpu/k8s-<version>/bin`` with a stamp file recording
-what each binary was built from, so later calls return at once. ``KUBE_VGPU_BIN_DIR`` points at prebuilt binaries
+Results are cached under ``${XDG_CACHE_HOME:-~/.cache}/kube-vgpu/k8s-<version>/bin`` (Kubernetes and etcd) and
+``.../kube-vgpu/kwok-<version>/bin`` (kwok, versioned on its own), each with a stamp file recording what each binary
+was built from and a build lock, so later calls return at once. ``KUBE_VGPU_BIN_DIR`` points at prebuilt binaries
 instead (nothing is built then).
 
 Run ``python -m kube_vgpu.dev.devcluster.binaries`` to build and print the paths.
@@ -29,7 +32,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,13 +43,19 @@ KUBERNETES_STAGING_VERSION = "v0.34.4"
 ETCD_VERSION = "v3.6.5"
 # k8s.io/kubernetes v1.34 and etcd v3.6 both declare `go 1.24`.
 MIN_GO_VERSION = (1, 24)
+# KWOK (kubelet-less pod/node lifecycle); v0.7.0 declares `go 1.24` too and supports Kubernetes 1.34.
+KWOK_VERSION = "v0.7.0"
 # Bump whenever the build recipe (flags, ldflags, module template) changes, so existing caches are rebuilt.
 RECIPE_VERSION = 1
 
 BIN_DIR_ENV = "KUBE_VGPU_BIN_DIR"
 # Optional override of `go build -p`; the default keeps a 2-core / 24 GiB machine from swapping while linking.
 BUILD_PARALLELISM_ENV = "KUBE_VGPU_GO_BUILD_PARALLELISM"
-BINARY_NAMES: tuple[str, ...] = ("etcd", "kube-apiserver", "kube-scheduler", "kubectl")
+#: The control plane every dev cluster runs.
+CORE_BINARY_NAMES: tuple[str, ...] = ("etcd", "kube-apiserver", "kube-scheduler", "kubectl")
+#: What ClusterOptions.lifecycle adds: Jobs/Deployments create pods, KWOK runs and finishes them.
+LIFECYCLE_BINARY_NAMES: tuple[str, ...] = ("kube-controller-manager", "kwok")
+BINARY_NAMES: tuple[str, ...] = CORE_BINARY_NAMES + LIFECYCLE_BINARY_NAMES
 
 HEARTBEAT_INTERVAL_S = 30.0
 OUTPUT_TAIL_LINES = 40
@@ -56,7 +65,7 @@ _GO_INSTALL_HELP = (
     "The Kubernetes binaries are built from source with Go >= {min_go}. Install it from https://go.dev/doc/install "
     "(a tarball from https://go.dev/dl/ unpacked into /usr/local, then add /usr/local/go/bin to PATH; or the "
     "distribution's golang package if it is new enough), or set {env} to a directory that already holds etcd, "
-    "kube-apiserver, kube-scheduler and kubectl."
+    "kube-apiserver, kube-scheduler, kubectl, kube-controller-manager and kwok."
 )
 
 # Template of the throw-away module for the Kubernetes binaries; {replaces} is filled from upstream's go.mod.
@@ -103,7 +112,7 @@ class PrebuiltBinariesError(BinariesError):
 @dataclass(frozen=True)
 class _Target:
     name: str
-    source: str  # "kubernetes" or "etcd": which throw-away module builds it
+    source: str  # "kubernetes", "etcd" (throw-away modules) or "kwok" (go install of KWOK's own module)
     package: str
     version_args: tuple[str, ...]
     version_text: str  # must appear in the output of `<binary> <version_args>`
@@ -132,8 +141,18 @@ _TARGETS: tuple[_Target, ...] = (
         ("version", "--client"),
         f"Client Version: {KUBERNETES_VERSION}",
     ),
+    _Target(
+        "kube-controller-manager",
+        "kubernetes",
+        "k8s.io/kubernetes/cmd/kube-controller-manager",
+        ("--version",),
+        f"Kubernetes {KUBERNETES_VERSION}",
+    ),
+    # kwok's version is a constant of its source (pkg/consts.Version), printed as "kwok version v0.7.0 ...".
+    _Target("kwok", "kwok", "sigs.k8s.io/kwok/cmd/kwok", ("--version",), KWOK_VERSION[1:]),
 )
 assert tuple(t.name for t in _TARGETS) == BINARY_NAMES
+_TARGETS_BY_NAME = {target.name: target for target in _TARGETS}
 
 ProgressFn = Callable[[str], object]
 
@@ -143,18 +162,36 @@ ProgressFn = Callable[[str], object]
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _cache_root() -> Path:
+    xdg_cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg_cache) / "kube-vgpu"
+
+
 def cache_dir() -> Path:
     """Root of this Kubernetes version's cache (read from the environment on every call, for tests)."""
-    xdg_cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg_cache) / "kube-vgpu" / f"k8s-{KUBERNETES_VERSION}"
+    return _cache_root() / f"k8s-{KUBERNETES_VERSION}"
 
 
-def bin_dir() -> Path:
-    return cache_dir() / "bin"
+def kwok_cache_dir() -> Path:
+    """Root of this KWOK version's cache: its own versioned directory, so a Kubernetes bump does not rebuild it."""
+    return _cache_root() / f"kwok-{KWOK_VERSION}"
 
 
-def stamp_path() -> Path:
-    return cache_dir() / "stamp.json"
+def home_of(name: str) -> Path:
+    """The cache root (bin/, stamp.json, build.lock) a binary belongs to."""
+    return kwok_cache_dir() if _TARGETS_BY_NAME[name].source == "kwok" else cache_dir()
+
+
+def bin_dir(home: Path | None = None) -> Path:
+    return (home or cache_dir()) / "bin"
+
+
+def stamp_path(home: Path | None = None) -> Path:
+    return (home or cache_dir()) / "stamp.json"
+
+
+def binary_path(name: str) -> Path:
+    return bin_dir(home_of(name)) / name
 
 
 def build_keys() -> dict[str, str]:
@@ -163,6 +200,8 @@ def build_keys() -> dict[str, str]:
     for target in _TARGETS:
         if target.source == "etcd":
             source = f"go.etcd.io/etcd/server/v3@{ETCD_VERSION}"
+        elif target.source == "kwok":
+            source = f"sigs.k8s.io/kwok@{KWOK_VERSION}"
         else:
             source = f"k8s.io/kubernetes@{KUBERNETES_VERSION}"
         keys[target.name] = f"{source} recipe={RECIPE_VERSION}"
@@ -194,8 +233,11 @@ def _record_built(path: Path, name: str, key: str, go_version: str, build_s: flo
     except (OSError, ValueError):
         data = {}
     data.setdefault("binaries", {})[name] = {"key": key, "go_version": go_version, "build_s": round(build_s, 1)}
-    data["kubernetes_version"] = KUBERNETES_VERSION
-    data["etcd_version"] = ETCD_VERSION
+    if _TARGETS_BY_NAME[name].source == "kwok":
+        data["kwok_version"] = KWOK_VERSION
+    else:
+        data["kubernetes_version"] = KUBERNETES_VERSION
+        data["etcd_version"] = ETCD_VERSION
     _atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
@@ -210,12 +252,11 @@ def _is_executable_file(path: Path) -> bool:
     return path.is_file() and os.access(path, os.X_OK)
 
 
-def stale_binaries(directory: Path, stamp: Mapping[str, str]) -> list[str]:
-    """Names that must be (re)built: missing, not executable, or stamped with another version/recipe."""
+def stale_binaries(directory: Path, stamp: Mapping[str, str], names: Iterable[str] = CORE_BINARY_NAMES) -> list[str]:
+    """Of `names` (kept in `directory`), those that must be (re)built: missing, not executable, or stamped with
+    another version/recipe."""
     expected = build_keys()
-    return [
-        name for name in BINARY_NAMES if not _is_executable_file(directory / name) or stamp.get(name) != expected[name]
-    ]
+    return [name for name in names if not _is_executable_file(directory / name) or stamp.get(name) != expected[name]]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -223,40 +264,45 @@ def stale_binaries(directory: Path, stamp: Mapping[str, str]) -> list[str]:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def ensure_binaries(progress: ProgressFn = print) -> dict[str, Path]:
-    """Return the paths of etcd, kube-apiserver, kube-scheduler and kubectl, building what is not cached yet.
+def ensure_binaries(progress: ProgressFn = print, names: Iterable[str] = BINARY_NAMES) -> dict[str, Path]:
+    """Return the paths of the binaries named (default: all of BINARY_NAMES), building what is not cached yet.
 
     The first build takes many minutes (progress is reported through ``progress``); later calls only stat files.
     """
+    wanted = [name for name in BINARY_NAMES if name in set(names)]
+    unknown = sorted(set(names) - set(BINARY_NAMES))
+    if unknown:
+        raise BinariesError(f"unknown binaries {', '.join(unknown)} (known: {', '.join(BINARY_NAMES)})")
     override = os.environ.get(BIN_DIR_ENV)
     if override:
-        return _prebuilt_binaries(Path(override))
+        return _prebuilt_binaries(Path(override), wanted)
 
-    directory = bin_dir()
-    paths = {name: directory / name for name in BINARY_NAMES}
-    if not stale_binaries(directory, read_stamp(stamp_path())):
-        return paths
-
-    go = _find_go()
-    go_version = _go_version(go)
-    root = cache_dir()
-    root.mkdir(parents=True, exist_ok=True)
-    with _exclusive_lock(root / "build.lock", progress):
-        # Another process may have built some or all of them while we waited for the lock.
-        todo = stale_binaries(directory, read_stamp(stamp_path()))
-        if todo:
-            _build(go, go_version, todo, progress)
+    paths = {name: binary_path(name) for name in wanted}
+    homes = list(dict.fromkeys(home_of(name) for name in wanted))  # k8s first, then kwok
+    for home in homes:
+        group = [name for name in wanted if home_of(name) == home]
+        directory = bin_dir(home)
+        if not stale_binaries(directory, read_stamp(stamp_path(home)), group):
+            continue
+        go = _find_go()
+        go_version = _go_version(go)
+        home.mkdir(parents=True, exist_ok=True)
+        with _exclusive_lock(home / "build.lock", progress):
+            # Another process may have built some or all of them while we waited for the lock.
+            todo = stale_binaries(directory, read_stamp(stamp_path(home)), group)
+            if todo:
+                _build(go, go_version, home, todo, progress)
     return paths
 
 
-def _prebuilt_binaries(directory: Path) -> dict[str, Path]:
-    paths = {name: directory / name for name in BINARY_NAMES}
+def _prebuilt_binaries(directory: Path, names: Sequence[str]) -> dict[str, Path]:
+    paths = {name: directory / name for name in names}
     missing = [name for name, path in paths.items() if not _is_executable_file(path)]
     if missing:
         raise PrebuiltBinariesError(
             f"{BIN_DIR_ENV}={directory} lacks executable {', '.join(missing)}; it must hold "
-            f"{', '.join(BINARY_NAMES)} (Kubernetes {KUBERNETES_VERSION}, etcd {ETCD_VERSION} recommended). "
-            f"Unset {BIN_DIR_ENV} to have them built from source with Go."
+            f"{', '.join(names)} (Kubernetes {KUBERNETES_VERSION}, etcd {ETCD_VERSION}, kwok {KWOK_VERSION} "
+            f"recommended). Unset {BIN_DIR_ENV} to have them built from source with Go."
         )
     return paths
 
@@ -346,9 +392,8 @@ def _exclusive_lock(path: Path, progress: ProgressFn) -> Iterator[None]:
             fcntl.flock(lock_file, fcntl.LOCK_UN)
 
 
-def _build(go: str, go_version: str, names: list[str], progress: ProgressFn) -> None:
-    root = cache_dir()
-    directory = bin_dir()
+def _build(go: str, go_version: str, root: Path, names: list[str], progress: ProgressFn) -> None:
+    directory = bin_dir(root)
     directory.mkdir(parents=True, exist_ok=True)
     # We hold the lock, so partial outputs and module directories left here are from killed builds.
     for leftover in directory.glob(".*.partial-*"):
@@ -359,16 +404,25 @@ def _build(go: str, go_version: str, names: list[str], progress: ProgressFn) -> 
     targets = [t for t in _TARGETS if t.name in names]
     keys = build_keys()
     total_start_s = time.monotonic()
-    progress(
-        f"building {', '.join(names)} (Kubernetes {KUBERNETES_VERSION}, etcd {ETCD_VERSION}) with {go_version} "
-        f"into {directory}; the first build takes a while"
+    versions = f"kwok {KWOK_VERSION}" if root == kwok_cache_dir() else (
+        f"Kubernetes {KUBERNETES_VERSION}, etcd {ETCD_VERSION}"
     )
-    for source in ("etcd", "kubernetes"):
+    progress(
+        f"building {', '.join(names)} ({versions}) with {go_version} into {directory}; the first build takes a while"
+    )
+    for source in ("etcd", "kubernetes", "kwok"):
         source_targets = [t for t in targets if t.source == source]
         if not source_targets:
             continue
         module_dir = Path(tempfile.mkdtemp(prefix=f"{source}-", dir=root / "work"))
         try:
+            if source == "kwok":
+                # `go install module/cmd@version` builds with KWOK's own go.mod and go.sum, as released (a
+                # throw-away module would re-resolve its dependencies); the directory only holds GOBIN.
+                for target in source_targets:
+                    build_s = _build_one(go, module_dir, target, "-s -w", directory, progress)
+                    _record_built(stamp_path(root), target.name, keys[target.name], go_version, build_s)
+                continue
             if source == "etcd":
                 go_mod = _ETCD_GO_MOD.format(etcd_version=ETCD_VERSION)
                 ldflags = "-s -w"
@@ -380,7 +434,7 @@ def _build(go: str, go_version: str, names: list[str], progress: ProgressFn) -> 
             (module_dir / "go.mod").write_text(go_mod)
             for target in source_targets:
                 build_s = _build_one(go, module_dir, target, ldflags, directory, progress)
-                _record_built(stamp_path(), target.name, keys[target.name], go_version, build_s)
+                _record_built(stamp_path(root), target.name, keys[target.name], go_version, build_s)
         finally:
             shutil.rmtree(module_dir, ignore_errors=True)
     progress(f"all binaries ready in {directory} after {time.monotonic() - total_start_s:.0f} s")
@@ -449,21 +503,29 @@ def _build_one(
     """Build one binary into a temporary name, check it runs, then rename it into place. Returns seconds taken."""
     final = directory / target.name
     partial = directory / f".{target.name}.partial-{os.getpid()}"
-    command = [
-        go,
-        "build",
+    flags = [
         "-v",  # one line per compiled package: the heartbeat counts them
         f"-p={_build_parallelism()}",
         "-trimpath",
         f"-ldflags={ldflags}",
-        "-o",
-        str(partial),
-        target.package,
     ]
+    env: dict[str, str] = {}
+    if target.source == "kwok":
+        # `go install` writes <GOBIN>/kwok; GOBIN is the (otherwise empty) throw-away directory.
+        gobin = module_dir / "bin"
+        command = [go, "install", *flags, f"{target.package}@{KWOK_VERSION}"]
+        env["GOBIN"] = str(gobin)
+        verb = "go install"
+    else:
+        gobin = None
+        command = [go, "build", *flags, "-o", str(partial), target.package]
+        verb = "go build"
     start_s = time.monotonic()
-    progress(f"[{target.name}] go build {target.package}")
+    progress(f"[{target.name}] {verb} {command[-1]}")
     try:
-        _run_go_streaming(command, module_dir, target.name, progress)
+        _run_go_streaming(command, module_dir, target.name, progress, env)
+        if gobin is not None:
+            os.replace(gobin / Path(target.package).name, partial)
         _check_version(partial, target)
         os.replace(partial, final)
     finally:
@@ -483,7 +545,9 @@ class _OutputState:
     last_package: str = ""
 
 
-def _run_go_streaming(command: list[str], cwd: Path, label: str, progress: ProgressFn) -> None:
+def _run_go_streaming(
+    command: list[str], cwd: Path, label: str, progress: ProgressFn, extra_env: Mapping[str, str] | None = None
+) -> None:
     """Run go, condensing its output into a heartbeat line every HEARTBEAT_INTERVAL_S; raise with the tail on error."""
     tail: deque[str] = deque(maxlen=OUTPUT_TAIL_LINES)
     state = _OutputState()
@@ -492,7 +556,7 @@ def _run_go_streaming(command: list[str], cwd: Path, label: str, progress: Progr
     with subprocess.Popen(
         command,
         cwd=cwd,
-        env=_go_env(),
+        env={**_go_env(), **(extra_env or {})},
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -1,7 +1,7 @@
 """`kube-vgpu dev-cluster up|down`: a local control plane with simulated GPU nodes.
 
     kube-vgpu dev-cluster up [--nodes N] [--gpus-per-node G] [--gpu-model NAME] [--gpu-memory-mib M]
-                             [--topology nvswitch|nvlink-pairs|pcie] [--state-dir DIR]
+                             [--topology nvswitch|nvlink-pairs|pcie] [--no-lifecycle] [--state-dir DIR]
     kube-vgpu dev-cluster down [--state-dir DIR]
 
 `up` starts everything detached (each process in its own session), prints the kubeconfig path and an
@@ -43,6 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     start.add_argument("--topology", choices=TOPOLOGIES, default="nvswitch", help="default: %(default)s")
     start.add_argument("--no-webhook", action="store_true", help="do not run or register the admission webhook")
     start.add_argument(
+        "--no-lifecycle", action="store_true",
+        help="run neither kube-controller-manager nor KWOK: no controller creates pods, bound pods stay Pending",
+    )
+    start.add_argument(
         "--heartbeat-seconds", type=float, default=DEFAULT_HEARTBEAT_INTERVAL_S, help="default: %(default)s"
     )
     start.add_argument("--extender-arg", action="append", default=[], metavar="ARG",
@@ -78,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
         state_dir=state_dir,
         node_groups=(group,),
         webhook=not args.no_webhook,
+        lifecycle=not args.no_lifecycle,
         extender_args=tuple(args.extender_arg),
         heartbeat_interval_s=args.heartbeat_seconds,
         progress=_progress,

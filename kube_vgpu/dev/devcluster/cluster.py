@@ -1,5 +1,7 @@
 """A real local control plane with simulated GPU nodes: etcd, kube-apiserver, our webhook, our extender,
-kube-scheduler (the manifests' KubeSchedulerConfiguration) and a node heartbeat, all on 127.0.0.1 and free ports.
+kube-scheduler (the manifests' KubeSchedulerConfiguration) and a node heartbeat, all on 127.0.0.1 and free ports;
+with ClusterOptions.lifecycle also kube-controller-manager (Jobs, Deployments, garbage collection, ...) and KWOK,
+which runs the bound pods in place of kubelets and finishes them when asked (see lifecycle.py).
 
     cluster = up(ClusterOptions(state_dir=..., node_groups=(NodeGroup(count=4),)))
     ...                      # cluster.kubeconfig, cluster.api_client(), cluster.restart_extender(), ...
@@ -20,6 +22,10 @@ Identities (--authorization-mode=Node,RBAC; the RBAC objects are the ones manife
                               the device plugin's ClusterRole: one process stands in for every node's device plugin,
                               which the device plugin's own identity may not (its admission policies hold it to one
                               node)
+  webhook                     ServiceAccount token of kube-vgpu/kube-vgpu-webhook (reads GPU pods' owners)
+  kube-controller-manager     client cert of system:kube-controller-manager (the API server's default RBAC), each
+                              controller under its own kube-system ServiceAccount (--use-service-account-credentials)
+  kwok                        ServiceAccount token of kube-system/kwok (lifecycle.kwok_rbac_documents)
 The webhook trusts the extender's and the device plugin's ServiceAccounts to write kube-vgpu.io/ pod annotations
 (webhook.registration), and the manifests' ValidatingAdmissionPolicies (webhook.policies) are in force.
 """
@@ -48,6 +54,7 @@ from urllib.parse import urlsplit, urlunsplit
 import orjson
 import yaml
 
+from kube_vgpu.dev.devcluster import lifecycle as lifecycle_module
 from kube_vgpu.dev.devcluster import pki as pki_module
 from kube_vgpu.dev.devcluster.processes import ProcessRecord, is_running, kill, log_tail, spawn, stop
 from kube_vgpu.dev.fixtures import node_object, synth_inventory
@@ -90,8 +97,18 @@ DEFAULT_READY_TIMEOUT_S = 90.0
 NODE_REGISTRATION_THREADS = 8
 NOT_READY_TAINT = "node.kubernetes.io/not-ready"
 
-# Start order; stop runs the reverse.
-COMPONENTS = ("etcd", "kube-apiserver", "webhook", "extender", "kube-scheduler", "heartbeat")
+#: kube-controller-manager's client rate limits (defaults 20 QPS / 30 burst, the setting of every controller's
+#: client): a Job or ReplicaSet of many pods would otherwise be created at 20 pods/s.
+DEFAULT_CONTROLLER_MANAGER_QPS = 200.0
+DEFAULT_CONTROLLER_MANAGER_BURST = 400
+KWOK_NAMESPACE = "kube-system"
+
+# Start order; stop runs the reverse. kube-controller-manager and kwok run only with ClusterOptions.lifecycle.
+COMPONENTS = (
+    "etcd", "kube-apiserver", "kube-controller-manager", "webhook", "extender", "kube-scheduler", "heartbeat", "kwok"
+)
+#: Components start_component can start again on their own (etcd and kube-apiserver hold the cluster's state).
+RESTARTABLE = ("kube-controller-manager", "webhook", "extender", "kube-scheduler", "heartbeat", "kwok")
 
 ProgressFn = Callable[[str], object]
 
@@ -118,6 +135,9 @@ class NodeGroup:
     prefix: str = "gpu-node"
     labels: tuple[tuple[str, str], ...] = ()
     first_index: int = 0
+    #: With ClusterOptions.lifecycle, KWOK plays these nodes' kubelets (runs and finishes their pods). False for
+    #: nodes whose kubelet is something else, e.g. a test's kubelet stand-in driving the real device plugin.
+    kwok: bool = True
 
     def names(self) -> list[str]:
         return [f"{self.prefix}-{index}" for index in range(self.first_index, self.first_index + self.count)]
@@ -128,6 +148,11 @@ class ClusterOptions:
     state_dir: Path
     node_groups: tuple[NodeGroup, ...] = (NodeGroup(count=4),)
     webhook: bool = True
+    #: Pods really run and finish: kube-controller-manager (Jobs, ReplicaSets, Deployments, garbage collector,
+    #: PodDisruptionBudgets, namespaces) and KWOK (bound pods become Running; pods annotated with
+    #: lifecycle.RUN_SECONDS_ANNOTATION succeed after that many seconds). Off: pods are bound and stay Pending, and
+    #: no controller creates pods (the benchmarks' setting, so their numbers stay comparable).
+    lifecycle: bool = False
     #: False: kube-scheduler runs the same configuration without the extenders block (nvidia.com/gpu is then a
     #: plain extended resource); for the throughput comparison.
     extender: bool = True
@@ -142,7 +167,8 @@ class ClusterOptions:
     die_with_parent: bool = False
     #: component -> port, instead of a free one (tests of the "port taken" path)
     ports: tuple[tuple[str, int], ...] = ()
-    #: name -> path of etcd/kube-apiserver/kube-scheduler/kubectl; None: binaries.ensure_binaries()
+    #: name -> path of etcd/kube-apiserver/kube-scheduler/kubectl (and kube-controller-manager/kwok with
+    #: lifecycle); None: binaries.ensure_binaries()
     binaries: tuple[tuple[str, str], ...] | None = None
     progress: ProgressFn = field(default=print, compare=False)
 
@@ -298,6 +324,9 @@ class DevCluster:
         self.device_plugin_kubeconfig = self.state_dir / "device-plugin.kubeconfig"
         self.webhook_kubeconfig = self.state_dir / "webhook.kubeconfig"
         self.heartbeat_kubeconfig = self.state_dir / "heartbeat.kubeconfig"
+        self.controller_manager_kubeconfig = self.state_dir / "kube-controller-manager.kubeconfig"
+        self.kwok_kubeconfig = self.state_dir / "kwok.kubeconfig"
+        self.kwok_config_path = self.state_dir / "kwok-stages.yaml"
         self.scheduler_config_path = self.state_dir / "kube-scheduler-config.yaml"
         self.nodes_file = self.state_dir / NODES_FILE
         self.ports: dict[str, int] = {}
@@ -305,6 +334,7 @@ class DevCluster:
         self._popens: dict[str, Any] = {}
         self._lock = threading.RLock()
         self._argv: dict[str, list[str]] = {}
+        self._env: dict[str, dict[str, str] | None] = {}
         self._probes: dict[str, tuple[str, Callable[[], str | None]]] = {}
         self._api_client: Any = None
         self.nodes: list[str] = []
@@ -348,7 +378,10 @@ class DevCluster:
         self._prepare_state_dir()
         self._resolve_binaries()
         overrides = dict(self.options.ports)
-        for name in ("etcd", "etcd-peer", "kube-apiserver", "webhook", "extender", "kube-scheduler"):
+        names = ["etcd", "etcd-peer", "kube-apiserver", "webhook", "extender", "kube-scheduler"]
+        if self.options.lifecycle:
+            names += ["kube-controller-manager", "kwok"]
+        for name in names:
             port = overrides.get(name) or free_port()
             while port in self.ports.values():  # the kernel may hand out a just-released port again
                 port = free_port()
@@ -365,6 +398,9 @@ class DevCluster:
         self._start_etcd()
         self._start_apiserver()
         self._bootstrap_objects()
+        if self.options.lifecycle:
+            # Started now, waited for at the end: it needs nothing but the API server, and comes up meanwhile.
+            self._spawn_controller_manager()
         node_registration = ThreadPoolExecutor(max_workers=1, thread_name_prefix="register-nodes")
         try:
             # Nodes are registered while the Python components import their dependencies (seconds on 2 cores).
@@ -378,6 +414,9 @@ class DevCluster:
             node_registration.shutdown(wait=True)
         self._start_scheduler(with_extender=self.options.extender)
         self._start_heartbeat()
+        if self.options.lifecycle:
+            self._wait_controller_manager_ready()
+            self._start_kwok()
         self._progress(f"dev cluster ready in {time.monotonic() - start_s:.1f} s: {len(self.nodes)} GPU nodes")
 
     def _claim_state_dir(self) -> None:
@@ -402,10 +441,16 @@ class DevCluster:
         if self.options.binaries is not None:
             self.binaries = {name: Path(path) for name, path in self.options.binaries}
             return
-        from kube_vgpu.dev.devcluster.binaries import BinariesError, ensure_binaries
+        from kube_vgpu.dev.devcluster.binaries import (
+            CORE_BINARY_NAMES,
+            LIFECYCLE_BINARY_NAMES,
+            BinariesError,
+            ensure_binaries,
+        )
 
+        names = CORE_BINARY_NAMES + (LIFECYCLE_BINARY_NAMES if self.options.lifecycle else ())
         try:
-            self.binaries = ensure_binaries(progress=self._progress)
+            self.binaries = ensure_binaries(progress=self._progress, names=names)
         except BinariesError as exc:
             raise ComponentError("binaries", str(exc)) from None
 
@@ -427,6 +472,7 @@ class DevCluster:
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         with self._lock:
             self._argv[name] = argv
+            self._env[name] = env
             try:
                 record, process = spawn(
                     name,
@@ -534,8 +580,8 @@ class DevCluster:
             "--authorization-mode=Node,RBAC",
             # On by default in 1.34; listed so that no default change can switch our webhook or policies off unnoticed.
             "--enable-admission-plugins=MutatingAdmissionWebhook,ValidatingAdmissionPolicy,ValidatingAdmissionWebhook",
-            # No kube-controller-manager runs, so no namespace gets its `default` ServiceAccount, and this plugin
-            # would refuse every pod; nothing runs in the pods, they need no token.
+            # No serviceaccount controller runs (not even with lifecycle), so no namespace gets its `default`
+            # ServiceAccount, and this plugin would refuse every pod; nothing runs in the pods, they need no token.
             "--disable-admission-plugins=ServiceAccount",
             # The kubernetes Service's endpoints would be 127.0.0.1, which Endpoints validation refuses.
             "--endpoint-reconciler-type=none",
@@ -594,11 +640,26 @@ class DevCluster:
             (HEARTBEAT_SERVICE_ACCOUNT, self.heartbeat_kubeconfig),
         ):
             self.write_token_kubeconfig(account, path)
+        if self.options.lifecycle:
+            assert self.pki is not None
+            for document in lifecycle_module.kwok_rbac_documents(KWOK_NAMESPACE):
+                utils.create_from_dict(api, document)
+            self.write_token_kubeconfig(lifecycle_module.KWOK_SERVICE_ACCOUNT, self.kwok_kubeconfig,
+                                        namespace=KWOK_NAMESPACE)
+            pki_module.write_kubeconfig(
+                self.controller_manager_kubeconfig,
+                pki_module.kubeconfig_document(
+                    self.server, self.pki.ca_cert, pki_module.CONTROLLER_MANAGER_USER,
+                    client=self.pki.controller_manager,
+                ),
+            )
         self._wait_for_admission_policies()
 
-    def write_token_kubeconfig(self, account: str, path: Path, bound_to: dict[str, str] | None = None) -> None:
-        """Write a kubeconfig with a TokenRequest token of the account in the kube-vgpu namespace, bound to
-        `bound_to` (an object reference: a Node, or a Pod, whose node the token then names too) if given."""
+    def write_token_kubeconfig(
+        self, account: str, path: Path, bound_to: dict[str, str] | None = None, *, namespace: str = NAMESPACE
+    ) -> None:
+        """Write a kubeconfig with a TokenRequest token of the account (in the kube-vgpu namespace unless said),
+        bound to `bound_to` (an object reference: a Node, or a Pod, whose node the token then names too) if given."""
         from kubernetes import client
 
         assert self.pki is not None
@@ -608,12 +669,12 @@ class DevCluster:
             spec["boundObjectRef"] = bound_to
         response = core.create_namespaced_service_account_token(
             account,
-            NAMESPACE,
+            namespace,
             {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec},
             _preload_content=False,
         )
         token = orjson.loads(response.data)["status"]["token"]
-        user = f"system:serviceaccount:{NAMESPACE}:{account}"
+        user = f"system:serviceaccount:{namespace}:{account}"
         pki_module.write_kubeconfig(
             path, pki_module.kubeconfig_document(self.server, self.pki.ca_cert, user, token=token)
         )
@@ -678,7 +739,12 @@ class DevCluster:
         objects = []
         for name in group.names():
             inventory = synth_inventory(name, group.gpus, group.model, group.memory_mib, group.topology)
-            objects.append(node_object(name, inventory, extra_labels=dict(group.labels)))
+            obj = node_object(name, inventory, extra_labels=dict(group.labels))
+            if self.options.lifecycle and group.kwok:  # KWOK plays its kubelet (it never writes node metadata)
+                obj["metadata"].setdefault("annotations", {})[lifecycle_module.NODE_ANNOTATION] = (
+                    lifecycle_module.NODE_ANNOTATION_VALUE
+                )
+            objects.append(obj)
 
         def register(obj: dict[str, Any]) -> None:
             status = obj.pop("status")
@@ -692,7 +758,8 @@ class DevCluster:
             # status is ignored on create: it has its own subresource
             core.patch_node_status(name, {"status": status}, _preload_content=False)
             # The TaintNodesByCondition admission plugin taints every new node not-ready:NoSchedule; the node
-            # lifecycle controller lifts it once the node reports Ready. No controller-manager runs: we lift it.
+            # lifecycle controller lifts it once the node reports Ready. It does not run here (not even in
+            # kube-controller-manager with lifecycle): we lift it.
             taints = (created.get("spec") or {}).get("taints") or []
             kept = [taint for taint in taints if taint.get("key") != NOT_READY_TAINT]
             if len(kept) != len(taints):
@@ -813,6 +880,58 @@ class DevCluster:
         url = f"https://127.0.0.1:{self.ports['kube-scheduler']}/readyz"
         self._wait_ready("kube-scheduler", url, lambda: _probe(url, context, _ok_200))
 
+    def _spawn_controller_manager(self) -> None:
+        assert self.pki is not None
+        kubeconfig = self.controller_manager_kubeconfig
+        argv = [
+            self._binary("kube-controller-manager"),
+            f"--kubeconfig={kubeconfig}",
+            # as kubeadm: delegated authn/authz of its own endpoints (/healthz is always open)
+            f"--authentication-kubeconfig={kubeconfig}",
+            f"--authorization-kubeconfig={kubeconfig}",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={self.ports['kube-controller-manager']}",
+            f"--tls-cert-file={self.pki.serving.cert}",
+            f"--tls-private-key-file={self.pki.serving.key}",
+            f"--controllers={','.join(lifecycle_module.CONTROLLERS)}",
+            # Each controller runs as its own ServiceAccount in kube-system (job-controller, ...), with the API
+            # server's bootstrap role of that controller; the certificate's user only creates those accounts and
+            # their tokens (the system:kube-controller-manager role).
+            "--use-service-account-credentials=true",
+            "--leader-elect=false",
+            f"--kube-api-qps={DEFAULT_CONTROLLER_MANAGER_QPS:g}",
+            f"--kube-api-burst={DEFAULT_CONTROLLER_MANAGER_BURST}",
+            "--profiling=false",
+        ]
+        self._spawn("kube-controller-manager", argv)
+
+    def _wait_controller_manager_ready(self) -> None:
+        assert self.pki is not None
+        context = _tls_context(self.pki.ca_cert, None)
+        url = f"https://127.0.0.1:{self.ports['kube-controller-manager']}/healthz"
+        self._wait_ready("kube-controller-manager", url, lambda: _probe(url, context, _ok_200))
+
+    def _start_kwok(self) -> None:
+        self.kwok_config_path.write_text(yaml.safe_dump_all(lifecycle_module.kwok_stages(), sort_keys=False))
+        selector = f"{lifecycle_module.NODE_ANNOTATION}={lifecycle_module.NODE_ANNOTATION_VALUE}"
+        argv = [
+            self._binary("kwok"),
+            f"--kubeconfig={self.kwok_kubeconfig}",
+            f"--config={self.kwok_config_path}",
+            "--manage-all-nodes=false",
+            f"--manage-nodes-with-annotation-selector={selector}",
+            # no node leases: nothing reads them (no node lifecycle controller), and they would be writes per node
+            "--node-lease-duration-seconds=0",
+            f"--cidr={lifecycle_module.KWOK_POD_CIDR}",
+            f"--server-address=127.0.0.1:{self.ports['kwok']}",
+        ]
+        # KWOK also reads $KWOK_WORKDIR/kwok.yaml (default ~/.kwok): point it at an empty directory of ours.
+        env = dict(os.environ)
+        env["KWOK_WORKDIR"] = str(self.state_dir / "kwok")
+        self._spawn("kwok", argv, env=env)
+        url = f"http://127.0.0.1:{self.ports['kwok']}/healthz"
+        self._wait_ready("kwok", url, lambda: _probe(url, None, _ok_200))
+
     def _start_heartbeat(self) -> None:
         ready_file = self.state_dir / "heartbeat.ready"
         ready_file.unlink(missing_ok=True)
@@ -847,9 +966,9 @@ class DevCluster:
 
     def start_component(self, name: str) -> None:
         """Start a stopped component again, with the same command line (same port, certificates, arguments), and
-        wait until it is ready the way start-up did. For webhook, extender, kube-scheduler and heartbeat; etcd and
-        kube-apiserver hold the cluster's state and are not restartable here."""
-        if name not in ("webhook", "extender", "kube-scheduler", "heartbeat"):
+        wait until it is ready the way start-up did. For the components in RESTARTABLE; etcd and kube-apiserver
+        hold the cluster's state and are not restartable here."""
+        if name not in RESTARTABLE:
             raise DevClusterError(f"{name} cannot be restarted on its own")
         with self._lock:
             if name not in self._argv:
@@ -858,8 +977,7 @@ class DevCluster:
                 raise DevClusterError(f"{name} is already running")
             if name == "heartbeat":
                 (self.state_dir / "heartbeat.ready").unlink(missing_ok=True)
-            python = name in ("webhook", "extender", "heartbeat")
-            self._spawn(name, self._argv[name], env=self._python_env() if python else None)
+            self._spawn(name, self._argv[name], env=self._env.get(name))
         what, probe = self._probes[name]
         self._wait_ready(name, what, probe)
 
@@ -935,6 +1053,7 @@ class DevCluster:
             "ports": self.ports,
             "extender": self.options.extender,
             "webhook": self.options.webhook,
+            "lifecycle": self.options.lifecycle,
             "processes": [record.to_json() for record in self.records.values()],
         }
         path = self.state_dir / STATE_FILE

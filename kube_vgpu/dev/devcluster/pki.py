@@ -3,7 +3,8 @@
 One CA (webhook.certs.ensure_ca_and_serving_cert, the same code the webhook's self-signed mode uses) signs:
 
 * the serving certificate of kube-apiserver and etcd (localhost, 127.0.0.1);
-* client certificates: the admin (group system:masters) and kube-apiserver's client of etcd.
+* client certificates: the admin (group system:masters), kube-apiserver's client of etcd, and
+  kube-controller-manager (user system:kube-controller-manager, which the API server's default RBAC knows).
 
 The service-account signing key pair (ECDSA P-256, ES256 tokens) lets the API server issue ServiceAccount tokens
 (TokenRequest), so kube-scheduler, the extender and the heartbeat authenticate as the kube-vgpu ServiceAccounts
@@ -36,6 +37,8 @@ SERVING_IPS = ("127.0.0.1",)
 ADMIN_USER = "kube-vgpu-dev-admin"
 ADMIN_GROUP = "system:masters"
 ETCD_CLIENT_USER = "kube-apiserver-etcd-client"
+#: The user the API server's bootstrap RBAC binds to the system:kube-controller-manager ClusterRole.
+CONTROLLER_MANAGER_USER = "system:kube-controller-manager"
 CLUSTER_NAME = "kube-vgpu-dev"
 
 
@@ -54,6 +57,7 @@ class Pki:
     etcd_serving: ClientCert  # server and client usage, for 127.0.0.1 and localhost
     service_account_key: Path  # private (the API server signs tokens with it)
     service_account_public_key: Path  # public (the API server verifies tokens with it)
+    controller_manager: ClientCert  # system:kube-controller-manager, no groups
 
     @property
     def ca_cert(self) -> Path:
@@ -71,7 +75,10 @@ def ensure_pki(directory: Path) -> Pki:
     # etcd's own gRPC gateway dials etcd with the serving cert as a client cert: it needs both usages.
     etcd_serving = _issue_client_cert(directory, "etcd-server", ca_cert, ca_key, "etcd", (), serving=True)
     sa_key, sa_pub = _ensure_service_account_keys(directory)
-    return Pki(directory, serving, admin, etcd_client, etcd_serving, sa_key, sa_pub)
+    controller_manager = _issue_client_cert(
+        directory, "kube-controller-manager", ca_cert, ca_key, CONTROLLER_MANAGER_USER, ()
+    )
+    return Pki(directory, serving, admin, etcd_client, etcd_serving, sa_key, sa_pub, controller_manager)
 
 
 def _issue_client_cert(
