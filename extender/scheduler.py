@@ -400,6 +400,9 @@ class Scheduler:
             return ""
         state = self.state
         placement_request = self._placement_request(pod, request, node_policy, gpu_policy)
+        # the nodes' cached results of this request shape serve here too (a gang's members usually share one)
+        cacheable = node_policy.cacheable and gpu_policy.cacheable
+        key = self._cache_key(placement_request, node_policy, gpu_policy)
         used_nodes = set(gang.plan.values()) | {m.bound_to for m in gang.members.values() if m.bound_to}
         feasible = gang.members[uid].feasible
         best: tuple[tuple[bool, float, str], NodeState, Placement] | None = None
@@ -413,7 +416,11 @@ class Scheduler:
                 pod, node.labels, node.name
             ):
                 continue
-            result = place(node, placement_request, gpu_policy, node_policy)
+            result = node.fit_cache.get(key) if cacheable else None
+            if result is None:
+                result = place(node, placement_request, gpu_policy, node_policy)
+                if cacheable:
+                    node.fit_cache[key] = result
             if isinstance(result, FitFailure):
                 continue
             if any(gate.check(pod, request, node) for gate in self.gates):
