@@ -17,7 +17,8 @@ from kubernetes.client.rest import ApiException
 
 from kube_vgpu import protocol
 from kube_vgpu.dev.devcluster.cluster import DevCluster
-from kube_vgpu.dev.devcluster.workload import create_pods, gpu_pod, wait_for_pods
+from kube_vgpu.dev.devcluster.lifecycle import run_seconds_annotation
+from kube_vgpu.dev.devcluster.workload import create_pods, gpu_pod, list_pods, wait_for_pods
 from tests.e2e.checks import assert_no_overcommit
 
 pytestmark = pytest.mark.e2e
@@ -126,4 +127,38 @@ def test_team_beyond_budget_waits_with_our_reason_then_runs(
     dev_cluster.core.delete_namespaced_pod("job-0", e2e_namespace, grace_period_seconds=0, _preload_content=False)
     after = wait_for_pods(dev_cluster.api, e2e_namespace, ["job-2"], timeout_s=90)
     assert "job-2" in after.bound, after.describe()
+    assert_no_overcommit(dev_cluster)
+
+
+def test_a_jobs_queue_label_counts_its_pods_and_finished_pods_give_the_quota_back(
+    dev_cluster: DevCluster, e2e_namespace: str, team_budget: Any
+) -> None:
+    """Issue 13: the queue label on the Job (as every Kueue example writes it), not on its pods. The Job controller
+    creates the pods, the webhook gives them the Job's queue, the extender admits 2 of the 3 against the 2-GPU budget
+    (the third waits with our reason), KWOK runs them, and when the first two succeed their quota comes back and the
+    third is placed."""
+    batch = client.BatchV1Api(dev_cluster.api)
+    container = gpu_pod("x", memory_mib=1000, node_selector=team_budget.selector)["spec"]
+    job = {"apiVersion": "batch/v1", "kind": "Job",
+           "metadata": {"name": "train", "labels": {protocol.LABEL_KUEUE_QUEUE_NAME: "team"}},
+           "spec": {"parallelism": 3, "completions": 3, "backoffLimit": 0,
+                    "template": {"metadata": {"annotations": run_seconds_annotation(20)},
+                                 "spec": {**container, "restartPolicy": "Never"}}}}
+    batch.create_namespaced_job(e2e_namespace, job, _preload_content=False)
+    selector = "batch.kubernetes.io/job-name=train"
+
+    def pods() -> list[dict[str, Any]]:
+        return list_pods(dev_cluster.api, e2e_namespace, label_selector=selector)
+
+    deadline = time.monotonic() + 90
+    while len([p for p in pods() if p["spec"].get("nodeName")]) < 2 or len(pods()) < 3:
+        assert time.monotonic() < deadline, [p["spec"].get("nodeName") for p in pods()]
+        time.sleep(0.25)
+    assert all(p["metadata"]["labels"][protocol.LABEL_KUEUE_QUEUE_NAME] == "team" for p in pods())
+    (waiting,) = [p["metadata"]["name"] for p in pods() if not p["spec"].get("nodeName")]
+    refused = wait_for_pods(dev_cluster.api, e2e_namespace, [waiting], timeout_s=60, expect_refused=[waiting])
+    assert e2e_namespace in refused.refused.get(waiting, "") or waiting in refused.bound, refused.describe()
+    # the first two succeed after 20 s (KWOK): their quota comes back and the third is placed
+    placed = wait_for_pods(dev_cluster.api, e2e_namespace, [waiting], timeout_s=120)
+    assert waiting in placed.bound, placed.describe() + dev_cluster.log_tail("extender")
     assert_no_overcommit(dev_cluster)
