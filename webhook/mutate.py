@@ -30,6 +30,7 @@ from kube_vgpu.protocol import (
     ENV_SHARED_CACHE,
     ENV_SM_LIMIT,
     GPU_RESOURCES,
+    LABEL_KUEUE_QUEUE_NAME,
     POD_ADMITTED_ANNOTATION,
     RESOURCE_GPU,
     ContainerGpuRequest,
@@ -279,18 +280,29 @@ def admit_create(
     decision = mutate_gpu_pod(pod, request, config)
     if owners is not None:
         try:
-            _patch_inherited_labels(decision, pod, owners, namespace or str(pod["metadata"].get("namespace") or ""))
+            refusal = _patch_inherited_labels(
+                decision, pod, owners, namespace or str(pod["metadata"].get("namespace") or "")
+            )
         except OwnerLookupError as exc:
             return _deny(503, str(exc))
+        if refusal:
+            return _deny(403, refusal)
     return decision
 
 
-def _patch_inherited_labels(decision: Decision, pod: dict[str, Any], owners: OwnerResolver, namespace: str) -> None:
-    """The queue (and Kueue priority class) of the pod's owners, stamped on the pod (webhook/owners.py)."""
+def _patch_inherited_labels(
+    decision: Decision, pod: dict[str, Any], owners: OwnerResolver, namespace: str
+) -> str | None:
+    """The queue (and Kueue priority class) of the pod's owners, stamped on the pod (webhook/owners.py); a refusal
+    when the queue an owner names does not exist."""
     metadata = pod.get("metadata") or {}
     labels = metadata.get("labels") or {}
     inherited = owners.inherited(namespace, labels, owner_refs_of(pod))
     decision.warnings.extend(inherited.warnings)
+    queue = inherited.labels.get(LABEL_KUEUE_QUEUE_NAME)
+    if queue and owners.local_queue_exists(namespace, queue) is False:
+        return (f"the pod's owner {inherited.sources[LABEL_KUEUE_QUEUE_NAME]} names LocalQueue {namespace}/{queue} "
+                f"(label {LABEL_KUEUE_QUEUE_NAME}), which does not exist: create it or fix the label")
     if inherited.labels:
         if not labels:
             _set(decision.patch, metadata, "labels", "/metadata/labels", dict(inherited.labels))
@@ -300,6 +312,7 @@ def _patch_inherited_labels(decision: Decision, pod: dict[str, Any], owners: Own
     # after the admission mark's patch, which creates metadata.annotations when the pod had none
     for key, value in inherited.annotations.items():
         decision.patch.append({"op": "add", "path": _pointer("metadata", "annotations", key), "value": value})
+    return None
 
 
 def _gpu_containers(

@@ -57,6 +57,14 @@ class OwnerLookupError(Exception):
     """An owner could not be read; the pod is refused (admitting it without its queue would escape quota)."""
 
 
+class NotServed(Exception):
+    """The API server does not serve that resource (e.g. Kueue's CRDs are not installed)."""
+
+
+#: Kueue's LocalQueue, read to check that a queue inherited from an owner exists
+LOCAL_QUEUES = ("kueue.x-k8s.io", "v1beta1", "localqueues")
+
+
 @dataclass(frozen=True, slots=True)
 class Inherited:
     labels: dict[str, str]
@@ -102,6 +110,26 @@ class OwnerResolver:
         with self._lock:
             self._cache[key] = obj
         return obj
+
+    def local_queue_exists(self, namespace: str, name: str) -> bool | None:
+        """Whether LocalQueue namespace/name exists; None when LocalQueues are not served (quota from a file, or no
+        Kueue objects at all: the extender then judges the queue). Raises OwnerLookupError."""
+        group, version, plural = LOCAL_QUEUES
+        key = (group, plural, namespace, name)
+        with self._lock:
+            if key in self._cache:
+                cached = self._cache[key]
+                return None if cached is _NOT_SERVED else cached is not None
+        try:
+            obj: Mapping[str, Any] | None = self.fetch(group, version, plural, namespace, name)
+        except NotServed:
+            obj = _NOT_SERVED
+        except Exception as exc:
+            raise OwnerLookupError(f"cannot read LocalQueue {namespace}/{name} ({exc}); the pod is refused so that "
+                                   "its controller retries") from None
+        with self._lock:
+            self._cache[key] = obj
+        return None if obj is _NOT_SERVED else obj is not None
 
     def inherited(self, namespace: str, labels: Mapping[str, str], owner_refs: Any) -> Inherited:
         """The INHERITED_LABELS the pod lacks, from the nearest controller owner carrying each."""
@@ -161,7 +189,14 @@ def api_fetch(api_client: Any, timeout_s: float = DEFAULT_DEADLINE_S) -> Fetch:
             timeout=urllib3.Timeout(connect=timeout_s, read=timeout_s),
         )
         if response.status == 404:
-            return None
+            # an object that does not exist names itself in the Status's details; a resource not served does not
+            try:
+                details = (orjson.loads(response.data) or {}).get("details") or {}
+            except orjson.JSONDecodeError:
+                details = {}
+            if details.get("name"):
+                return None
+            raise NotServed(f"{group}/{version} {plural} is not served")
         if not 200 <= response.status < 300:
             raise RuntimeError(f"HTTP {response.status}: {response.data[:200].decode(errors='replace')}")
         doc = orjson.loads(response.data)
@@ -170,6 +205,9 @@ def api_fetch(api_client: Any, timeout_s: float = DEFAULT_DEADLINE_S) -> Fetch:
         return doc
 
     return fetch
+
+
+_NOT_SERVED: Mapping[str, Any] = {"notServed": True}  # cache marker
 
 
 def owner_refs_of(pod: Mapping[str, Any]) -> Sequence[Any]:

@@ -3,6 +3,7 @@ webhook outage does (GPU pods refused: they must not escape their limits; other 
 
 from __future__ import annotations
 
+import contextlib
 import ssl
 import time
 import urllib.request
@@ -42,10 +43,56 @@ def test_created_gpu_pod_comes_back_mutated(dev_cluster: DevCluster, e2e_namespa
     assert limits["requests"][protocol.RESOURCE_GPU] == limits["limits"][protocol.RESOURCE_GPU] == "2"
 
 
-def test_a_jobs_gpu_pods_get_the_jobs_queue(dev_cluster: DevCluster, e2e_namespace: str) -> None:
+def _suspended_job(cluster: DevCluster, namespace: str, name: str, labels: dict[str, str]) -> dict[str, Any]:
+    job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name, "labels": labels},
+           "spec": {"suspend": True,  # no controller acts on it: the test creates the pods the Job would
+                    "template": {"spec": {"restartPolicy": "Never",
+                                          "containers": [{"name": "main", "image": "registry.k8s.io/pause:3.10"}]}}}}
+    created: dict[str, Any] = orjson.loads(
+        client.BatchV1Api(cluster.api).create_namespaced_job(namespace, job, _preload_content=False).data)
+    return created
+
+
+def _pod_of(job: dict[str, Any], name: str) -> dict[str, Any]:
+    pod = gpu_pod(name, memory_mib=1024)
+    pod["metadata"]["ownerReferences"] = [{"apiVersion": "batch/v1", "kind": "Job", "name": job["metadata"]["name"],
+                                           "uid": job["metadata"]["uid"], "controller": True}]
+    return pod
+
+
+def _local_queue(cluster: DevCluster, namespace: str, name: str) -> None:
+    """LocalQueues served (Kueue's CRDs, as test_quota_e2e installs them) and one of this name."""
+    from tests.e2e.test_quota_e2e import KINDS, crd
+
+    extensions: Any = client.ApiextensionsV1Api(cluster.api)
+    for kind, (plural, namespaced) in KINDS.items():
+        with contextlib.suppress(ApiException):  # already there
+            extensions.create_custom_resource_definition(crd(kind, plural, namespaced), _preload_content=False)
+    custom: Any = client.CustomObjectsApi(cluster.api)
+    local = {"apiVersion": f"{protocol.KUEUE_API_GROUP}/v1beta1", "kind": "LocalQueue", "metadata": {"name": name},
+             "spec": {"clusterQueue": "any"}}
+    deadline = time.monotonic() + 60
+    while True:  # until the CRD is established
+        try:
+            custom.create_namespaced_custom_object(protocol.KUEUE_API_GROUP, "v1beta1", namespace, "localqueues", local)
+            return
+        except ApiException:
+            assert time.monotonic() < deadline, "LocalQueue CRD never served"
+            time.sleep(0.2)
+
+
+def test_a_jobs_gpu_pods_get_the_jobs_queue_and_a_missing_queue_is_refused(
+    dev_cluster: DevCluster, e2e_namespace: str
+) -> None:
     """Issue 13 item 2 through the real API server: the webhook reads the owner Job (under the manifests' read-only
     RBAC) and stamps its kueue.x-k8s.io/queue-name and priority-class on a pod that lacks them; the admission mark
-    too, so the extender takes it."""
+    too, so the extender takes it. A Job naming a LocalQueue that does not exist has its pods refused."""
+    _local_queue(dev_cluster, e2e_namespace, "team-q")
+    missing = _suspended_job(dev_cluster, e2e_namespace, "typo", {protocol.LABEL_KUEUE_QUEUE_NAME: "team-qq"})
+    with pytest.raises(ApiException) as refused:
+        create(dev_cluster, e2e_namespace, _pod_of(missing, "typo-0"))
+    assert (f"the pod's owner Job {e2e_namespace}/typo names LocalQueue {e2e_namespace}/team-qq "
+            "(label kueue.x-k8s.io/queue-name), which does not exist") in str(refused.value.body)
     batch = client.BatchV1Api(dev_cluster.api)
     job = {"apiVersion": "batch/v1", "kind": "Job",
            "metadata": {"name": "train", "labels": {protocol.LABEL_KUEUE_QUEUE_NAME: "team-q",

@@ -49,7 +49,8 @@ INTENDED_ROLES: dict[tuple[str, str | None, str], dict[Grant, set[str]]] = {
     },
     # get on exactly the owner kinds webhook/owners.py follows
     ("ClusterRole", None, "kube-vgpu-webhook"): {
-        (group, plural, ""): {"get"} for (group, _kind), (_version, plural) in SUPPORTED_OWNERS.items()
+        **{(group, plural, ""): {"get"} for (group, _kind), (_version, plural) in SUPPORTED_OWNERS.items()},
+        ("kueue.x-k8s.io", "localqueues", ""): {"get"},
     },
     # the self-signed overlay only
     ("Role", NAMESPACE, "kube-vgpu-certs"): {

@@ -11,7 +11,7 @@ import pytest
 
 from kube_vgpu.webhook.config import WebhookConfig
 from kube_vgpu.webhook.mutate import Result
-from kube_vgpu.webhook.owners import OwnerResolver
+from kube_vgpu.webhook.owners import NotServed, OwnerResolver
 from tests.webhook.builders import apply_response, gpu_container, pod, run_review
 
 QUEUE, PRIORITY = "kueue.x-k8s.io/queue-name", "kueue.x-k8s.io/priority-class"
@@ -32,10 +32,13 @@ def obj(name: str, labels: dict[str, str] | None = None, owners: list[dict[str, 
 class Api:
     """Owner objects by (plural, name); counts the reads."""
 
-    def __init__(self, objects: Mapping[tuple[str, str], dict[str, Any]], fail: bool = False) -> None:
-        self.objects, self.fail, self.reads = dict(objects), fail, 0
+    def __init__(self, objects: Mapping[tuple[str, str], dict[str, Any]], fail: bool = False,
+                 queues_served: bool = False) -> None:
+        self.objects, self.fail, self.reads, self.queues_served = dict(objects), fail, 0, queues_served
 
     def __call__(self, group: str, version: str, plural: str, namespace: str, name: str) -> dict[str, Any] | None:
+        if plural == "localqueues" and not self.queues_served:
+            raise NotServed("kueue.x-k8s.io/v1beta1 localqueues is not served")
         self.reads += 1
         if self.fail:
             raise TimeoutError("no answer within 3 s")
@@ -165,3 +168,19 @@ def test_only_the_pods_own_job_makes_a_gang_and_the_queue_still_comes_from_above
     _, response = run_review(sent, WebhookConfig(), owners=OwnerResolver(api))
     mutated = apply_response(sent, response)
     assert mutated["metadata"]["labels"][QUEUE] == "q" and GROUP not in mutated["metadata"]["labels"]
+
+
+@pytest.mark.parametrize(("served", "queues", "allowed"), [
+    (True, {("localqueues", "q"): obj("q")}, True),
+    (True, {}, False),
+    (False, {}, True),  # no LocalQueues served (quota from a file): the extender judges the queue
+], ids=["exists", "missing", "not-served"])
+def test_a_queue_named_by_an_owner_must_exist(served: bool, queues: dict[Any, Any], allowed: bool) -> None:
+    api = Api({("jobs", "train"): obj("train", {QUEUE: "q"}), **queues}, queues_served=served)
+    outcome, response = run_review(gpu_pod_owned_by(ref("Job", "train")), WebhookConfig(), owners=OwnerResolver(api))
+    assert (outcome.result is Result.MUTATED) is allowed
+    if not allowed:
+        assert response["status"]["code"] == 403
+        assert response["status"]["message"] == (
+            "the pod's owner Job team-a/train names LocalQueue team-a/q (label kueue.x-k8s.io/queue-name), which does "
+            "not exist: create it or fix the label")
