@@ -87,7 +87,8 @@ def is_internal_annotation(key: str) -> bool:
 ENV_LD_PRELOAD = "LD_PRELOAD"
 #: HAMi-core switches that loosen or switch off the limiter (CUDA_DISABLE_CONTROL=true disables it,
 #: CUDA_OVERSUBSCRIBE lets memory exceed the limit, GPU_CORE_UTILIZATION_POLICY=disable drops the core limit);
-#: the webhook strips them from GPU containers so a pod's author cannot raise their own limits.
+#: the webhook strips them from GPU containers so a pod's spec cannot raise its limits (docs/security.md: what a
+#: process inside the container can still do).
 ENV_LIMITER_OVERRIDES = ("CUDA_DISABLE_CONTROL", "CUDA_OVERSUBSCRIBE", "GPU_CORE_UTILIZATION_POLICY")
 #: Where GPU nodes keep the limiter library (HAMi's location, so HAMi nodes work unchanged); mounted read-only
 #: into GPU containers at the same path.
