@@ -67,6 +67,8 @@ FAILURES: list[tuple[str, Any, ContainerGpuRequest, dict[str, Any], str, str, bo
      "needs 2 GPUs matching the UUID selectors, node has 1", "count", True),
     ("count-singular", two_t4(), container(memory_mib=10), {"selectors": GpuSelectors(use_types=("a100",))},
      "needs 1 GPU matching type a100, node has 0", "count", True),
+    ("memory-exactly-the-gpu-but-used", two_t4([(1, 0, 1), (1, 0, 1)]), container(memory_mib=16000), {},
+     "no GPU with 16000 MiB free (largest free 15999 MiB)", "memory", False),
     ("memory-per-gpu", two_t4(), container(memory_mib=16001), {},
      "needs 16001 MiB per GPU, largest GPU here has 16000 MiB", "memory", True),
     ("unhealthy", node_of(gpu(0, healthy=False), gpu(1, healthy=False)), container(memory_mib=10), {},
@@ -223,7 +225,7 @@ def test_init_and_app_containers_are_all_placed_in_any_order() -> None:
 
 
 def test_explain_failure_counts_the_pods_own_scratch() -> None:
-    node = node_of(gpu(0), gpu(1), used=[(0, 0, 0), (0, 0, 0)])
+    node = node_of(gpu(0), gpu(1), used=[(0, 0, 1), (0, 0, 0)])  # GPU 0: one vGPU of another pod, one of this pod
     ask = container(count=2, memory_mib=10, cores=100)
     scratch = scratch_with(2, vgpus=[1, 0], memory_mib=[4000, 0], cores=[40, 0])
     assert explain_failure(node, request(ask), ask, scratch, 1).reason == (

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from kube_vgpu import protocol
+from kube_vgpu import kubeapi, protocol
 from kube_vgpu.protocol import GpuSelectors, InvalidGpuRequest, parse_count_quantity, parse_pod_gpu_request
 
 WHOLE = "x must be a non-negative whole number, got "
@@ -48,11 +48,18 @@ def gpu_pod(limits: dict[str, Any], annotations: dict[str, Any] | None = None) -
 
 
 PREFIX = "container main: "
+LONGEST = "8Gi".rjust(kubeapi.MAX_QUANTITY_TEXT, "0")
 REQUESTS: list[tuple[dict[str, Any], str]] = [
     ({protocol.RESOURCE_GPU_MEMORY: "8Gi"},
      PREFIX + "nvidia.com/gpumem counts MiB, so it takes no Ki/Mi/Gi/Ti/Pi/Ei unit, got '8Gi'; for 8Gi write 8192"),
+    ({protocol.RESOURCE_GPU_MEMORY: "1Mi"},
+     PREFIX + "nvidia.com/gpumem counts MiB, so it takes no Ki/Mi/Gi/Ti/Pi/Ei unit, got '1Mi'; for 1Mi write 1"),
     ({protocol.RESOURCE_GPU_MEMORY: "1Ki"},
      PREFIX + "nvidia.com/gpumem counts MiB, so it takes no Ki/Mi/Gi/Ti/Pi/Ei unit, got '1Ki'"),
+    # the longest quantity text there is (kubeapi.MAX_QUANTITY_TEXT) still gets the unit hint
+    ({protocol.RESOURCE_GPU_MEMORY: LONGEST},
+     PREFIX + f"nvidia.com/gpumem counts MiB, so it takes no Ki/Mi/Gi/Ti/Pi/Ei unit, got {LONGEST!r}; for {LONGEST} "
+     "write 8192"),
     ({protocol.RESOURCE_GPU_MEMORY: "0"}, PREFIX + "nvidia.com/gpumem must be greater than 0 MiB, got 0"),
     ({protocol.RESOURCE_GPU_MEMORY: str(protocol.MAX_GPU_MEMORY_MIB + 1)},
      PREFIX + f"nvidia.com/gpumem must be at most {protocol.MAX_GPU_MEMORY_MIB} MiB (more than any GPU has; it "
