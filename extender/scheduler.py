@@ -503,10 +503,13 @@ class Scheduler:
         if not state.synced.is_set():
             raise BindError(NOT_SYNCED)
         self._check_fence()
+        self._settle_uncertain(namespace, name, uid)
         with state.lock:
             existing = state.pods.get(uid)
-            if existing is not None and existing.node_name == node_name and existing.confirmed and existing.bound:
-                return None  # a repeat of a bind that took effect: same answer, nothing counted twice
+            if existing is not None and existing.node_name == node_name and existing.bound:
+                # a repeat of a bind that took effect (its reply said so, or the watch): same answer, nothing counted
+                # twice and nothing re-placed (the watch may not have shown the first bind yet)
+                return None
             self._refuse_if_bound_elsewhere(existing, namespace, name, node_name)
             if pod is None:
                 pod = self._recent_pods.get(uid)  # under the state lock: filter writes it, and a read may expire
@@ -534,8 +537,10 @@ class Scheduler:
             previous = state.pods.get(uid)
             self._refuse_if_bound_elsewhere(previous, namespace, name, node_name)
             if previous is not None:
+                if previous.bound:
+                    return None  # bound meanwhile (a concurrent repeat): nothing to do
                 # an earlier attempt left a reservation that was never written (e.g. on another node): superseded
-                state.release(uid)
+                state.release(uid, only_unconfirmed=True)
             placement_request = self._placement_request(pod, request, node_policy, gpu_policy)
             placement = place(node, placement_request, gpu_policy, node_policy)
             if isinstance(placement, FitFailure):
@@ -548,6 +553,27 @@ class Scheduler:
             labels = (pod.get("metadata") or {}).get("labels") or {}
             state.reserve(uid, namespace, name, assignment, labels)
         return PreparedBind(namespace, name, uid, node_name, protocol.encode_assignment(assignment))
+
+    def _settle_uncertain(self, namespace: str, name: str, uid: str) -> None:
+        """Before a new bind of a pod whose earlier Binding has an unknown outcome: read the pod. Bound there: the
+        record is its usage (a bind elsewhere is then refused); not bound: the reservation may be superseded."""
+        with self.state.lock:
+            record = self.state.pods.get(uid)
+            if record is None or not record.uncertain:
+                return
+        try:
+            pod = self.binder.get_pod(namespace, name)
+        except Exception as exc:
+            raise BindError(f"an earlier bind of {namespace}/{name} to {record.node_name} has an unknown outcome and "
+                            f"the pod cannot be read ({exc}); retried once the API server answers") from None
+        with self.state.lock:
+            current = self.state.pods.get(uid)
+            if current is not record:
+                return  # the watch settled it meanwhile
+            bound_to = (pod or {}).get("spec", {}).get("nodeName") if pod else None
+            if pod is not None and (pod.get("metadata") or {}).get("uid") == uid and bound_to == record.node_name:
+                record.bound = True
+            record.uncertain = False
 
     def _pod_to_bind(
         self, namespace: str, name: str, uid: str, node_name: str, pod: Mapping[str, Any] | None
@@ -610,7 +636,17 @@ class Scheduler:
         try:
             self.binder.bind(namespace, name, uid, node_name, annotations)
         except Exception as exc:
-            if not self._bound_as_asked(namespace, name, uid, node_name, annotations):
+            verdict = self._bound_as_asked(namespace, name, uid, node_name, annotations)
+            if verdict is None:
+                # written or not, nobody can tell now: keep the GPUs reserved (the watch confirms the pod, or its
+                # next bind reads the pod first, or its delete drops it); freeing them could over-commit
+                with self.state.lock:
+                    record = self.state.pods.get(uid)
+                    if record is not None and not record.confirmed:
+                        record.uncertain = True
+                raise BindError(f"binding {namespace}/{name} to {node_name} failed ({exc}) and its outcome could not "
+                                "be read back; its GPUs stay reserved until the API server shows it") from None
+            if not verdict:
                 self.state.release(uid, only_unconfirmed=True)
                 raise BindError(f"binding {namespace}/{name} to {node_name} failed: {exc}") from None
             # else the call failed after the API server committed it (a timeout, a lost reply)
@@ -635,14 +671,16 @@ class Scheduler:
 
     def _bound_as_asked(
         self, namespace: str, name: str, uid: str, node_name: str, annotations: Mapping[str, str]
-    ) -> bool:
-        """After a failed Binding call: did it take effect anyway? (If the check fails too, assume not.)"""
+    ) -> bool | None:
+        """After a failed Binding call: did it take effect anyway? None when that cannot be read either."""
         try:
             pod = self.binder.get_pod(namespace, name)
         except Exception:
-            return False
+            return None
         if pod is None or (pod.get("metadata") or {}).get("uid") != uid:
             return False
+        if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+            return False  # a repeat of a bind whose pod has finished meanwhile: nothing to count
         written = (pod.get("metadata") or {}).get("annotations") or {}
         return (pod.get("spec") or {}).get("nodeName") == node_name and written.get(
             protocol.POD_ASSIGNMENT_ANNOTATION

@@ -70,6 +70,8 @@ class PodRecord:
     usage: tuple[GpuUsage, ...] = ()
     applied: bool = False  # usage is counted on the node
     labels: dict[str, str] = field(default_factory=dict)
+    #: its Binding failed and whether it was written could not be read back: kept reserved until known
+    uncertain: bool = False
 
 
 def usage_from_assignment(node: NodeState, assignment: PodAssignment) -> tuple[tuple[GpuUsage, ...], list[str]]:
@@ -353,7 +355,9 @@ class ClusterState:
                     except Exception as exc:  # one pod that cannot be applied does not stop the others
                         self.object_failed("pods", str((pod.get("metadata") or {}).get("name") or uid), exc)
             for uid, record in list(self.pods.items()):
-                if uid not in seen and record.confirmed:
+                # gone from the list: drop what the API server had (confirmed) or had accepted (bound by the
+                # Binding's reply); keep reservations of binds still under way
+                if uid not in seen and (record.confirmed or record.bound):
                     self._remove(uid)
             for uid in [uid for uid in self.pod_cpu if uid not in seen]:
                 self._drop_pod_cpu(uid)

@@ -17,11 +17,10 @@ The model:
     watching, as a standby) and the new one serves after its watch has caught up (or it relisted, or it restarted).
     Fencing of a deposed leader's queued binds is not modelled here (being built elsewhere).
 
-Known gaps (each found by this machine; excluded from BindMachine by a class flag, allowed by a subclass that is
-expected to fail, with a minimal example as an xfail test at the end): a repeated bind before the watch showed the
-first one loses the pod's usage and over-commits; a repeated bind after the pod finished counts it again; a relist
-after the delete of a pod bound before its watch event counts it forever; a Binding written but unverifiable loses
-its usage until the watch event (over-committing meanwhile).
+Defects this machine found, fixed, each kept as a minimal example at the end: a repeated bind before the watch
+showed the first one lost the pod's usage and over-committed; a repeated bind after the pod finished counted it
+again; a relist after the delete of a pod bound before its watch event counted it forever; a Binding written but
+unverifiable lost its usage until the watch event (over-committing meanwhile).
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, Phase, event, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -277,16 +276,16 @@ def describe(pod: dict[str, Any]) -> list[str]:
 class BindMachine(RuleBasedStateMachine):
     """See the module docstring. `faults`: the Binding faults this machine injects."""
 
-    faults: frozenset[str] = frozenset({"refused", "lost-reply"})
+    faults: frozenset[str] = frozenset({"refused", "lost-reply", "unverifiable"})
     #: False: a relist never skips the delete of a pod this replica bound before its watch showed the bind (the
     #: known gap that PhantomAfterRelistMachine shows)
-    relist_may_skip_a_deleted_bind = False
+    relist_may_skip_a_deleted_bind = True
     #: False: a repeated bind to the same node comes after the replica's watch showed the first one (the known gap
     #: that LaggingRepeatMachine shows)
-    repeat_may_precede_the_watch = False
+    repeat_may_precede_the_watch = True
     #: False: no repeated bind to the same node comes after the pod finished (the known gap that
     #: RepeatAfterFinishMachine shows)
-    repeat_may_follow_the_finish = False
+    repeat_may_follow_the_finish = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -474,7 +473,7 @@ class BindMachine(RuleBasedStateMachine):
         except BindError:
             reached("a bind of a deleted pod refused")
         else:
-            assert record is not None and record.bound and record.confirmed and record.node_name == node
+            assert record is not None and record.bound and record.node_name == node
             reached("a bind of a deleted pod not seen deleted yet answered as a repeat")
         # nothing new is counted: at most the deleted pod's own record went (it is gone from the store anyway)
         after = state_usage(state)
@@ -562,7 +561,7 @@ class BindMachine(RuleBasedStateMachine):
 
 
 CI = settings(
-    max_examples=200,
+    max_examples=320,
     stateful_step_count=30,
     deadline=None,
     derandomize=True,
@@ -623,50 +622,7 @@ def test_the_machine_reaches_every_rule_outcome(machine_run: Counter[str]) -> No
     assert not missing, f"never reached: {missing}"
 
 
-# --- the known gaps: the same machine with one excluded behaviour allowed; each fails today -------------------------
-
-
-class LaggingRepeatMachine(BindMachine):
-    """A repeated bind of a pod to the node it is bound to, before the replica's watch showed the first bind."""
-
-    repeat_may_precede_the_watch = True
-
-
-class RepeatAfterFinishMachine(BindMachine):
-    """A repeated bind of a pod to the node it is bound to, after the pod finished."""
-
-    repeat_may_follow_the_finish = True
-
-
-class PhantomAfterRelistMachine(BindMachine):
-    """A relist that skips the delete of a pod this replica bound before its watch showed the bind."""
-
-    relist_may_skip_a_deleted_bind = True
-
-
-class UnverifiableBindMachine(BindMachine):
-    """A Binding whose outcome the extender cannot learn: written, the reply lost, and the read-back failing too."""
-
-    faults = BindMachine.faults | {"unverifiable"}
-
-
-#: the known gaps fail fast, without shrinking (their minimal examples are the plain tests below)
-FIND_ONLY = settings(CI, phases=[Phase.generate])
-
-
-@pytest.mark.xfail(strict=True, reason="known gaps: see the xfail tests below, one minimal example each")
-@pytest.mark.parametrize(
-    "machine",
-    # LaggingRepeatMachine is left out: it needs several hundred runs (~30 s here) before three binds line up on one
-    # node's GPUs; its minimal example below shows the over-commit
-    [RepeatAfterFinishMachine, PhantomAfterRelistMachine, UnverifiableBindMachine],
-    ids=["repeat-after-finish", "relist-after-delete", "unverifiable-binding"],
-)
-def test_the_machine_finds_each_known_gap(machine: type[BindMachine]) -> None:
-    run_state_machine_as_test(machine, settings=FIND_ONLY)
-
-
-# --- the known gaps' minimal examples -----------------------------------------------------------------------------
+# --- the four defects this machine found, each with its minimal example (fixed; each failed before) ---------------
 
 
 def bind_new(store: ApiStore, replica: Replica, memory_mib: int, fault: str | None = None) -> str:
@@ -694,13 +650,6 @@ def assert_not_over_committed(store: ApiStore, replica: Replica) -> None:
     assert not over, f"GPU memory assigned beyond the GPU's: {over}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap: a repeated bind to the same node before the watch showed the first one releases the bound "
-    "pod's record (Scheduler._prepare: state.release(uid)), re-places it on other GPUs, and when the API server "
-    "refuses the second Binding the record is dropped (release(only_unconfirmed)): the pod's usage is lost until its "
-    "watch event arrives, and the next pod over-commits its GPU",
-)
 def test_a_repeat_bind_before_the_watch_keeps_the_pods_usage() -> None:
     store = ApiStore()
     replica = Replica(store)  # its watch delivers nothing in this test: every bind is known by its reservation only
@@ -716,12 +665,6 @@ def test_a_repeat_bind_before_the_watch_keeps_the_pods_usage() -> None:
     assert_not_over_committed(store, replica)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap: ClusterState.replace_pods keeps records that are not confirmed (in-flight reservations), "
-    "including a bind that finished (bound) before the watch showed its annotation: if the pod is deleted before "
-    "that event and the watch relists, the deleted pod stays counted until the extender restarts",
-)
 def test_a_relist_forgets_a_bound_pod_deleted_before_its_watch_event() -> None:
     store = ApiStore()
     replica = Replica(store)
@@ -733,12 +676,6 @@ def test_a_relist_forgets_a_bound_pod_deleted_before_its_watch_event() -> None:
     assert uid not in replica.state.pods, "a deleted pod is counted forever"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap: a Binding written whose reply is lost while the read-back fails too is rolled back in memory "
-    "(the pod is bound in the API server): until the watch delivers the bound pod, its GPUs look free and the next "
-    "bind over-commits them",
-)
 def test_an_unverifiable_binding_keeps_its_gpus_until_the_watch_tells() -> None:
     store = ApiStore()
     replica = Replica(store)
@@ -748,12 +685,6 @@ def test_an_unverifiable_binding_keeps_its_gpus_until_the_watch_tells() -> None:
     assert_not_over_committed(store, replica)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap: a repeated bind of a pod that finished meanwhile, to its node, is answered as bound "
-    "(Scheduler._commit: the Binding is refused, _bound_as_asked reads the pod bound there with the same assignment "
-    "and mark_bound keeps the new reservation): the finished pod's GPUs count again until the pod object is deleted",
-)
 def test_a_repeat_bind_after_the_pod_finished_counts_nothing() -> None:
     store = ApiStore()
     replica = Replica(store)
@@ -766,3 +697,28 @@ def test_a_repeat_bind_after_the_pod_finished_counts_nothing() -> None:
         replica.scheduler.bind(NAMESPACE, name, pod["metadata"]["uid"], pod["spec"]["nodeName"])
     replica.deliver()
     assert pod["metadata"]["uid"] not in replica.state.pods, "a finished pod is counted again"
+
+
+def test_a_late_bind_after_an_unverifiable_binding_reads_the_pod_first() -> None:
+    """Found once the unverifiable fault joined the machine: the kept reservation was superseded by the pod's next
+    bind to another node (the API server refused it, and the pod's usage was lost)."""
+    store = ApiStore()
+    replica = Replica(store)
+    with pytest.raises(BindError):
+        name = "unused"
+        pod = build_pod({"app": [{"gpus": 1, "memory_mib": 20000, "cores": None}], "init": [], "policy": "binpack"})
+        store.create(pod)
+        name = pod["metadata"]["name"]
+        passed = replica.scheduler.filter(pod, sorted(store.nodes)).passed
+        store.fault = "unverifiable"
+        try:
+            replica.scheduler.bind(NAMESPACE, name, pod["metadata"]["uid"], passed[0])
+        finally:
+            store.fault, store.read_fails = None, False
+    bound_to = store.pods[name]["spec"]["nodeName"]
+    other = next(node for node in sorted(store.nodes) if node != bound_to)
+    with pytest.raises(BindError, match="already bound to node"):
+        replica.scheduler.bind(NAMESPACE, name, pod["metadata"]["uid"], other)
+    record = replica.state.pods[pod["metadata"]["uid"]]
+    assert (record.node_name, record.bound, record.uncertain) == (bound_to, True, False)
+    assert_not_over_committed(store, replica)
