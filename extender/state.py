@@ -355,9 +355,9 @@ class ClusterState:
                     except Exception as exc:  # one pod that cannot be applied does not stop the others
                         self.object_failed("pods", str((pod.get("metadata") or {}).get("name") or uid), exc)
             for uid, record in list(self.pods.items()):
-                # gone from the list: drop what the API server had (confirmed) or had accepted (bound by the
-                # Binding's reply); keep reservations of binds still under way
-                if uid not in seen and (record.confirmed or record.bound):
+                # gone from the list: drop what the API server had (confirmed), had accepted (bound by the
+                # Binding's reply) or may have (an unverifiable Binding); keep reservations of binds under way
+                if uid not in seen and (record.confirmed or record.bound or record.uncertain):
                     self._remove(uid)
             for uid in [uid for uid in self.pod_cpu if uid not in seen]:
                 self._drop_pod_cpu(uid)

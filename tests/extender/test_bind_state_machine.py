@@ -722,3 +722,22 @@ def test_a_late_bind_after_an_unverifiable_binding_reads_the_pod_first() -> None
     record = replica.state.pods[pod["metadata"]["uid"]]
     assert (record.node_name, record.bound, record.uncertain) == (bound_to, True, False)
     assert_not_over_committed(store, replica)
+
+
+def test_a_relist_forgets_an_unverifiable_binding_whose_pod_was_deleted() -> None:
+    """Found by the machine in CI (another hash seed): the reservation kept for an unverifiable Binding outlived its
+    pod when a relist, not the watch, told the replica the pod was gone."""
+    store = ApiStore()
+    replica = Replica(store)
+    pod = build_pod({"app": [{"gpus": 1, "memory_mib": 20000, "cores": None}], "init": [], "policy": "binpack"})
+    store.create(pod)
+    name, uid = pod["metadata"]["name"], pod["metadata"]["uid"]
+    passed = replica.scheduler.filter(pod, sorted(store.nodes)).passed
+    store.fault = "unverifiable"
+    with pytest.raises(BindError, match="could not be read back"):
+        replica.scheduler.bind(NAMESPACE, name, uid, passed[0])
+    store.fault, store.read_fails = None, False
+    assert replica.state.pods[uid].uncertain
+    store.delete(name)
+    replica.relist()
+    assert uid not in replica.state.pods, "a deleted pod's uncertain reservation is counted forever"
