@@ -22,34 +22,39 @@ from kube_vgpu.protocol import (
     ENV_SM_LIMIT,
 )
 
-#: Variables that loosen the limiter or hand out devices when a GPU pod sets them itself.
+#: Variables a GPU container's own `env` may not set (the webhook's and the device plugin's values must win): the
+#: limiter's limits and off switches, its cache path, and the visible devices.
 LIMITER_ENV_NAMES = frozenset(
     {
         *ENV_LIMITER_OVERRIDES,
         ENV_MEMORY_LIMIT_PREFIX.rstrip("_"),  # HAMi-core's un-indexed limit, for every device
         ENV_SHARED_CACHE,
         ENV_NVIDIA_VISIBLE_DEVICES,
-        ENV_LD_PRELOAD,
     }
 )
-#: Whole families: every CUDA_DEVICE_MEMORY_LIMIT_<i>, CUDA_DEVICE_SM_LIMIT*, and every NVIDIA_* variable (the
-#: NVIDIA container toolkit reads NVIDIA_VISIBLE_DEVICES, NVIDIA_MIG_CONFIG_DEVICES, ... to pick devices).
-LIMITER_ENV_PREFIXES = (ENV_MEMORY_LIMIT_PREFIX, ENV_SM_LIMIT, "NVIDIA_")
+#: ... and whole families of them: every CUDA_DEVICE_MEMORY_LIMIT_<i> and CUDA_DEVICE_SM_LIMIT*.
+LIMITER_ENV_PREFIXES = (ENV_MEMORY_LIMIT_PREFIX, ENV_SM_LIMIT)
+#: An `envFrom` source's keys are unknown at admission, so it is held to more: LD_PRELOAD too, and every NVIDIA_*
+#: variable (the NVIDIA container toolkit reads NVIDIA_VISIBLE_DEVICES, NVIDIA_MIG_CONFIG_DEVICES, ... to pick
+#: devices).
+_ENV_FROM_NAMES = LIMITER_ENV_NAMES | {ENV_LD_PRELOAD}
+_ENV_FROM_PREFIXES = (*LIMITER_ENV_PREFIXES, "NVIDIA_")
 #: Capabilities that reach around the limiter: SYS_ADMIN mounts over the library or /etc/ld.so.preload,
 #: SYS_PTRACE rewrites a limited process's memory; ALL includes both.
 ESCAPE_CAPABILITIES = frozenset({"SYS_ADMIN", "SYS_PTRACE", "ALL"})
 
 
 def is_limiter_env_name(name: str) -> bool:
+    """A name a GPU container's own `env` may not set (mutate.py drops the entry, with a warning)."""
     return name in LIMITER_ENV_NAMES or name.startswith(LIMITER_ENV_PREFIXES)
 
 
 def env_from_prefix_is_safe(prefix: str) -> bool:
     """True when no key of the ConfigMap/Secret, whatever it is, can become a limiter variable under `prefix`: the
     prefix must not begin any limiter name (a key could complete it) nor lie inside a limiter family."""
-    if any(name.startswith(prefix) for name in LIMITER_ENV_NAMES):
+    if any(name.startswith(prefix) for name in _ENV_FROM_NAMES):
         return False
-    return not any(family.startswith(prefix) or prefix.startswith(family) for family in LIMITER_ENV_PREFIXES)
+    return not any(family.startswith(prefix) or prefix.startswith(family) for family in _ENV_FROM_PREFIXES)
 
 
 def _containers(spec: Mapping[str, Any]) -> Iterator[tuple[str, Mapping[str, Any]]]:

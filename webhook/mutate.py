@@ -24,7 +24,6 @@ from kube_vgpu.kubeapi import InvalidObject, check_pod
 from kube_vgpu.protocol import (
     ADMISSION_MARK_VALUE,
     ENV_LD_PRELOAD,
-    ENV_LIMITER_OVERRIDES,
     ENV_MEMORY_LIMIT_PREFIX,
     ENV_NVIDIA_VISIBLE_DEVICES,
     ENV_SHARED_CACHE,
@@ -41,7 +40,7 @@ from kube_vgpu.protocol import (
     pod_asks_for_gpu,
 )
 from kube_vgpu.webhook.config import LimiterMode, WebhookConfig
-from kube_vgpu.webhook.escapes import find_escape
+from kube_vgpu.webhook.escapes import find_escape, is_limiter_env_name
 from kube_vgpu.webhook.owners import OwnerLookupError, OwnerResolver, owner_refs_of
 
 API_VERSION_V1 = "admission.k8s.io/v1"
@@ -62,8 +61,6 @@ _LD_PRELOAD_ENV_MODES = (LimiterMode.LD_PRELOAD, LimiterMode.DEVICE_PLUGIN)
 #: NVIDIA_VISIBLE_DEVICES value for which the NVIDIA container runtime adds no GPU (and no driver files).
 NO_DEVICES = "void"
 
-# HAMi-core also reads the un-indexed CUDA_DEVICE_MEMORY_LIMIT (a limit for every device).
-_ENV_MEMORY_LIMIT_ALL = ENV_MEMORY_LIMIT_PREFIX.rstrip("_")
 _LD_PRELOAD_SEPARATOR = re.compile(r"[:\s]+")
 
 
@@ -443,17 +440,6 @@ def _desired_env(gpu: ContainerGpuRequest, config: WebhookConfig) -> dict[str, s
     return env
 
 
-def _is_limiter_env(name: str) -> bool:
-    """Names a pod must not set itself in a GPU container. The kubelet puts the device plugin's env (visible
-    devices, percentage-based memory limits) before the pod's own env, and the pod's would win."""
-    return (
-        name.startswith(ENV_MEMORY_LIMIT_PREFIX)
-        or name.startswith(ENV_SM_LIMIT)
-        or name in (_ENV_MEMORY_LIMIT_ALL, ENV_SHARED_CACHE, ENV_NVIDIA_VISIBLE_DEVICES)
-        or name in ENV_LIMITER_OVERRIDES
-    )
-
-
 def _patch_env(
     ops: list[dict[str, Any]],
     warnings: list[str],
@@ -483,7 +469,7 @@ def _patch_env(
             if entry != wanted:
                 overridden.append(name)
             new_env.append(wanted)
-        elif _is_limiter_env(name):
+        elif is_limiter_env_name(name):
             overridden.append(name)
         else:
             new_env.append(entry)
