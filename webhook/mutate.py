@@ -23,12 +23,14 @@ import orjson
 from kube_vgpu.kubeapi import InvalidObject, check_pod
 from kube_vgpu.protocol import (
     ADMISSION_MARK_VALUE,
+    ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT,
     ENV_LD_PRELOAD,
     ENV_MEMORY_LIMIT_PREFIX,
     ENV_NVIDIA_VISIBLE_DEVICES,
     ENV_SHARED_CACHE,
     ENV_SM_LIMIT,
     GPU_RESOURCES,
+    LABEL_KUEUE_POD_GROUP_NAME,
     LABEL_KUEUE_QUEUE_NAME,
     POD_ADMITTED_ANNOTATION,
     RESOURCE_GPU,
@@ -356,6 +358,7 @@ def mutate_gpu_pod(pod: dict[str, Any], request: PodGpuRequest, config: WebhookC
         )
 
     _patch_admission_mark(ops, pod)
+    warnings.extend(_unsupported_gang_declarations(pod))
     mounts = _desired_mounts(config)
     gpu_containers = _gpu_containers(spec, request)
     for key, index, container, gpu in gpu_containers:
@@ -370,6 +373,22 @@ def mutate_gpu_pod(pod: dict[str, Any], request: PodGpuRequest, config: WebhookC
                 _patch_no_devices(ops, warnings, container, ("spec", key, index))
     _patch_volumes(ops, warnings, spec, _desired_volumes(config))
     return decision
+
+
+#: Gang declarations of other systems that kube-vgpu does not read (yet): said, not silently ignored.
+_GANG_HINT = (f"declare the gang with the label {LABEL_KUEUE_POD_GROUP_NAME} and the annotation "
+              f"{ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT} (docs/user-guide.md, Gangs)")
+
+
+def _unsupported_gang_declarations(pod: dict[str, Any]) -> list[str]:
+    found = []
+    if "scheduling.x-k8s.io/pod-group" in ((pod.get("metadata") or {}).get("labels") or {}):
+        found.append("label scheduling.x-k8s.io/pod-group (a coscheduling PodGroup) is not read by kube-vgpu: this pod "
+                     f"is placed on its own, not all or nothing; {_GANG_HINT}")
+    if (pod.get("spec") or {}).get("workloadRef"):
+        found.append("spec.workloadRef (a Kubernetes Workload) is not read by kube-vgpu: this pod is placed on its "
+                     f"own, not all or nothing; {_GANG_HINT}")
+    return found
 
 
 def _patch_admission_mark(ops: list[dict[str, Any]], pod: dict[str, Any]) -> None:

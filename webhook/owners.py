@@ -156,7 +156,11 @@ class OwnerResolver:
             owner_labels = metadata.get("labels") or {}
             if want_gang and depth == 1 and (group, kind) == ("batch", "Job"):
                 want_gang = False  # only the pod's own Job can make it a gang member
-                if str((metadata.get("annotations") or {}).get(ANNOTATION_JOB_GANG, "")).lower() == "true":
+                mark = str((metadata.get("annotations") or {}).get(ANNOTATION_JOB_GANG, "")).lower()
+                if mark not in ("", "true", "false"):
+                    warnings.append(f"annotation {ANNOTATION_JOB_GANG}={mark[:20]!r} on Job {namespace}/{name} is "
+                                    "neither \"true\" nor \"false\": its pods are not a gang")
+                if mark == "true":
                     size = (obj.get("spec") or {}).get("parallelism", 1)
                     found[LABEL_KUEUE_POD_GROUP_NAME] = name
                     sources[LABEL_KUEUE_POD_GROUP_NAME] = f"{kind} {namespace}/{name}"

@@ -184,3 +184,31 @@ def test_a_queue_named_by_an_owner_must_exist(served: bool, queues: dict[Any, An
         assert response["status"]["message"] == (
             "the pod's owner Job team-a/train names LocalQueue team-a/q (label kueue.x-k8s.io/queue-name), which does "
             "not exist: create it or fix the label")
+
+
+def test_a_gang_mark_that_is_neither_true_nor_false_is_said() -> None:
+    api = Api({("jobs", "train"): gang_job("train", 4, "yes")})
+    _, response = run_review(gpu_pod_owned_by(ref("Job", "train"), labels={QUEUE: "q"}), WebhookConfig(),
+                             owners=OwnerResolver(api))
+    assert response["warnings"] == [
+        "annotation kube-vgpu.io/gang='yes' on Job team-a/train is neither \"true\" nor \"false\": its pods are "
+        "not a gang"
+    ]
+
+
+@pytest.mark.parametrize(("edit", "warning"), [
+    (lambda p: p["metadata"]["labels"].update({"scheduling.x-k8s.io/pod-group": "pg"}),
+     "label scheduling.x-k8s.io/pod-group (a coscheduling PodGroup) is not read by kube-vgpu"),
+    (lambda p: p["spec"].update({"workloadRef": {"name": "w", "podGroup": "g"}}),
+     "spec.workloadRef (a Kubernetes Workload) is not read by kube-vgpu"),
+], ids=["coscheduling-pod-group", "workload-ref"])
+def test_gang_declarations_kube_vgpu_does_not_read_are_warned_about(edit: Any, warning: str) -> None:
+    sent = gpu_pod_owned_by()
+    edit(sent)
+    outcome, response = run_review(sent, WebhookConfig())
+    assert outcome.result is Result.MUTATED
+    [said] = response["warnings"]
+    assert said.startswith(warning) and said.endswith(
+        "this pod is placed on its own, not all or nothing; declare the gang with the label "
+        "kueue.x-k8s.io/pod-group-name and the annotation kueue.x-k8s.io/pod-group-total-count (docs/user-guide.md, "
+        "Gangs)")
