@@ -155,19 +155,16 @@ class GangTracker:
             gang.plan.pop(uid, None)
         return gang
 
-    def forget(self, uid: str) -> str | None:
-        """A member went away; the node its unbound plan held, if any (the caller releases the reservation)."""
+    def forget(self, uid: str) -> None:
+        """A member went away (its reservation goes with its pod record, in the cluster state)."""
         key = self._gang_of_uid.pop(uid, None)
-        if key is None:
-            return None
-        gang = self.gangs.get(key)
+        gang = self.gangs.get(key) if key is not None else None
         if gang is None:
-            return None
+            return
         gang.members.pop(uid, None)
-        planned = gang.plan.pop(uid, None)
+        gang.plan.pop(uid, None)
         if not gang.members:
-            del self.gangs[key]
-        return planned
+            del self.gangs[gang.key]
 
     def gang_of_uid(self, uid: str) -> Gang | None:
         key = self._gang_of_uid.get(uid)
