@@ -216,7 +216,7 @@ def test_kubernetes_go_mod_replaces_every_staging_module() -> None:
 def test_version_ldflags_set_the_release_version() -> None:
     flags = binaries.kubernetes_version_ldflags("2026-02-10T12:53:36Z")
     assert f"-X k8s.io/component-base/version.gitVersion={KUBERNETES_VERSION}" in flags
-    assert "-X k8s.io/client-go/pkg/version.gitMinor=34" in flags
+    assert f"-X k8s.io/client-go/pkg/version.gitMinor={binaries.KUBERNETES_RELEASE.minor}" in flags
     assert "-X k8s.io/component-base/version.buildDate=2026-02-10T12:53:36Z" in flags
 
 
@@ -232,7 +232,7 @@ if args[:2] == ["env", "GOVERSION"]:
     print("go1.26.0")
 elif args[:3] == ["mod", "download", "-json"]:
     (state / "k8s.mod").write_text("replace (\\n\\tk8s.io/api => ./staging/src/k8s.io/api\\n)\\n")
-    (state / "k8s.info").write_text(json.dumps({{"Version": "v1.34.4", "Time": "2026-02-10T12:53:36Z"}}))
+    (state / "k8s.info").write_text(json.dumps({{"Version": "{k8s}", "Time": "2026-02-10T12:53:36Z"}}))
     print(json.dumps({{"GoMod": str(state / "k8s.mod"), "Info": str(state / "k8s.info")}}))
 elif args[0] in ("build", "install"):
     if args[0] == "build":
@@ -246,7 +246,7 @@ elif args[0] in ("build", "install"):
         log.write(f"{{os.getpid()}} {{args[-1].split('@')[0]}} {{module}}\\n")
     time.sleep(0.5)  # long enough for a concurrent caller to find the lock taken
     out.write_text(
-        "#!/bin/sh\\necho 'etcd Version: 3.6.5'; echo 'Kubernetes v1.34.4'; echo 'Client Version: v1.34.4'\\n"
+        "#!/bin/sh\\necho 'etcd Version: {etcd}'; echo 'Kubernetes {k8s}'; echo 'Client Version: {k8s}'\\n"
         "echo 'kwok version v0.7.0 (go1.26.0)'\\n"
     )
     out.chmod(0o755)
@@ -260,7 +260,10 @@ def fake_go(no_go_env: Path, tmp_path: Path) -> Path:
     """Install the stand-in `go` on PATH; returns the file its builds are logged to."""
     state_dir = tmp_path / "fake-go-state"
     state_dir.mkdir()
-    _write_executable(no_go_env / "go", FAKE_GO.format(python=sys.executable, state_dir=str(state_dir)))
+    fake = FAKE_GO.format(
+        python=sys.executable, state_dir=str(state_dir), k8s=KUBERNETES_VERSION, etcd=ETCD_VERSION[1:]
+    )
+    _write_executable(no_go_env / "go", fake)
     return state_dir / "builds.log"
 
 
@@ -322,3 +325,42 @@ def test_concurrent_callers_build_each_binary_once(fake_go: Path) -> None:
             "sigs.k8s.io/kwok/cmd/kwok",
         ]
     )
+
+
+# --- which Kubernetes release ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("", binaries.DEFAULT_KUBERNETES_VERSION),
+        ("v1.37.2", "v1.37.2"),
+        ("1.35.4", "v1.35.4"),  # the leading v is optional
+        (" v1.36.3 ", "v1.36.3"),
+    ],
+)
+def test_release_chosen_by_environment(value: str, expected: str) -> None:
+    release = binaries.selected_release({binaries.KUBERNETES_VERSION_ENV: value})
+    assert release.version == expected
+
+
+def test_unknown_release_is_refused_with_the_choices() -> None:
+    with pytest.raises(SystemExit) as raised:
+        binaries.selected_release({binaries.KUBERNETES_VERSION_ENV: "v1.33.0"})
+    message = str(raised.value)
+    assert "v1.33.0" in message and "v1.37.2" in message and "v1.35.4" in message
+
+
+@pytest.mark.parametrize(
+    ("version", "staging", "etcd", "go_line"),
+    [("v1.37.2", "v0.37.2", "v3.7.0", (1, 26)), ("v1.36.3", "v0.36.3", "v3.6.8", (1, 26)),
+     ("v1.35.4", "v0.35.4", "v3.6.5", (1, 25))],
+)
+def test_release_table(version: str, staging: str, etcd: str, go_line: tuple[int, int]) -> None:
+    release = binaries.KUBERNETES_RELEASES[version]
+    assert (release.staging_version, release.etcd_version, release.min_go) == (staging, etcd, go_line)
+
+
+def test_oldest_supported_release_is_in_the_table_and_is_the_oldest() -> None:
+    oldest = binaries.KUBERNETES_RELEASES[binaries.OLDEST_SUPPORTED_KUBERNETES_VERSION]
+    assert all(oldest.minor <= release.minor for release in binaries.KUBERNETES_RELEASES.values())

@@ -1,4 +1,4 @@
-"""The manifests against the dev cluster's real kube-apiserver (1.34.4, RBAC on, our webhook registered):
+"""The manifests against the dev cluster's real kube-apiserver (1.37.2 by default, RBAC on, our webhook registered):
 
 * every object an overlay or the examples render is accepted by a server-side dry-run apply (schema, defaulting,
   validation, admission; the example pods come back mutated by the webhook), except kinds whose CRDs the dev

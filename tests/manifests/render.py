@@ -1,7 +1,7 @@
 """Rendering kube-vgpu's kustomizations with the real kubectl (its built-in kustomize), and looking at the result.
 
-kubectl is the dev cluster's (kube_vgpu.dev.devcluster.binaries: Kubernetes v1.34.4, built once from the official Go
-modules and cached), so what the tests render is what `kubectl apply -k` applies.
+kubectl is the dev cluster's (kube_vgpu.dev.devcluster.binaries: Kubernetes v1.37.2 by default, built from the
+official Go modules and cached), so what the tests render is what `kubectl apply -k` applies.
 """
 
 from __future__ import annotations

@@ -36,14 +36,64 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-KUBERNETES_VERSION = "v1.34.4"
-# The staging modules (k8s.io/api, k8s.io/client-go, ...) are published as v0.<minor>.<patch> of the same release.
-KUBERNETES_STAGING_VERSION = "v0.34.4"
-# Kubernetes 1.34's build/dependencies.yaml, hack/lib/etcd.sh and kubeadm's DefaultEtcdVersion all pin etcd 3.6.5.
-ETCD_VERSION = "v3.6.5"
-# k8s.io/kubernetes v1.34 and etcd v3.6 both declare `go 1.24`.
-MIN_GO_VERSION = (1, 24)
-# KWOK (kubelet-less pod/node lifecycle); v0.7.0 declares `go 1.24` too and supports Kubernetes 1.34.
+
+@dataclass(frozen=True)
+class KubernetesRelease:
+    """One Kubernetes release the dev cluster can run, with the etcd its go.mod pins and the Go it declares."""
+
+    version: str
+    etcd_version: str
+    min_go: tuple[int, int]
+
+    @property
+    def staging_version(self) -> str:
+        """The staging modules (k8s.io/api, k8s.io/client-go, ...) are published as v0.<minor>.<patch>."""
+        return "v0." + self.version[1:].split(".", 1)[1]
+
+    @property
+    def minor(self) -> int:
+        return int(self.version[1:].split(".")[1])
+
+
+# The etcd of each release is the one its go.mod requires (go.etcd.io/etcd/server/v3), which its
+# build/dependencies.yaml and kubeadm pin too; min_go is the `go` line of the two go.mod files.
+KUBERNETES_RELEASES: dict[str, KubernetesRelease] = {
+    release.version: release
+    for release in (
+        KubernetesRelease("v1.37.2", "v3.7.0", (1, 26)),
+        KubernetesRelease("v1.36.3", "v3.6.8", (1, 26)),
+        KubernetesRelease("v1.35.4", "v3.6.5", (1, 25)),
+    )
+}
+DEFAULT_KUBERNETES_VERSION = "v1.37.2"
+#: The oldest release we claim to support (README); `make test-oldest-k8s` runs the end-to-end tier against it.
+OLDEST_SUPPORTED_KUBERNETES_VERSION = "v1.35.4"
+KUBERNETES_VERSION_ENV = "KUBE_VGPU_K8S_VERSION"
+
+
+def selected_release(environ: Mapping[str, str] = os.environ) -> KubernetesRelease:
+    """The release named by KUBE_VGPU_K8S_VERSION (default: the newest); an unknown name is refused, not guessed."""
+    name = environ.get(KUBERNETES_VERSION_ENV, "").strip() or DEFAULT_KUBERNETES_VERSION
+    if not name.startswith("v"):
+        name = "v" + name
+    try:
+        return KUBERNETES_RELEASES[name]
+    except KeyError:
+        raise SystemExit(
+            f"{KUBERNETES_VERSION_ENV}={name} is not a Kubernetes release kube-vgpu's dev cluster knows; "
+            f"choose one of {', '.join(KUBERNETES_RELEASES)}"
+        ) from None
+
+
+# Chosen once per process: every binary, cache directory and version check below must agree on it.
+KUBERNETES_RELEASE = selected_release()
+KUBERNETES_VERSION = KUBERNETES_RELEASE.version
+KUBERNETES_STAGING_VERSION = KUBERNETES_RELEASE.staging_version
+ETCD_VERSION = KUBERNETES_RELEASE.etcd_version
+MIN_GO_VERSION = KUBERNETES_RELEASE.min_go
+# The `go` line of our throw-away modules: the release's own, so Go neither refuses nor rewrites it.
+_GO_LINE = f"{MIN_GO_VERSION[0]}.{MIN_GO_VERSION[1]}.0"
+# KWOK (kubelet-less pod/node lifecycle); v0.7.0 declares `go 1.24`; it only talks to the API (pods, nodes).
 KWOK_VERSION = "v0.7.0"
 # Bump whenever the build recipe (flags, ldflags, module template) changes, so existing caches are rebuilt.
 RECIPE_VERSION = 1
@@ -72,7 +122,7 @@ _GO_INSTALL_HELP = (
 _KUBERNETES_GO_MOD = """\
 module kube-vgpu.local/build/kubernetes
 
-go 1.24.0
+go {go_line}
 
 require k8s.io/kubernetes {kubernetes_version}
 
@@ -85,7 +135,7 @@ replace (
 _ETCD_GO_MOD = """\
 module kube-vgpu.local/build/etcd
 
-go 1.24.0
+go {go_line}
 
 require go.etcd.io/etcd/server/v3 {etcd_version}
 """
@@ -424,7 +474,7 @@ def _build(go: str, go_version: str, root: Path, names: list[str], progress: Pro
                     _record_built(stamp_path(root), target.name, keys[target.name], go_version, build_s)
                 continue
             if source == "etcd":
-                go_mod = _ETCD_GO_MOD.format(etcd_version=ETCD_VERSION)
+                go_mod = _ETCD_GO_MOD.format(etcd_version=ETCD_VERSION, go_line=_GO_LINE)
                 ldflags = "-s -w"
             else:
                 progress(f"fetching k8s.io/kubernetes@{KUBERNETES_VERSION} (the module source)")
@@ -471,7 +521,7 @@ def kubernetes_go_mod(upstream_go_mod: str) -> str:
     if not staging_modules:
         raise BinaryBuildError("found no `=> ./staging/...` replace directives in k8s.io/kubernetes's go.mod")
     replaces = "\n".join(f"\t{module} => {module} {KUBERNETES_STAGING_VERSION}" for module in staging_modules)
-    return _KUBERNETES_GO_MOD.format(kubernetes_version=KUBERNETES_VERSION, replaces=replaces)
+    return _KUBERNETES_GO_MOD.format(kubernetes_version=KUBERNETES_VERSION, replaces=replaces, go_line=_GO_LINE)
 
 
 def kubernetes_version_ldflags(build_date: str) -> str:

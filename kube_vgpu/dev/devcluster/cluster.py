@@ -578,7 +578,7 @@ class DevCluster:
             f"--service-account-signing-key-file={self.pki.service_account_key}",
             "--service-cluster-ip-range=10.96.0.0/16",
             "--authorization-mode=Node,RBAC",
-            # On by default in 1.34; listed so that no default change can switch our webhook or policies off unnoticed.
+            # On by default (1.30+); listed so that no default change can switch our webhook or policies off unnoticed.
             "--enable-admission-plugins=MutatingAdmissionWebhook,ValidatingAdmissionPolicy,ValidatingAdmissionWebhook",
             # No serviceaccount controller runs (not even with lifecycle), so no namespace gets its `default`
             # ServiceAccount, and this plugin would refuse every pod; nothing runs in the pods, they need no token.
