@@ -1,6 +1,6 @@
 # The two Quick start commands. Both set everything up on a fresh machine (Python deps in a venv,
 # Kubernetes binaries built from the official Go modules), cached under ~/.cache/kube-vgpu.
-.PHONY: demo test lint bench lock
+.PHONY: demo test test-oldest-k8s lint bench lock
 SHELL := /bin/bash
 VENV = $(shell scripts/bootstrap.sh)
 
@@ -9,6 +9,13 @@ demo:
 
 test:
 	@venv=$$(scripts/bootstrap.sh) && scripts/test.sh "$$venv"
+
+# Opt-in: the end-to-end tier against the oldest Kubernetes release we support (README), built and cached beside
+# the default one (another ~12 min of Go builds the first time).
+test-oldest-k8s:
+	@venv=$$(scripts/bootstrap.sh) && \
+	KUBE_VGPU_K8S_VERSION=$$("$$venv/bin/python" -c 'from kube_vgpu.dev.devcluster import binaries as b; print(b.OLDEST_SUPPORTED_KUBERNETES_VERSION)') \
+	scripts/test.sh "$$venv" tests/e2e
 
 lint:
 	@venv=$$(scripts/bootstrap.sh) && "$$venv/bin/ruff" check . && "$$venv/bin/mypy"

@@ -10,7 +10,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kube_vgpu import protocol
 from kube_vgpu.extender.engine.policies import DEFAULT_GPU_POLICY, DEFAULT_NODE_POLICY, policy_names
+from kube_vgpu.extender.gangs import DEFAULT_TIMEOUT_S as DEFAULT_GANG_TIMEOUT_S
+from kube_vgpu.extender.gangs import MAX_TIMEOUT_S as MAX_GANG_TIMEOUT_S
+from kube_vgpu.extender.gangs import MIN_TIMEOUT_S as MIN_GANG_TIMEOUT_S
 from kube_vgpu.extender.gates import ClusterSource, Gate
 from kube_vgpu.extender.scheduler import Binder, Scheduler
 from kube_vgpu.extender.state import ClusterState
@@ -65,6 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fence-identity-prefix", default="",
                         help="holderIdentity prefix of this replica's kube-scheduler (default: $POD_NAME + '_', "
                              "as kube-scheduler names itself <hostname>_<uuid>)")
+    parser.add_argument("--gang-timeout-seconds", type=float, default=DEFAULT_GANG_TIMEOUT_S,
+                        help="a gang's plan not fully bound within this long releases its reservations (a gang's "
+                             f"pods may set their own with the annotation {protocol.ANNOTATION_GANG_TIMEOUT_SECONDS})")
+    parser.add_argument("--gang-topology-labels", default=",".join(protocol.DEFAULT_GANG_TOPOLOGY_LABELS),
+                        help="node labels, narrowest first, whose values a gang spanning nodes prefers to share "
+                             "(comma-separated; empty: no preference)")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -88,6 +98,19 @@ def admission_mark_required(args: argparse.Namespace) -> bool:
     """On in live mode unless turned off; off for a snapshot (its pods never met a webhook) unless turned on."""
     explicit: bool | None = args.require_admission_mark
     return explicit if explicit is not None else not args.snapshot
+
+
+def gang_timeout_s(args: argparse.Namespace) -> float:
+    value: float = args.gang_timeout_seconds
+    if not MIN_GANG_TIMEOUT_S <= value <= MAX_GANG_TIMEOUT_S:
+        raise SystemExit(f"kube-vgpu extender: --gang-timeout-seconds must be from {MIN_GANG_TIMEOUT_S:g} to "
+                         f"{MAX_GANG_TIMEOUT_S:g}, got {value:g}")
+    return value
+
+
+def gang_topology_labels(args: argparse.Namespace) -> tuple[str, ...]:
+    text: str = args.gang_topology_labels
+    return tuple(label.strip() for label in text.split(",") if label.strip())
 
 
 def _build_fence(
@@ -158,7 +181,8 @@ def build(args: argparse.Namespace) -> Extender:
         binder = LiveBinder(api_client)
     fence, start_fence = _build_fence(args, api_client, source)
     scheduler = Scheduler(state, binder, node_policy=args.policy, gpu_policy=args.gpu_policy, gates=gates,
-                          require_admission_mark=admission_mark_required(args), fence=fence)
+                          require_admission_mark=admission_mark_required(args), fence=fence,
+                          gang_timeout_s=gang_timeout_s(args), gang_topology_labels=gang_topology_labels(args))
     if not args.snapshot:
         from kube_vgpu.extender.binding import BindOrdering
         from kube_vgpu.extender.sources.apiclient import DEFAULT_TIMEOUTS

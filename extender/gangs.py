@@ -27,6 +27,9 @@ from kube_vgpu import protocol
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 300.0
+#: a per-gang timeout (annotation) is clamped to this range: seconds, not a typo's hours or an instant release
+MIN_TIMEOUT_S = 10.0
+MAX_TIMEOUT_S = 86400.0
 #: one gang may name at most this many members (a typo like 40000 must not make every member wait forever unseen)
 MAX_GANG_SIZE = 4096
 #: phases after which a pod no longer holds anything
@@ -46,6 +49,21 @@ class GangKey:
         return f"{self.namespace}/{self.name}"
 
 
+def gang_timeout_of(pod: Mapping[str, Any]) -> float | None:
+    """The pod's own gang timeout (annotation), None when it sets none. Raises InvalidGang."""
+    text = ((pod.get("metadata") or {}).get("annotations") or {}).get(protocol.ANNOTATION_GANG_TIMEOUT_SECONDS)
+    if text is None:
+        return None
+    try:
+        timeout_s = float(str(text))
+    except ValueError:
+        timeout_s = float("nan")
+    if not MIN_TIMEOUT_S <= timeout_s <= MAX_TIMEOUT_S:  # NaN fails too
+        raise InvalidGang(f"annotation {protocol.ANNOTATION_GANG_TIMEOUT_SECONDS} must be a number of seconds from "
+                          f"{MIN_TIMEOUT_S:g} to {MAX_TIMEOUT_S:g}, got {str(text)[:20]!r}")
+    return timeout_s
+
+
 def gang_of(pod: Mapping[str, Any]) -> tuple[GangKey, int] | None:
     """(gang, size) of a pod that declares one; None for a pod outside any gang. Raises InvalidGang."""
     metadata = pod.get("metadata") or {}
@@ -63,6 +81,7 @@ def gang_of(pod: Mapping[str, Any]) -> tuple[GangKey, int] | None:
     if not 1 <= size <= MAX_GANG_SIZE:
         raise InvalidGang(f"annotation {protocol.ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT} must be a whole number "
                           f"from 1 to {MAX_GANG_SIZE}, got {str(text)[:20]!r}")
+    gang_timeout_of(pod)  # an unreadable timeout is refused as early as the size
     return GangKey(str(metadata.get("namespace") or ""), str(name)), size
 
 
@@ -89,6 +108,8 @@ class Gang:
     retry_after_s: float = 0.0
     #: why the gang waits, for filter reasons and /state
     waiting: str = ""
+    #: the members' own timeout (annotation); None: the tracker's
+    timeout_s: float | None = None
 
     def bound(self) -> int:
         return sum(1 for member in self.members.values() if member.bound_to)
@@ -140,6 +161,12 @@ class GangTracker:
                     gang.members[bound.uid] = bound
                     self._gang_of_uid[bound.uid] = key
         gang.size = size  # the latest declaration wins
+        try:
+            own_timeout_s = gang_timeout_of(pod)
+        except InvalidGang:
+            own_timeout_s = None  # gang_of refused it already where it is read (filter)
+        if own_timeout_s is not None:
+            gang.timeout_s = own_timeout_s
         metadata = pod.get("metadata") or {}
         found = gang.members.get(uid)
         if found is None:
@@ -177,18 +204,22 @@ class GangTracker:
             gang.plan.pop(uid, None)
 
     # --- plans -----------------------------------------------------------------------------------------------
+    def timeout_of(self, gang: Gang) -> float:
+        return gang.timeout_s if gang.timeout_s is not None else self.timeout_s
+
     def expired(self) -> list[tuple[Gang, list[str]]]:
         """Plans older than the timeout with members still unbound: (gang, the uids whose reservations to release).
         Their plans are dropped here."""
         now = self.clock()
         found = []
         for gang in self.gangs.values():
-            if gang.plan and now - gang.planned_at_s > self.timeout_s and not gang.complete():
+            timeout_s = self.timeout_of(gang)
+            if gang.plan and now - gang.planned_at_s > timeout_s and not gang.complete():
                 released = list(gang.plan)
                 gang.plan.clear()
-                gang.retry_after_s = now + self.timeout_s / 2
+                gang.retry_after_s = now + timeout_s / 2
                 gang.waiting = (f"gang {gang.key}: {gang.bound()} of {gang.size} members were bound within "
-                                f"{self.timeout_s:g} s; the rest's reservations were released (retried later)")
+                                f"{timeout_s:g} s; the rest's reservations were released (retried later)")
                 log.warning("%s", gang.waiting)
                 found.append((gang, released))
         return found
@@ -202,6 +233,7 @@ def gangs_view(tracker: GangTracker) -> list[dict[str, Any]]:
         view.append({
             "name": str(key),
             "size": gang.size,
+            "timeoutSeconds": tracker.timeout_of(gang),
             "membersSeen": len(gang.members),
             "bound": gang.bound(),
             "planned": {gang.members[uid].name: node for uid, node in sorted(gang.plan.items())

@@ -13,7 +13,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -103,6 +103,7 @@ class Scheduler:
         require_admission_mark: bool = False,
         fence: LeaderFence | None = None,
         gang_timeout_s: float = DEFAULT_GANG_TIMEOUT_S,
+        gang_topology_labels: Sequence[str] = protocol.DEFAULT_GANG_TOPOLOGY_LABELS,
     ) -> None:
         self.state = state
         #: refuse GPU pods that did not pass the webhook (live clusters: `kube-vgpu extender` turns it on)
@@ -111,6 +112,8 @@ class Scheduler:
         self.fence = fence
         #: all-or-nothing groups (gangs.py): members learnt from pod events, plans reserved in the state
         self.gangs = GangTracker(timeout_s=gang_timeout_s, clock=state.clock)
+        #: node labels a gang's members prefer to share when they span nodes, narrowest first
+        self.gang_topology_labels = tuple(gang_topology_labels)
         with state.lock:
             state.pod_listeners.append(self.gangs.on_pod)
         self.binder = binder
@@ -404,8 +407,14 @@ class Scheduler:
         cacheable = node_policy.cacheable and gpu_policy.cacheable
         key = self._cache_key(placement_request, node_policy, gpu_policy)
         used_nodes = set(gang.plan.values()) | {m.bound_to for m in gang.members.values() if m.bound_to}
+        # the topology domains (rack, zone, ...) the gang already occupies: a member that needs another node prefers
+        # one in the same rack, else the same zone (fewer hops between the gang's members)
+        used_domains = [
+            {value for used in used_nodes if used and (value := _label_of(state, used, label))}
+            for label in self.gang_topology_labels
+        ]
         feasible = gang.members[uid].feasible
-        best: tuple[tuple[bool, float, str], NodeState, Placement] | None = None
+        best: tuple[tuple[bool, tuple[bool, ...], float, str], NodeState, Placement] | None = None
         for node in state.nodes.values():
             age = state.heartbeat_age_s(node)
             if not node.gpus or age is None or age > state.heartbeat_ttl_s:
@@ -425,8 +434,10 @@ class Scheduler:
                 continue
             if any(gate.check(pod, request, node) for gate in self.gates):
                 continue
-            rank = (node.name in used_nodes, result.score, node.name)
-            if best is None or rank[:2] > best[0][:2]:
+            near = tuple(node.labels.get(label, "") in domains for label, domains in
+                         zip(self.gang_topology_labels, used_domains, strict=True))
+            rank = (node.name in used_nodes, near, result.score, node.name)
+            if best is None or rank[:3] > best[0][:3]:
                 best = (rank, node, result)
         if best is None:
             return f"a node for member {(pod.get('metadata') or {}).get('name')} ({_shape(request)})"
@@ -685,6 +696,11 @@ class Scheduler:
         return (pod.get("spec") or {}).get("nodeName") == node_name and written.get(
             protocol.POD_ASSIGNMENT_ANNOTATION
         ) == annotations[protocol.POD_ASSIGNMENT_ANNOTATION]
+
+
+def _label_of(state: ClusterState, node_name: str, label: str) -> str:
+    node = state.nodes.get(node_name)
+    return node.labels.get(label, "") if node is not None else ""
 
 
 def _shape(request: PodGpuRequest) -> str:

@@ -115,6 +115,12 @@ ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT = KUEUE_API_GROUP + "/pod-group-total-cou
 #: Annotation on a batch/v1 Job (not on its pods): "true" makes the Job's pods one gang of `parallelism` members
 #: (the webhook stamps the Kueue pod-group label and count above on them).
 ANNOTATION_JOB_GANG = ANNOTATION_PREFIX + "gang"
+#: Pod annotation (set it in the Job's pod template): seconds a gang's plan may wait for all its members to bind
+#: before its reservations are released; overrides the extender's --gang-timeout-seconds for that gang.
+ANNOTATION_GANG_TIMEOUT_SECONDS = ANNOTATION_PREFIX + "gang-timeout-seconds"
+#: Node labels a multi-node gang's members prefer to share, narrowest first (rack, then zone): a tie-breaker
+#: after "a node the gang already uses" (override with the extender's --gang-topology-labels).
+DEFAULT_GANG_TOPOLOGY_LABELS: tuple[str, ...] = ("topology.kubernetes.io/rack", "topology.kubernetes.io/zone")
 #: Namespace label the API server sets on every namespace (ClusterQueue namespaceSelectors may use it).
 LABEL_NAMESPACE_NAME = "kubernetes.io/metadata.name"
 # --- end of quota additions ---
