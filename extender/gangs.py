@@ -27,17 +27,12 @@ from kube_vgpu import protocol
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 300.0
-#: a per-gang timeout (annotation) is clamped to this range: seconds, not a typo's hours or an instant release
-MIN_TIMEOUT_S = 10.0
-MAX_TIMEOUT_S = 86400.0
-#: one gang may name at most this many members (a typo like 40000 must not make every member wait forever unseen)
-MAX_GANG_SIZE = 4096
+MIN_TIMEOUT_S = protocol.MIN_GANG_TIMEOUT_S
+MAX_TIMEOUT_S = protocol.MAX_GANG_TIMEOUT_S
 #: phases after which a pod no longer holds anything
 FINISHED = ("Succeeded", "Failed")
-
-
-class InvalidGang(ValueError):
-    """The pod's gang declaration cannot be read; the message says what to fix."""
+#: the pod's gang declaration cannot be read (protocol.parse_gang_declaration says what to fix)
+InvalidGang = protocol.InvalidGangDeclaration
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -50,39 +45,17 @@ class GangKey:
 
 
 def gang_timeout_of(pod: Mapping[str, Any]) -> float | None:
-    """The pod's own gang timeout (annotation), None when it sets none. Raises InvalidGang."""
-    text = ((pod.get("metadata") or {}).get("annotations") or {}).get(protocol.ANNOTATION_GANG_TIMEOUT_SECONDS)
-    if text is None:
-        return None
-    try:
-        timeout_s = float(str(text))
-    except ValueError:
-        timeout_s = float("nan")
-    if not MIN_TIMEOUT_S <= timeout_s <= MAX_TIMEOUT_S:  # NaN fails too
-        raise InvalidGang(f"annotation {protocol.ANNOTATION_GANG_TIMEOUT_SECONDS} must be a number of seconds from "
-                          f"{MIN_TIMEOUT_S:g} to {MAX_TIMEOUT_S:g}, got {str(text)[:20]!r}")
-    return timeout_s
+    """The pod's own gang timeout (annotation), None when it sets none or is in no gang. Raises InvalidGang."""
+    declared = protocol.parse_gang_declaration(pod)
+    return declared.timeout_s if declared is not None else None
 
 
 def gang_of(pod: Mapping[str, Any]) -> tuple[GangKey, int] | None:
     """(gang, size) of a pod that declares one; None for a pod outside any gang. Raises InvalidGang."""
-    metadata = pod.get("metadata") or {}
-    name = (metadata.get("labels") or {}).get(protocol.LABEL_KUEUE_POD_GROUP_NAME)
-    if not name:
+    declared = protocol.parse_gang_declaration(pod)
+    if declared is None:
         return None
-    text = (metadata.get("annotations") or {}).get(protocol.ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT)
-    if text is None:
-        raise InvalidGang(f"pod has the label {protocol.LABEL_KUEUE_POD_GROUP_NAME}={name} but no annotation "
-                          f"{protocol.ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT} (the number of pods in the group)")
-    try:
-        size = int(str(text))
-    except ValueError:
-        size = 0
-    if not 1 <= size <= MAX_GANG_SIZE:
-        raise InvalidGang(f"annotation {protocol.ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT} must be a whole number "
-                          f"from 1 to {MAX_GANG_SIZE}, got {str(text)[:20]!r}")
-    gang_timeout_of(pod)  # an unreadable timeout is refused as early as the size
-    return GangKey(str(metadata.get("namespace") or ""), str(name)), size
+    return GangKey(str((pod.get("metadata") or {}).get("namespace") or ""), declared.name), declared.size
 
 
 @dataclass(slots=True)

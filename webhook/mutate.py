@@ -35,9 +35,11 @@ from kube_vgpu.protocol import (
     POD_ADMITTED_ANNOTATION,
     RESOURCE_GPU,
     ContainerGpuRequest,
+    InvalidGangDeclaration,
     InvalidGpuRequest,
     PodGpuRequest,
     is_internal_annotation,
+    parse_gang_declaration,
     parse_pod_gpu_request,
     pod_asks_for_gpu,
 )
@@ -267,6 +269,10 @@ def admit_create(
     escape = find_escape(spec, {(key, gpu.name) for key, _index, _container, gpu in _gpu_containers(spec, request)})
     if escape:
         return _deny(403, escape)
+    try:
+        parse_gang_declaration(pod)  # refused here, not left to wait in scheduling with the same message
+    except InvalidGangDeclaration as exc:
+        return _deny(400, f"invalid gang: {exc}")
     total = request.total_vgpus  # at its peak: native sidecars count beside the containers they run with
     if total > config.max_gpus_per_pod:
         sidecars = any(gpu.sidecar for gpu in request.containers)

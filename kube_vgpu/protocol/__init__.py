@@ -116,8 +116,9 @@ ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT = KUEUE_API_GROUP + "/pod-group-total-cou
 #: (the webhook stamps the Kueue pod-group label and count above on them).
 ANNOTATION_JOB_GANG = ANNOTATION_PREFIX + "gang"
 #: Pod annotation (set it in the Job's pod template): seconds a gang's plan may wait for all its members to bind
-#: before its reservations are released; overrides the extender's --gang-timeout-seconds for that gang.
-ANNOTATION_GANG_TIMEOUT_SECONDS = ANNOTATION_PREFIX + "gang-timeout-seconds"
+#: before its reservations are released; overrides the extender's --gang-timeout-seconds for that gang. Users
+#: write it, so it lies outside kube-vgpu.io/, which only kube-vgpu's components may write.
+ANNOTATION_GANG_TIMEOUT_SECONDS = "gang.kube-vgpu.io/timeout-seconds"
 #: Node labels a multi-node gang's members prefer to share, narrowest first (rack, then zone): a tie-breaker
 #: after "a node the gang already uses" (override with the extender's --gang-topology-labels).
 DEFAULT_GANG_TOPOLOGY_LABELS: tuple[str, ...] = ("topology.kubernetes.io/rack", "topology.kubernetes.io/zone")
@@ -554,6 +555,59 @@ def decode_allocation(text: str) -> dict[str, tuple[str, ...]]:
 # ---------------------------------------------------------------------------------------------
 # The HAMi-compatible pod API: parsing a pod's GPU request
 # ---------------------------------------------------------------------------------------------
+
+
+#: one gang may name at most this many members (a typo like 40000 must not make every member wait forever unseen)
+MAX_GANG_SIZE = 4096
+#: a gang's own timeout (annotation) must lie in this range: seconds, not a typo's days or an instant release
+MIN_GANG_TIMEOUT_S = 10.0
+MAX_GANG_TIMEOUT_S = 86400.0
+
+
+class InvalidGangDeclaration(ValueError):
+    """A pod's gang declaration cannot be read; the message says what to fix."""
+
+
+@dataclass(frozen=True, slots=True)
+class GangDeclaration:
+    name: str  # the gang, in the pod's namespace
+    size: int
+    timeout_s: float | None  # the gang's own plan timeout; None: the extender's
+
+
+def parse_gang_declaration(pod: Mapping[str, Any]) -> GangDeclaration | None:
+    """A pod's gang (Kueue's plain-pod group labels, our timeout annotation); None for a pod outside any gang.
+    Read by the webhook (refused at admission) and the extender (the same rules, whatever passed admission)."""
+    metadata = pod.get("metadata") or {}
+    name = (metadata.get("labels") or {}).get(LABEL_KUEUE_POD_GROUP_NAME)
+    if not name:
+        return None
+    annotations = metadata.get("annotations") or {}
+    text = annotations.get(ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT)
+    if text is None:
+        raise InvalidGangDeclaration(
+            f"pod has the label {LABEL_KUEUE_POD_GROUP_NAME}={name} but no annotation "
+            f"{ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT} (the number of pods in the group)")
+    try:
+        size = int(str(text))
+    except ValueError:
+        size = 0
+    if not 1 <= size <= MAX_GANG_SIZE:
+        raise InvalidGangDeclaration(
+            f"annotation {ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT} must be a whole number from 1 to {MAX_GANG_SIZE}, "
+            f"got {str(text)[:20]!r}")
+    timeout_text = annotations.get(ANNOTATION_GANG_TIMEOUT_SECONDS)
+    timeout_s: float | None = None
+    if timeout_text is not None:
+        try:
+            timeout_s = float(str(timeout_text))
+        except ValueError:
+            timeout_s = float("nan")
+        if not MIN_GANG_TIMEOUT_S <= timeout_s <= MAX_GANG_TIMEOUT_S:  # NaN fails too
+            raise InvalidGangDeclaration(
+                f"annotation {ANNOTATION_GANG_TIMEOUT_SECONDS} must be a number of seconds from "
+                f"{MIN_GANG_TIMEOUT_S:g} to {MAX_GANG_TIMEOUT_S:g}, got {str(timeout_text)[:20]!r}")
+    return GangDeclaration(str(name), size, timeout_s)
 
 
 class InvalidGpuRequest(ValueError):

@@ -36,6 +36,12 @@ def _with_annotations(annotations: dict[str, str], *containers: dict[str, Any]) 
     return pod(*containers, annotations=annotations)
 
 
+def _gang_member(annotations: dict[str, str]) -> dict[str, Any]:
+    member = pod(gpu_container(gpu="1"), annotations=annotations)
+    member["metadata"]["labels"]["kueue.x-k8s.io/pod-group-name"] = "train-7"
+    return member
+
+
 ROWS = [
     # -- quantities: whole, non-negative numbers only
     Row(
@@ -300,6 +306,28 @@ ROWS = [
         "annotation kube-vgpu.io/gpu-bind-time is written only by kube-vgpu and cannot be added, changed or removed",
         operation="UPDATE",
         old=_with_annotations({"team": "a", "kube-vgpu.io/gpu-bind-time": "2026-01-01T00:00:00Z"}, gpu_container()),
+    ),
+    # -- gang declarations: refused at admission, not left Pending with the same message
+    Row(
+        "gang-without-count",
+        _gang_member({}),
+        400,
+        "invalid gang: pod has the label kueue.x-k8s.io/pod-group-name=train-7 but no annotation "
+        "kueue.x-k8s.io/pod-group-total-count (the number of pods in the group)",
+    ),
+    Row(
+        "gang-count-not-a-number",
+        _gang_member({"kueue.x-k8s.io/pod-group-total-count": "four"}),
+        400,
+        "invalid gang: annotation kueue.x-k8s.io/pod-group-total-count must be a whole number from 1 to 4096, "
+        "got 'four'",
+    ),
+    Row(
+        "gang-timeout-too-short",
+        _gang_member({"kueue.x-k8s.io/pod-group-total-count": "4", "gang.kube-vgpu.io/timeout-seconds": "1"}),
+        400,
+        "invalid gang: annotation gang.kube-vgpu.io/timeout-seconds must be a number of seconds from 10 to 86400, "
+        "got '1'",
     ),
 ]
 
