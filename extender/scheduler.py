@@ -715,7 +715,7 @@ def _shape(request: PodGpuRequest) -> str:
 
 
 # why _plan_member passed a node over, in the order its reason lists them
-_NO_ROOM = "without room on their GPUs"
+_NO_ROOM = "whose GPUs cannot take it"
 _QUOTA = "refused by quota"
 _NOT_OFFERED = "not offered for it by kube-scheduler (its node selector, affinity, taints or other resources)"
 _NO_INVENTORY = "without GPUs or a fresh GPU inventory"

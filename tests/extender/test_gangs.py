@@ -90,7 +90,7 @@ def test_a_gang_that_does_not_fit_reserves_nothing_and_binds_nothing_then_all_at
         passed, reasons = env.filter(p)
         assert passed == []
         assert reasons == {f"gang default/train: 3 of 4 members fit; waiting for a node for member train-3 "
-                           f"(1 x 81920 MiB, gpucores 0): none of 4 node(s) fits it: 4 without room on their GPUs "
+                           f"(1 x 81920 MiB, gpucores 0): none of 4 node(s) fits it: 4 whose GPUs cannot take it "
                            f"(e.g. n3: {NO_ROOM}); the 3 member(s) planned before it count as using their GPUs "
                            "and quota"}
     assert sum(env.used_mib().values()) == WHOLE_MIB  # only the blocker: nothing reserved for the gang
@@ -126,8 +126,8 @@ def test_two_gangs_racing_for_six_gpus_end_one_whole_and_one_waiting() -> None:
     assert not any(results[f"b-{i}"] for i in range(4))
     passed, reasons = env.filter(b[0])
     assert passed == [] and reasons == {f"gang default/b: 2 of 4 members fit; waiting for a node for member b-2 "
-                                        f"(1 x 81920 MiB, gpucores 0): none of 6 node(s) fits it: 6 without room "
-                                        f"on their GPUs (e.g. n0: {NO_ROOM}); the 2 member(s) planned before it "
+                                        f"(1 x 81920 MiB, gpucores 0): none of 6 node(s) fits it: 6 whose GPUs "
+                                        f"cannot take it (e.g. n0: {NO_ROOM}); the 2 member(s) planned before it "
                                         "count as using their GPUs and quota"}
     assert sum(env.used_mib().values()) == 4 * WHOLE_MIB  # gang b holds nothing
 
@@ -367,16 +367,16 @@ def _timed_out(later_s: float) -> set[str]:
                  "annotation kueue.x-k8s.io/pod-group-total-count=3)", id="members-missing"),
     pytest.param(_no_room,
                  f"gang default/t: 2 of 3 members fit; waiting for a node for member t-2 (1 x 81920 MiB, gpucores "
-                 f"0): none of 3 node(s) fits it: 3 without room on their GPUs (e.g. n2: {NO_ROOM}); the 2 "
+                 f"0): none of 3 node(s) fits it: 3 whose GPUs cannot take it (e.g. n2: {NO_ROOM}); the 2 "
                  "member(s) planned before it count as using their GPUs and quota", id="no-room"),
     pytest.param(_no_room_in_cores,
                  "gang default/t: 2 of 3 members fit; waiting for a node for member t-2 (1 x 1000 MiB, gpucores "
-                 "60): none of 2 node(s) fits it: 2 without room on their GPUs (e.g. n0: no GPU with 60 percent "
+                 "60): none of 2 node(s) fits it: 2 whose GPUs cannot take it (e.g. n0: no GPU with 60 percent "
                  "cores free (most free 40 percent)); the 2 member(s) planned before it count as using their GPUs "
                  "and quota", id="no-room-cores-no-percent-sign"),
     pytest.param(_not_offered,
                  f"gang default/t: 1 of 2 members fit; waiting for a node for member t-1 (1 x 81920 MiB, gpucores "
-                 f"0): none of 3 node(s) fits it: 1 without room on their GPUs (e.g. n2: {NO_ROOM}); 2 not offered "
+                 f"0): none of 3 node(s) fits it: 1 whose GPUs cannot take it (e.g. n2: {NO_ROOM}); 2 not offered "
                  "for it by kube-scheduler (its node selector, affinity, taints or other resources); the 1 "
                  "member(s) planned before it count as using their GPUs and quota", id="not-offered"),
     pytest.param(_over_quota,

@@ -157,7 +157,7 @@ def test_a_waiting_gang_in_quota_and_in_the_status_table(url: str, capsys: pytes
         quota = http.get("/quota").json()
     assert reason == (
         "gang research/train-7: 1 of 3 members fit; waiting for a node for member train-7-1 (4 x 81920 MiB, gpucores "
-        "50): none of 3 node(s) fits it: 2 without room on their GPUs (e.g. v100-0: needs 81920 MiB per GPU, largest "
+        "50): none of 3 node(s) fits it: 2 whose GPUs cannot take it (e.g. v100-0: needs 81920 MiB per GPU, largest "
         "GPU here has 32768 MiB); 1 refused by quota (e.g. a100-1: quota: ClusterQueue ai-training-queue (LocalQueue "
         "research/research-queue): flavor a100, nvidia.com/gpumem: needs 327680, used 327680/491520 MiB (nominal "
         "327680, borrowing limit 163840), 163840 available now); the 1 member(s) planned before it count as using "
