@@ -189,10 +189,17 @@ class GangTracker:
             timeout_s = self.timeout_of(gang)
             if gang.plan and now - gang.planned_at_s > timeout_s and not gang.complete():
                 released = list(gang.plan)
+                # name the members that never bound and where: their events say what refused the planned node
+                unbound = ", ".join(
+                    f"{gang.members[uid].name} on {node or 'any node'}"
+                    for uid, node in sorted(gang.plan.items(), key=lambda item: gang.members[item[0]].name)
+                    if uid in gang.members
+                )
                 gang.plan.clear()
                 gang.retry_after_s = now + timeout_s / 2
                 gang.waiting = (f"gang {gang.key}: {gang.bound()} of {gang.size} members were bound within "
-                                f"{timeout_s:g} s; the rest's reservations were released (retried later)")
+                                f"{timeout_s:g} s of the plan; not bound: {unbound} (see those pods' events for "
+                                "what refused the planned node); their reservations were released")
                 log.warning("%s", gang.waiting)
                 found.append((gang, released))
         return found

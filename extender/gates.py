@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from prometheus_client.registry import Collector
 
     from kube_vgpu.extender.engine.model import NodeState
+    from kube_vgpu.extender.gangs import GangTracker
     from kube_vgpu.extender.sources.watch import WatchHealth
     from kube_vgpu.protocol import PodGpuRequest
 
@@ -36,8 +37,9 @@ class Gate(Protocol):
         """The gate's own Prometheus gauges, registered with the extender's; None for none."""
         ...
 
-    def snapshot(self) -> dict[str, Any] | None:
-        """The gate's JSON view for /quota; None when it has none."""
+    def snapshot(self, gangs: GangTracker | None = None) -> dict[str, Any] | None:
+        """The gate's JSON view for /quota (with the gangs in its queues, from the tracker); None when it has
+        none."""
         ...
 
     def start(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import re
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -371,10 +372,14 @@ class Scheduler:
         the gang waits (then nothing is reserved)."""
         now = self.state.clock()
         if now < gang.retry_after_s:
-            return gang.waiting
+            # back-off after a timed-out plan: say when the next try comes, so nobody waits blind
+            return f"{gang.waiting}; next plan in {max(1, round(gang.retry_after_s - now))} s"
         if len(gang.members) < gang.size:
-            gang.waiting = (f"gang {gang.key}: {len(gang.members)} of {gang.size} members created; waiting for the "
-                            "rest before placing any")
+            missing = gang.size - len(gang.members)
+            gang.waiting = (f"gang {gang.key}: {len(gang.members)} of {gang.size} members created; waiting for "
+                            f"{missing} more pod(s) labelled {protocol.LABEL_KUEUE_POD_GROUP_NAME}={gang.key.name} "
+                            f"in namespace {gang.key.namespace} before placing any (the size is the annotation "
+                            f"{protocol.ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT}={gang.size})")
             return gang.waiting
         reserved: list[str] = []
         for member in gang.pending():
@@ -384,7 +389,7 @@ class Scheduler:
                     gang.plan.pop(member_uid, None)
                     self.state.release(member_uid, only_unconfirmed=True)
                 fit = gang.bound() + len(gang.plan) + len(reserved)
-                gang.waiting = f"gang {gang.key}: {fit} of {gang.size} members fit; waiting for {why}"
+                gang.waiting = _no_percent(f"gang {gang.key}: {fit} of {gang.size} members fit; waiting for {why}")
                 return gang.waiting
             reserved.append(member.uid)
         gang.planned_at_s = now
@@ -415,15 +420,18 @@ class Scheduler:
         ]
         feasible = gang.members[uid].feasible
         best: tuple[tuple[bool, tuple[bool, ...], float, str], NodeState, Placement] | None = None
+        misses = _Misses()  # why each node was passed over: the reason counts them when none is left
         for node in state.nodes.values():
             age = state.heartbeat_age_s(node)
             if not node.gpus or age is None or age > state.heartbeat_ttl_s:
+                misses.add(_NO_INVENTORY, node.name, "")
                 continue
             # only nodes kube-scheduler would allow it: the nodes it last offered for this member, if it did, and
             # the member's node selector and required affinity in any case
             if (feasible is not None and node.name not in feasible) or not kubeapi.node_matches_pod(
                 pod, node.labels, node.name
             ):
+                misses.add(_NOT_OFFERED, node.name, "")
                 continue
             result = node.fit_cache.get(key) if cacheable else None
             if result is None:
@@ -431,21 +439,25 @@ class Scheduler:
                 if cacheable:
                     node.fit_cache[key] = result
             if isinstance(result, FitFailure):
+                misses.add(_NO_ROOM, node.name, result.reason, node.name in used_nodes)
                 continue
-            if any(gate.check(pod, request, node) for gate in self.gates):
+            refused = next((r for r in (gate.check(pod, request, node) for gate in self.gates) if r), None)
+            if refused:
+                misses.add(_QUOTA, node.name, refused, node.name in used_nodes)
                 continue
             near = tuple(node.labels.get(label, "") in domains for label, domains in
                          zip(self.gang_topology_labels, used_domains, strict=True))
             rank = (node.name in used_nodes, near, result.score, node.name)
             if best is None or rank[:3] > best[0][:3]:
                 best = (rank, node, result)
+        member_text = f"member {(pod.get('metadata') or {}).get('name')} ({_shape(request)})"
         if best is None:
-            return f"a node for member {(pod.get('metadata') or {}).get('name')} ({_shape(request)})"
+            return f"a node for {member_text}: {misses.describe(len(gang.plan))}"
         _, node, placement = best
         for gate in self.gates:
             refusal = gate.reserve(pod, request, node, uid)
             if refusal:
-                return refusal
+                return f"quota for {member_text} on node {node.name}: {refusal}"
         metadata = pod.get("metadata") or {}
         state.reserve(uid, str(metadata.get("namespace") or ""), str(metadata.get("name") or ""),
                       assignment_from_placement(node, placement), metadata.get("labels") or {})
@@ -716,3 +728,46 @@ def _shape(request: PodGpuRequest) -> str:
         # no '%': kube-scheduler formats an extender's reason as a format string in its events
         parts.append(f"{container.count} x {memory}, gpucores {container.cores}")
     return "; ".join(parts)
+
+
+# why _plan_member passed a node over, in the order its reason lists them
+_NO_ROOM = "whose GPUs cannot take it"
+_QUOTA = "refused by quota"
+_NOT_OFFERED = "not offered for it by kube-scheduler (its node selector, affinity, taints or other resources)"
+_NO_INVENTORY = "without GPUs or a fresh GPU inventory"
+
+
+@dataclass(slots=True)
+class _Misses:
+    """The nodes a gang member fits on none of, counted by why, with the first such node's own words for each."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    first: dict[str, str] = field(default_factory=dict)
+    #: whys whose example is a node the gang itself uses (a node it does not use is the better example)
+    example_is_gang_node: set[str] = field(default_factory=set)
+
+    def add(self, why: str, node_name: str, detail: str, gang_node: bool = False) -> None:
+        self.counts[why] = self.counts.get(why, 0) + 1
+        if detail and (why not in self.first or (why in self.example_is_gang_node and not gang_node)):
+            self.first[why] = f"{node_name}: {detail}"
+            (self.example_is_gang_node.add if gang_node else self.example_is_gang_node.discard)(why)
+
+    def describe(self, planned_before: int) -> str:
+        total_nodes = sum(self.counts.values())
+        if not total_nodes:
+            return "no node is known to kube-vgpu"
+        parts = []
+        for why in (_NO_ROOM, _QUOTA, _NOT_OFFERED, _NO_INVENTORY):
+            if why in self.counts:
+                example = f" (e.g. {self.first[why]})" if why in self.first else ""
+                parts.append(f"{self.counts[why]} {why}{example}")
+        text = f"none of {total_nodes} node(s) fits it: {'; '.join(parts)}"
+        if planned_before and (_NO_ROOM in self.counts or _QUOTA in self.counts):
+            # their reservations are held while this member is placed: the user may wonder where the room went
+            text += f"; the {planned_before} member(s) planned before it count as using their GPUs and quota"
+        return text
+
+
+def _no_percent(text: str) -> str:
+    """kube-scheduler formats an extender's reason as a format string in its events: spell '%' out."""
+    return re.sub(r"\s*%", " percent", text)

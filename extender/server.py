@@ -371,7 +371,7 @@ def add_views(app: FastAPI, scheduler: Scheduler, registry: CollectorRegistry) -
     async def quota_view() -> Response:
         """Per ClusterQueue and flavor: nominal, borrowed, lent, used, pending pods."""
         for gate in scheduler.gates:
-            view = await run_in_threadpool(gate.snapshot)
+            view = await run_in_threadpool(gate.snapshot, scheduler.gangs)
             if view is not None:
                 return _json(view)
         return _json({"Error": "no quota gate: start the extender with --quota-config or in live mode"}, 404)

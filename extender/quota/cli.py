@@ -7,15 +7,18 @@ import json
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from typing import Any
 
 COLUMNS = ("CLUSTERQUEUE", "FLAVOR", "RESOURCE", "NOMINAL", "BORROWED", "LENT", "USED", "LIMIT", "AVAILABLE",
            "PENDING")
+GANG_COLUMNS = ("GANG", "SIZE", "SEEN", "BOUND", "PLANNED", "WAITING")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="quota_command", required=True, metavar="COMMAND")
-    status = sub.add_parser("status", help="per ClusterQueue and flavor: nominal, borrowed, lent, used, pending pods")
+    status = sub.add_parser("status", help="per ClusterQueue and flavor: nominal, borrowed, lent, used, pending pods; "
+                                           "then each queue's gangs")
     status.add_argument("--extender-url", default="http://127.0.0.1:8888",
                         help="the extender's HTTP address (default http://127.0.0.1:8888; e.g. through "
                              "`kubectl port-forward`)")
@@ -33,8 +36,26 @@ def _cell(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
+def _table(columns: tuple[str, ...], rows: Sequence[tuple[str, ...]], numeric: set[int]) -> list[str]:
+    """Fixed-width lines: numbers right-aligned, text left-aligned, trailing blanks cut."""
+    widths = [max(len(row[i]) for row in [columns, *rows]) for i in range(len(columns))]
+    lines = []
+    for row in [columns, *rows]:
+        cells = [cell.rjust(widths[i]) if i in numeric else cell.ljust(widths[i]) for i, cell in enumerate(row)]
+        lines.append("  ".join(cells).rstrip())
+    return lines
+
+
+def _gang_table(title: str, gangs: list[dict[str, Any]]) -> list[str]:
+    """One queue's gangs: members seen, bound and planned, and why the gang waits (empty when it does not)."""
+    rows = [(g["name"], _cell(g["size"]), _cell(g["membersSeen"]), _cell(g["bound"]), _cell(g["planned"]),
+             g.get("waiting") or "-") for g in gangs]
+    return ["", title, *_table(GANG_COLUMNS, rows, {1, 2, 3, 4})]
+
+
 def render(doc: dict[str, Any]) -> str:
-    """The /quota document as a fixed-width table plus notes (inactive queues, invalid objects)."""
+    """The /quota document as a fixed-width table, a table of gangs per queue that has any, then notes (inactive
+    queues, invalid objects)."""
     rows: list[tuple[str, ...]] = []
     notes: list[str] = []
     for queue in doc.get("clusterQueues", []):
@@ -63,12 +84,13 @@ def render(doc: dict[str, Any]) -> str:
             notes.append(f"ClusterQueue {queue['name']}: {queue['waitingForQuota']} pod(s) waiting for quota")
         for item in queue.get("uncountedPods", []):
             notes.append(f"ClusterQueue {queue['name']}: pod {item['pod']} not counted: {item['problem']}")
-    widths = [max(len(row[i]) for row in [COLUMNS, *rows]) for i in range(len(COLUMNS))]
-    numeric = {3, 4, 5, 6, 7, 8, 9}
-    lines = []
-    for row in [COLUMNS, *rows]:
-        cells = [cell.rjust(widths[i]) if i in numeric else cell.ljust(widths[i]) for i, cell in enumerate(row)]
-        lines.append("  ".join(cells).rstrip())
+    lines = _table(COLUMNS, rows, {3, 4, 5, 6, 7, 8, 9})
+    # gangs after the queues' table, one table per queue that has any: nothing at all when there are none
+    for queue in doc.get("clusterQueues", []):
+        if queue.get("gangs"):
+            lines.extend(_gang_table(f"Gangs in ClusterQueue {queue['name']}:", queue["gangs"]))
+    if doc.get("unqueuedGangs"):
+        lines.extend(_gang_table("Gangs in no ClusterQueue:", doc["unqueuedGangs"]))
     if not doc.get("synced", True):
         notes.insert(0, "Kueue objects not listed from the cluster yet: nothing is admitted")
     notes.extend(f"invalid (left out): {error}" for error in doc.get("errors", []))

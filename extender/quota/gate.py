@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.registry import Collector
 
@@ -52,6 +52,9 @@ from kube_vgpu.extender.quota.usage import (
 from kube_vgpu.extender.quota.views import quota_view
 from kube_vgpu.extender.state import FINISHED_PHASES, ClusterState, PodRecord
 from kube_vgpu.protocol import PodGpuRequest
+
+if TYPE_CHECKING:
+    from kube_vgpu.extender.gangs import GangTracker
 
 log = logging.getLogger(__name__)
 
@@ -185,10 +188,7 @@ class QuotaGate:
             return  # already counted: +1 is idempotent
         if self.pending.pop(uid, None) is not None:
             self._version += 1
-        admitted_to = self._admitted_to.get(uid)
-        cluster_queue = self.config.cluster_queues.get(admitted_to) if admitted_to else None
-        if cluster_queue is None:
-            cluster_queue = self._queue_of(record.namespace, record.labels)
+        cluster_queue = self.cluster_queue_of(uid, record.namespace, record.labels)
         if cluster_queue is None:
             return  # not managed by any ClusterQueue
         self._admitted_to[uid] = cluster_queue.name
@@ -293,6 +293,13 @@ class QuotaGate:
         if not isinstance(local_queue, LocalQueue):
             return None
         return self.config.cluster_queues.get(local_queue.cluster_queue)
+
+    def cluster_queue_of(self, uid: str, namespace: str, labels: Mapping[str, str]) -> ClusterQueue | None:
+        """The ClusterQueue a pod is in (caller holds state.lock): the one it was admitted to, which a config
+        reload does not move, else its LocalQueue's; None when no queue manages it (as _on_usage decides)."""
+        admitted_to = self._admitted_to.get(uid)
+        found = self.config.cluster_queues.get(admitted_to) if admitted_to else None
+        return found if found is not None else self._queue_of(namespace, labels)
 
     def _priority(self, info: PodInfo) -> int:
         """As Kueue: a WorkloadPriorityClass named by label wins over the pod's PriorityClass value."""
@@ -588,9 +595,9 @@ class QuotaGate:
             found = [c for c in self.charges.values() if c.cluster_queue == cluster_queue and c.counted]
         return sorted(found, key=lambda c: (c.priority, -c.created_s))
 
-    def snapshot(self) -> dict[str, Any]:
-        """JSON-ready view for GET /quota (quota/views.py)."""
-        return quota_view(self)
+    def snapshot(self, gangs: GangTracker | None = None) -> dict[str, Any]:
+        """JSON-ready view for GET /quota (quota/views.py), with each queue's gangs when given the tracker."""
+        return quota_view(self, gangs)
 
     def collector(self) -> Collector:
         return QuotaCollector(self)

@@ -1,21 +1,110 @@
 """The /quota view (and `kube-vgpu quota status`, and the metrics): per ClusterQueue and flavor, nominal,
-borrowed, lent, used and available; pending pods; cohorts; local queues; the configuration's errors and warnings."""
+borrowed, lent, used and available; pending pods; the gangs in each queue; cohorts; local queues; the
+configuration's errors and warnings."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from kube_vgpu.extender.quota.objects import RESOURCE_UNITS
+from kube_vgpu import protocol
+from kube_vgpu.extender.quota.objects import RESOURCE_CPU, RESOURCE_MEMORY, RESOURCE_PODS, RESOURCE_UNITS
+from kube_vgpu.extender.quota.usage import GPU_RESOURCES, pod_info, request_usage_fixed
+from kube_vgpu.protocol import InvalidGpuRequest
 
 if TYPE_CHECKING:
+    from kube_vgpu.extender.gangs import Gang, GangTracker, Member
     from kube_vgpu.extender.quota.gate import QuotaGate
+    from kube_vgpu.extender.quota.objects import ClusterQueue
 
 
-def quota_view(gate: QuotaGate) -> dict[str, Any]:
-    """JSON-ready view of the gate's queues, taken under the state lock (a consistent moment)."""
+def _member_labels(gate: QuotaGate, member: Member) -> Mapping[str, str]:
+    """A member's labels: from its pod object, or from the state's record for a member known only as bound."""
+    labels = (member.pod.get("metadata") or {}).get("labels")
+    if labels is None:
+        record = gate.state.pods.get(member.uid)
+        labels = record.labels if record is not None else {}
+    return labels
+
+
+def _gang_quota(gate: QuotaGate, cluster_queue: ClusterQueue, members: list[Member]) -> dict[str, Any]:
+    """What the gang's members in this queue ask of it, in the resources it covers: a counted member (bound, or
+    reserved by the gang's plan) what the gate charged it; a pending one its request. A GPU ask that depends on
+    the node (gpumem-percentage, whole GPUs) is left out of the sums, its resources listed in dependsOnNode."""
+    covered = cluster_queue.covered_resources
+    totals: dict[str, int] = {}
+    depends_on_node: set[str] = set()
+    now_s = gate.state.clock()
+    for member in members:
+        charge = gate.charges.get(member.uid)
+        if charge is not None:
+            asked = dict(charge.resources)
+        else:
+            try:
+                request = protocol.parse_pod_gpu_request(member.pod)
+            except InvalidGpuRequest:
+                request = None  # filter says why, to the pod's owner
+            fixed = request_usage_fixed(request) if request is not None else None
+            if fixed is None:
+                # MiB and cores depend on the node's GPUs; the vGPU count does not (as request_usage_fixed counts)
+                depends_on_node.update(r for r in GPU_RESOURCES[1:] if r in covered)
+                fixed = {GPU_RESOURCES[0]: max((sum(c.count for c in phase) for phase in request.phases),
+                                               default=0) if request is not None else 0}
+            info = pod_info(member.pod, now_s)
+            asked = {**fixed, RESOURCE_CPU: info.cpu_milli, RESOURCE_MEMORY: info.memory_bytes, RESOURCE_PODS: 1}
+        for resource, amount in asked.items():
+            if resource in covered and amount > 0:
+                totals[resource] = totals.get(resource, 0) + amount
+    return {
+        "resources": [{"resource": r, "unit": RESOURCE_UNITS.get(r, ""), "amount": totals[r]} for r in sorted(totals)],
+        "dependsOnNode": sorted(depends_on_node),
+    }
+
+
+def _gang_entry(gang: Gang) -> dict[str, Any]:
+    return {
+        "name": str(gang.key),
+        "size": gang.size,
+        "membersSeen": len(gang.members),
+        "bound": gang.bound(),
+        "planned": sum(1 for uid in gang.plan if uid in gang.members),
+        "waiting": gang.waiting if not gang.complete() else "",
+    }
+
+
+def gangs_by_queue(gate: QuotaGate, tracker: GangTracker) -> tuple[dict[str, list[dict[str, Any]]],
+                                                                   list[dict[str, Any]]]:
+    """(ClusterQueue name -> its gangs, the gangs in no queue); caller holds the state lock. A member's queue is
+    the gate's own answer (cluster_queue_of), so /quota groups gangs as quota counts them. Counts are the whole
+    gang's; `membersInQueue` and `quota` are of the members in that queue (Kueue wants a group in one queue: a
+    gang split over queues shows under each)."""
+    by_queue: dict[str, list[dict[str, Any]]] = {}
+    unqueued: list[dict[str, Any]] = []
+    for key in sorted(tracker.gangs):
+        gang = tracker.gangs[key]
+        members_by_queue: dict[str, tuple[ClusterQueue, list[Member]]] = {}
+        outside = 0
+        for member in sorted(gang.members.values(), key=lambda m: (m.created, m.name)):
+            cluster_queue = gate.cluster_queue_of(member.uid, key.namespace, _member_labels(gate, member))
+            if cluster_queue is None:
+                outside += 1
+                continue
+            members_by_queue.setdefault(cluster_queue.name, (cluster_queue, []))[1].append(member)
+        for name, (cluster_queue, members) in members_by_queue.items():
+            by_queue.setdefault(name, []).append({**_gang_entry(gang), "membersInQueue": len(members),
+                                                  "quota": _gang_quota(gate, cluster_queue, members)})
+        if outside:
+            unqueued.append(_gang_entry(gang))
+    return by_queue, unqueued
+
+
+def quota_view(gate: QuotaGate, gangs: GangTracker | None = None) -> dict[str, Any]:
+    """JSON-ready view of the gate's queues (and of the tracker's gangs), taken under the state lock (a
+    consistent moment: the gangs are the scheduler's, kept under the same lock)."""
     with gate.state.lock:
         gate.resolve_unresolved()
         config = gate.config
+        queue_gangs, unqueued_gangs = gangs_by_queue(gate, gangs) if gangs is not None else ({}, [])
         queues = []
         for cluster_queue in sorted(config.cluster_queues.values(), key=lambda q: q.name):
             pending = sorted((p for p in gate.pending.values() if p.cluster_queue == cluster_queue.name),
@@ -55,6 +144,7 @@ def quota_view(gate: QuotaGate) -> dict[str, Any]:
                 "pending": [{"pod": f"{p.namespace}/{p.name}", "priority": p.priority,
                              "waitingForQuota": p.waiting_for_quota, "reason": p.reason}
                             for p in pending[:100]],
+                "gangs": queue_gangs.get(cluster_queue.name, []),
             })
         cohorts = []
         cohort_names = sorted({k[1] for k in gate.tree.parent if k[0] == "Cohort"})
@@ -72,6 +162,7 @@ def quota_view(gate: QuotaGate) -> dict[str, Any]:
             "synced": gate.synced,
             "sources": list(gate.sources),
             "unqueuedPods": gate.unqueued,
+            "unqueuedGangs": unqueued_gangs,
             "errors": list(config.errors),
             "warnings": list(config.warnings),
             "clusterQueues": queues,

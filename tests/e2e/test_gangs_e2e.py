@@ -54,6 +54,13 @@ def test_a_gang_binds_no_member_until_all_fit_then_all(
               if g["name"] == f"{e2e_namespace}/train"]
     assert (view["size"], view["membersSeen"], view["bound"], view["planned"]) == (4, 4, 0, {})
     assert "3 of 4 members fit" in view["waiting"]
+    # which member waits, what it asks, and how many nodes refuse it (the count depends on the other tests' nodes)
+    assert "waiting for a node for member train-3 (1 x 81920 MiB, gpucores 0): none of " in view["waiting"]
+    # /quota too: its pods name no queue, so the gang is listed apart from the ClusterQueues
+    quota = httpx.get(f"{dev_cluster.extender_url}/quota", timeout=30).json()
+    [listed] = [g for g in quota["unqueuedGangs"] if g["name"] == f"{e2e_namespace}/train"]
+    assert (listed["size"], listed["membersSeen"], listed["bound"], listed["planned"]) == (4, 4, 0, 0)
+    assert "3 of 4 members fit" in listed["waiting"]
     dev_cluster.core.delete_namespaced_pod("blocker", e2e_namespace, grace_period_seconds=0)  # a 4th GPU frees
     outcome = wait_for_pods(dev_cluster.api, e2e_namespace, names(train), timeout_s=WAIT_S)
     assert sorted(outcome.bound.values()) == sorted(nodes.names), outcome.describe()

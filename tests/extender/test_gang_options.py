@@ -38,8 +38,9 @@ def test_a_gangs_own_timeout_wins_over_the_extenders() -> None:
     env.clock.now += 2
     passed, reasons = env.filter(gang[1])
     assert passed == []
-    assert reasons == {"gang default/g: 1 of 3 members were bound within 30 s; the rest's reservations were "
-                       "released (retried later)"}
+    assert reasons == {"gang default/g: 1 of 3 members were bound within 30 s of the plan; not bound: g-1 on n1, "
+                       "g-2 on n2 (see those pods' events for what refused the planned node); their reservations "
+                       "were released; next plan in 15 s"}
     assert sum(env.used_mib().values()) == WHOLE_MIB
     state_view = env.scheduler.gangs.timeout_of(env.scheduler.gangs.gangs[next(iter(env.scheduler.gangs.gangs))])
     assert state_view == 30

@@ -17,6 +17,7 @@ from tests.helpers import gpu_node, pod
 from tests.quota.helpers import FLAVORS, a100_node, gpu_queue, local_queue, make_env, queued_pod
 
 WHOLE_MIB = 81920
+NO_ROOM = "no GPU with 81920 MiB free (largest free 0 MiB)"
 
 
 class Clock:
@@ -88,8 +89,10 @@ def test_a_gang_that_does_not_fit_reserves_nothing_and_binds_nothing_then_all_at
     for p in gang:
         passed, reasons = env.filter(p)
         assert passed == []
-        assert reasons == {"gang default/train: 3 of 4 members fit; waiting for a node for member train-3 "
-                           "(1 x 81920 MiB, gpucores 0)"}
+        assert reasons == {f"gang default/train: 3 of 4 members fit; waiting for a node for member train-3 "
+                           f"(1 x 81920 MiB, gpucores 0): none of 4 node(s) fits it: 4 whose GPUs cannot take it "
+                           f"(e.g. n3: {NO_ROOM}); the 3 member(s) planned before it count as using their GPUs "
+                           "and quota"}
     assert sum(env.used_mib().values()) == WHOLE_MIB  # only the blocker: nothing reserved for the gang
     env.cluster.delete_pod("default", env.blockers[0]["metadata"]["name"])  # a 4th GPU frees
     nodes = [env.schedule(p) for p in gang]
@@ -102,8 +105,10 @@ def test_members_wait_until_every_member_exists() -> None:
     first, second = member("train", 4, 0), member("train", 4, 1)
     for p in (first, second):
         env.cluster.add_pod(p)
-    assert env.filter(first) == ([], {"gang default/train: 2 of 4 members created; waiting for the rest before "
-                                      "placing any"})
+    assert env.filter(first) == ([], {"gang default/train: 2 of 4 members created; waiting for 2 more pod(s) "
+                                      "labelled kueue.x-k8s.io/pod-group-name=train in namespace default before "
+                                      "placing any (the size is the annotation "
+                                      "kueue.x-k8s.io/pod-group-total-count=4)"})
     assert sum(env.used_mib().values()) == 0
 
 
@@ -120,8 +125,10 @@ def test_two_gangs_racing_for_six_gpus_end_one_whole_and_one_waiting() -> None:
     assert all(results[f"a-{i}"] for i in range(4))
     assert not any(results[f"b-{i}"] for i in range(4))
     passed, reasons = env.filter(b[0])
-    assert passed == [] and reasons == {"gang default/b: 2 of 4 members fit; waiting for a node for member b-2 "
-                                        "(1 x 81920 MiB, gpucores 0)"}
+    assert passed == [] and reasons == {f"gang default/b: 2 of 4 members fit; waiting for a node for member b-2 "
+                                        f"(1 x 81920 MiB, gpucores 0): none of 6 node(s) fits it: 6 whose GPUs "
+                                        f"cannot take it (e.g. n0: {NO_ROOM}); the 2 member(s) planned before it "
+                                        "count as using their GPUs and quota"}
     assert sum(env.used_mib().values()) == 4 * WHOLE_MIB  # gang b holds nothing
 
 
@@ -193,8 +200,9 @@ def test_a_plan_not_completed_in_time_is_released_and_retried_later() -> None:
     env.clock.now += 61  # the other two were never bound (kube-scheduler refused their planned nodes)
     passed, reasons = env.filter(gang[1])
     assert passed == []
-    assert reasons == {"gang default/g: 1 of 3 members were bound within 60 s; the rest's reservations were "
-                       "released (retried later)"}
+    assert reasons == {"gang default/g: 1 of 3 members were bound within 60 s of the plan; not bound: g-1 on n1, "
+                       "g-2 on n2 (see those pods' events for what refused the planned node); their reservations "
+                       "were released; next plan in 30 s"}
     assert sum(env.used_mib().values()) == WHOLE_MIB  # the capacity is free for others meanwhile
     env.clock.now += 31
     assert len(env.filter(gang[1])[0]) == 1  # planned again
@@ -217,8 +225,10 @@ def test_after_a_restart_the_pending_members_are_planned_on_what_is_free() -> No
     pending = [p for p in stored[2:] if p]
     first_round = [scheduler.filter(p, env.names) for p in pending]
     assert first_round[0].passed == []
-    assert set(first_round[0].failed.values()) == {"gang default/g: 3 of 4 members created; waiting for the rest "
-                                                   "before placing any"}
+    assert set(first_round[0].failed.values()) == {"gang default/g: 3 of 4 members created; waiting for 1 more "
+                                                   "pod(s) labelled kueue.x-k8s.io/pod-group-name=g in namespace "
+                                                   "default before placing any (the size is the annotation "
+                                                   "kueue.x-k8s.io/pod-group-total-count=4)"}
     placed = [scheduler.filter(p, env.names).passed for p in pending]
     bound_nodes = {p["spec"]["nodeName"] for p in stored[:2] if p}
     assert all(len(nodes) == 1 and nodes[0] not in bound_nodes for nodes in placed)
@@ -285,3 +295,106 @@ def test_a_member_is_planned_only_where_kube_scheduler_would_put_it() -> None:
     planned = {p["metadata"]["name"]: scheduler.filter(p, names[:4]).passed for p in gang}
     assert planned["g-3"][0] in offered
     assert sorted(nodes_[0] for nodes_ in planned.values()) == names[:4]
+
+
+# --- what a waiting gang's FailedScheduling reason says, case by case (issue: reasons a user can act on) ---------
+
+
+def _not_all_created() -> set[str]:
+    env = Env(nodes=2, free=2)
+    first = member("t", 3, 0)
+    env.cluster.add_pod(first)
+    return env.filter(first)[1]
+
+
+def _no_room() -> set[str]:
+    env = Env(nodes=3, free=2)
+    gang = [member("t", 3, i) for i in range(3)]
+    for p in gang:
+        env.cluster.add_pod(p)
+    return env.filter(gang[0])[1]
+
+
+def _no_room_in_cores() -> set[str]:
+    env = Env(nodes=2, free=2)
+    gang = [member("t", 3, i, memory_mib=1000, cores=60) for i in range(3)]
+    for p in gang:
+        env.cluster.add_pod(p)
+    return env.filter(gang[0])[1]
+
+
+def _not_offered() -> set[str]:
+    env = Env(nodes=3, free=3)
+    gang = [member("t", 2, i) for i in range(2)]
+    reasons: set[str] = set()
+    for p in gang:  # kube-scheduler's own plugins allow each member only on n2 (one GPU: room for one)
+        env.cluster.add_pod(p)
+        reasons = set(env.scheduler.filter(p, ["n2"]).failed.values())
+    return reasons
+
+
+def _over_quota() -> set[str]:
+    quota = FLAVORS + gpu_queue("team-a", {"a100": 2}) + local_queue("team-a", "q", "team-a")
+    env = make_env(quota, [a100_node("a100-0", gpus=4)])
+    gang = []
+    for i in range(3):
+        p = queued_pod("q", gpus=1, memory_mib=1000, name=f"t-{i}")
+        p["metadata"]["labels"][protocol.LABEL_KUEUE_POD_GROUP_NAME] = "t"
+        p["metadata"]["annotations"][protocol.ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT] = "3"
+        p["metadata"]["creationTimestamp"] = f"2026-11-24T10:00:{i:02d}Z"
+        gang.append(p)
+        env.cluster.add_pod(p)
+    return set(env.filter(gang[0]).failed.values())
+
+
+def _timed_out(later_s: float) -> set[str]:
+    env = Env(nodes=2, free=2, timeout_s=60)
+    gang = [member("t", 2, i) for i in range(2)]
+    for p in gang:
+        env.cluster.add_pod(p)
+    passed, _ = env.filter(gang[0])
+    env.bind(gang[0], passed[0])
+    env.clock.now += 61
+    reasons = env.filter(gang[1])[1]
+    env.clock.now += later_s
+    return reasons if not later_s else env.filter(gang[1])[1]
+
+
+@pytest.mark.parametrize(("scenario", "expected"), [
+    pytest.param(_not_all_created,
+                 "gang default/t: 1 of 3 members created; waiting for 2 more pod(s) labelled "
+                 "kueue.x-k8s.io/pod-group-name=t in namespace default before placing any (the size is the "
+                 "annotation kueue.x-k8s.io/pod-group-total-count=3)", id="members-missing"),
+    pytest.param(_no_room,
+                 f"gang default/t: 2 of 3 members fit; waiting for a node for member t-2 (1 x 81920 MiB, gpucores "
+                 f"0): none of 3 node(s) fits it: 3 whose GPUs cannot take it (e.g. n2: {NO_ROOM}); the 2 "
+                 "member(s) planned before it count as using their GPUs and quota", id="no-room"),
+    pytest.param(_no_room_in_cores,
+                 "gang default/t: 2 of 3 members fit; waiting for a node for member t-2 (1 x 1000 MiB, gpucores "
+                 "60): none of 2 node(s) fits it: 2 whose GPUs cannot take it (e.g. n0: no GPU with 60 percent "
+                 "cores free (most free 40 percent)); the 2 member(s) planned before it count as using their GPUs "
+                 "and quota", id="no-room-cores-no-percent-sign"),
+    pytest.param(_not_offered,
+                 f"gang default/t: 1 of 2 members fit; waiting for a node for member t-1 (1 x 81920 MiB, gpucores "
+                 f"0): none of 3 node(s) fits it: 1 whose GPUs cannot take it (e.g. n2: {NO_ROOM}); 2 not offered "
+                 "for it by kube-scheduler (its node selector, affinity, taints or other resources); the 1 "
+                 "member(s) planned before it count as using their GPUs and quota", id="not-offered"),
+    pytest.param(_over_quota,
+                 "gang team-a/t: 2 of 3 members fit; waiting for a node for member t-2 (1 x 1000 MiB, gpucores 0): "
+                 "none of 1 node(s) fits it: 1 refused by quota (e.g. a100-0: quota: ClusterQueue team-a "
+                 "(LocalQueue team-a/q): flavor a100, nvidia.com/gpu: needs 1, used 2/2 vGPUs (nominal 2), 0 "
+                 "available now); the 2 member(s) planned before it count as using their GPUs and quota",
+                 id="over-quota"),
+    pytest.param(lambda: _timed_out(0),
+                 "gang default/t: 1 of 2 members were bound within 60 s of the plan; not bound: t-1 on n1 (see "
+                 "those pods' events for what refused the planned node); their reservations were released; next "
+                 "plan in 30 s", id="plan-timed-out"),
+    pytest.param(lambda: _timed_out(20),
+                 "gang default/t: 1 of 2 members were bound within 60 s of the plan; not bound: t-1 on n1 (see "
+                 "those pods' events for what refused the planned node); their reservations were released; next "
+                 "plan in 10 s", id="retry-back-off"),
+])
+def test_each_waiting_case_says_what_the_gang_waits_for(scenario: Any, expected: str) -> None:
+    reasons = scenario()
+    assert reasons == {expected}
+    assert "%" not in expected  # kube-scheduler reads an extender's reason as a format string

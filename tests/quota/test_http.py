@@ -141,3 +141,61 @@ def test_unreadable_quota_file_stops_start_up(tmp_path: Path) -> None:
     broken.write_text("kind: [unclosed\n")
     with pytest.raises(ValueError, match="not valid YAML"):
         make_extender(tmp_path, str(broken))
+
+
+def test_a_waiting_gang_in_quota_and_in_the_status_table(url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    gang = []
+    for index in range(3):  # 3 x 4 whole A100s: the queue's MiB (6 A100s, borrowing included) hold one member
+        member = training_pod("research", gpus=4, memory_mib=81920, cores=50, name=f"train-7-{index}")
+        member["metadata"]["labels"]["kueue.x-k8s.io/pod-group-name"] = "train-7"
+        member["metadata"]["annotations"]["kueue.x-k8s.io/pod-group-total-count"] = "3"
+        member["metadata"]["creationTimestamp"] = f"2026-11-24T10:00:0{index}Z"
+        gang.append(member)
+    with httpx.Client(base_url=url, timeout=10) as http:
+        replies = [http.post("/filter", json={"Pod": p, "NodeNames": NAMES, "Nodes": None}).json() for p in gang]
+        reason = replies[-1]["FailedNodes"]["a100-0"]
+        quota = http.get("/quota").json()
+    assert reason == (
+        "gang research/train-7: 1 of 3 members fit; waiting for a node for member train-7-1 (4 x 81920 MiB, gpucores "
+        "50): none of 3 node(s) fits it: 2 whose GPUs cannot take it (e.g. v100-0: needs 81920 MiB per GPU, largest "
+        "GPU here has 32768 MiB); 1 refused by quota (e.g. a100-1: quota: ClusterQueue ai-training-queue (LocalQueue "
+        "research/research-queue): flavor a100, nvidia.com/gpumem: needs 327680, used 327680/491520 MiB (nominal "
+        "327680, borrowing limit 163840), 163840 available now); the 1 member(s) planned before it count as using "
+        "their GPUs and quota")
+    queues = {q["name"]: q for q in quota["clusterQueues"]}
+    [entry] = queues["ai-training-queue"]["gangs"]
+    assert {k: entry[k] for k in ("name", "size", "membersSeen", "bound", "planned", "waiting")} == {
+        "name": "research/train-7", "size": 3, "membersSeen": 3, "bound": 0, "planned": 0, "waiting": reason}
+    asked = {r["resource"]: r["amount"] for r in entry["quota"]["resources"]}
+    assert asked == {"nvidia.com/gpu": 12, "nvidia.com/gpumem": 12 * 81920, "nvidia.com/gpucores": 12 * 50}
+    assert entry["quota"]["dependsOnNode"] == []
+    assert queues["inference-queue"]["gangs"] == [] and quota["unqueuedGangs"] == []
+
+    assert kube_vgpu_main(["quota", "status", "--extender-url", url]) == 0
+    out = capsys.readouterr().out.splitlines()
+    start = out.index("Gangs in ClusterQueue ai-training-queue:")
+    assert out[start + 1].split() == ["GANG", "SIZE", "SEEN", "BOUND", "PLANNED", "WAITING"]
+    assert out[start + 2].split()[:5] == ["research/train-7", "3", "3", "0", "0"]
+    assert out[start + 2].endswith(reason)
+    assert not any(line.startswith("Gangs in ClusterQueue inference-queue") for line in out)
+
+
+def test_the_status_table_has_no_gang_lines_without_gangs(url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert kube_vgpu_main(["quota", "status", "--extender-url", url]) == 0
+    assert "Gangs" not in capsys.readouterr().out
+
+
+def test_gangs_in_no_queue_get_their_own_table() -> None:
+    doc = {"clusterQueues": [], "unqueuedGangs": [
+        {"name": "default/loose", "size": 2, "membersSeen": 1, "bound": 0, "planned": 0,
+         "waiting": "gang default/loose: 1 of 2 members created; waiting for 1 more pod(s)"},
+        {"name": "default/done", "size": 1, "membersSeen": 1, "bound": 1, "planned": 0, "waiting": ""},
+    ]}
+    lines = quota_cli.render(doc).splitlines()
+    start = lines.index("Gangs in no ClusterQueue:")
+    assert lines[start + 1:start + 4] == [
+        "GANG           SIZE  SEEN  BOUND  PLANNED  WAITING",
+        "default/loose     2     1      0        0  gang default/loose: 1 of 2 members created; waiting for 1 more "
+        "pod(s)",
+        "default/done      1     1      1        0  -",
+    ]
