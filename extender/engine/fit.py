@@ -256,7 +256,7 @@ def explain_failure(
         need_text = (
             f"{need} MiB"
             if need is not None
-            else (f"{container.memory_percent}% of memory" if container.memory_percent else "all its memory")
+            else (f"{container.memory_percent} percent of memory" if container.memory_percent else "all its memory")
         )
         if count == 1:
             return FitFailure(f"{prefix}no GPU with {need_text} free (largest free {largest_free} MiB)", code="memory")
@@ -267,8 +267,10 @@ def explain_failure(
         )
     most_cores = max((g.free_cores - scratch.cores[g.position] for g in memory_ok), default=0)
     if count == 1:
-        return FitFailure(f"{prefix}no GPU with {container.cores}% cores free (most free {most_cores}%)", code="cores")
+        return FitFailure(
+            f"{prefix}no GPU with {container.cores} percent cores free (most free {most_cores} percent)", code="cores"
+        )
     return FitFailure(
-        f"{prefix}needs {count} GPUs with {container.cores}% cores and enough memory free, {fitting} have both",
+        f"{prefix}needs {count} GPUs with {container.cores} percent cores and enough memory free, {fitting} have both",
         code="cores",
     )

@@ -33,7 +33,7 @@ RESOURCE_PODS = "pods"
 RESOURCE_UNITS = {
     protocol.RESOURCE_GPU: "vGPUs",
     protocol.RESOURCE_GPU_MEMORY: "MiB",
-    protocol.RESOURCE_GPU_CORES: "% of a GPU",
+    protocol.RESOURCE_GPU_CORES: "percent of a GPU",  # no "%": reasons reach events as format strings
     RESOURCE_CPU: "millicores",
     RESOURCE_MEMORY: "bytes",
     RESOURCE_PODS: "pods",

@@ -60,7 +60,7 @@ CASES = [
         "cores-exhausted",
         [(0, 90, 1), (0, 80, 1)],
         {"memory_mib": 100, "cores": 30},
-        "no GPU with 30% cores free (most free 20%)",
+        "no GPU with 30 percent cores free (most free 20 percent)",
     ),
     (
         "exclusive-needs-idle",
@@ -92,6 +92,15 @@ def test_fit_table(used: Any, kwargs: dict[str, int], expected: Any) -> None:
     else:
         assert isinstance(result, Placement), result
         assert [d[0] for d in result.containers[0].devices] == expected
+
+
+@pytest.mark.parametrize(("used", "kwargs", "expected"), [(u, k, e) for _id, u, k, e in CASES if isinstance(e, str)],
+                         ids=[c[0] for c in CASES if isinstance(c[3], str)])
+def test_no_reason_carries_a_percent_sign(used: Any, kwargs: dict[str, int], expected: str) -> None:
+    """kube-scheduler passes an extender's reason to its event recorder as a format string: a '%' would reach
+    `kubectl describe` garbled ('30%!c(MISSING)ores')."""
+    result = try_place(node_with(used), pod(**kwargs))
+    assert isinstance(result, FitFailure) and "%" not in result.reason
 
 
 def test_unresolvable_classification() -> None:

@@ -89,16 +89,16 @@ FAILURES: list[tuple[str, Any, ContainerGpuRequest, dict[str, Any], str, str, bo
     ("memory-mib", two_t4([(10000, 0, 1), (9000, 0, 1)]), container(memory_mib=8000), {},
      "no GPU with 8000 MiB free (largest free 7000 MiB)", "memory", False),
     ("memory-percent", two_t4([(10000, 0, 1), (9000, 0, 1)]), container(memory_percent=50), {},
-     "no GPU with 50% of memory free (largest free 7000 MiB)", "memory", False),
+     "no GPU with 50 percent of memory free (largest free 7000 MiB)", "memory", False),
     ("memory-whole", two_t4([(1, 0, 1), (2, 0, 1)]), container(), {},
      "no GPU with all its memory free (largest free 15999 MiB)", "memory", False),
     ("memory-two-gpus", two_t4([(10000, 0, 1), (0, 0, 1)]), container(count=2, memory_mib=8000), {},
      "needs 2 GPUs with 8000 MiB free, 1 have it (largest free 16000 MiB)", "memory", False),
     # exactly the free memory is enough memory: the shortfall is the cores (and one GPU with memory = count)
     ("cores-memory-exactly-free", node_of(gpu(0), used=[(8000, 90, 1)]), container(memory_mib=8000, cores=30), {},
-     "no GPU with 30% cores free (most free 10%)", "cores", False),
+     "no GPU with 30 percent cores free (most free 10 percent)", "cores", False),
     ("cores-two-gpus", two_t4([(0, 90, 1), (0, 10, 1)]), container(count=2, memory_mib=10, cores=30), {},
-     "needs 2 GPUs with 30% cores and enough memory free, 1 have both", "cores", False),
+     "needs 2 GPUs with 30 percent cores and enough memory free, 1 have both", "cores", False),
 ]
 
 
@@ -238,7 +238,7 @@ def test_explain_failure_counts_the_pods_own_scratch() -> None:
     ask = container(memory_mib=12000, cores=30)
     node.gpus[1].used_memory_mib = 16000
     assert explain_failure(node, request(ask), ask, scratch, 0).reason == (
-        "no GPU with 30% cores free (most free 10%)")
+        "no GPU with 30 percent cores free (most free 10 percent)")
     full = scratch_with(2, vgpus=[10, 10])
     assert explain_failure(node, request(ask), ask, full, 0).reason == (
         "needs 1 GPU with a vGPU slot left, 0 have one")

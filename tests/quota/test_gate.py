@@ -88,7 +88,7 @@ spec:
     refused = reasons(env.submit(big))
     # a node that still has the GPUs names the quota (only the resource that falls short: memory fits)
     assert refused["a100-1"] == ("quota: ClusterQueue team-a (LocalQueue team-a/q): flavor a100, "
-                                 "nvidia.com/gpucores: needs 160, used 160/300 % of a GPU (nominal 300), "
+                                 "nvidia.com/gpucores: needs 160, used 160/300 percent of a GPU (nominal 300), "
                                  "140 available now")
 
 
