@@ -10,6 +10,7 @@ cached for `ttl_s` (a Job's pods arrive in bursts: one read serves them all). On
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -23,9 +24,14 @@ from cachetools import TTLCache
 from kube_vgpu.protocol import (
     ANNOTATION_JOB_GANG,
     ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT,
+    COSCHEDULING_API_GROUP,
+    COSCHEDULING_API_VERSION,
+    COSCHEDULING_POD_GROUPS,
+    LABEL_COSCHEDULING_POD_GROUP,
     LABEL_KUEUE_POD_GROUP_NAME,
     LABEL_KUEUE_PRIORITY_CLASS,
     LABEL_KUEUE_QUEUE_NAME,
+    POD_GROUP_GANG_PREFIX,
 )
 
 log = logging.getLogger(__name__)
@@ -63,6 +69,36 @@ class NotServed(Exception):
 
 #: Kueue's LocalQueue, read to check that a queue inherited from an owner exists
 LOCAL_QUEUES = ("kueue.x-k8s.io", "v1beta1", "localqueues")
+
+
+#: the extender's limit on a gang's size (extender/gangs.py MAX_GANG_SIZE; the webhook does not import the extender)
+MAX_GANG_SIZE = 4096
+#: a label value's limit (the Kueue pod-group name is a label)
+MAX_LABEL_VALUE_CHARS = 63
+
+
+class GangRefused(Exception):
+    """The pod's gang declaration names something that cannot make a gang; the message says what to fix."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeclaredGang:
+    """A gang declared by an object the pod names (a coscheduling PodGroup), as the Kueue label and annotation."""
+
+    name: str  # the Kueue pod-group name to stamp
+    size: int
+    source: str  # e.g. "PodGroup team-a/train"
+    warnings: tuple[str, ...] = ()
+
+
+def derived_gang_name(prefix: str, name: str) -> str:
+    """A Kueue pod-group name (a label value: at most 63 characters) for a gang declared by object `name`: the prefix
+    keeps it apart from the names of Job gangs; a name too long is cut and given a digest of the whole."""
+    whole = prefix + name
+    if len(whole) <= MAX_LABEL_VALUE_CHARS:
+        return whole
+    digest = hashlib.sha256(name.encode()).hexdigest()[:10]
+    return f"{whole[:MAX_LABEL_VALUE_CHARS - len(digest) - 1]}_{digest}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +166,47 @@ class OwnerResolver:
         with self._lock:
             self._cache[key] = obj
         return None if obj is _NOT_SERVED else obj is not None
+
+    def pod_group(self, namespace: str, labels: Mapping[str, str]) -> DeclaredGang | None:
+        """The gang of a pod labelled with a coscheduling PodGroup (LABEL_COSCHEDULING_POD_GROUP); None when it has no
+        such label. Raises GangRefused (no such PodGroup, or a minMember we cannot honour), OwnerLookupError (the
+        PodGroup cannot be read: refused with 503, so that its controller retries) and NotServed (no PodGroup CRD)."""
+        name = labels.get(LABEL_COSCHEDULING_POD_GROUP)
+        if not name:
+            return None
+        where = f"PodGroup {namespace}/{name}"
+        key = (COSCHEDULING_API_GROUP, COSCHEDULING_POD_GROUPS, namespace, name)
+        with self._lock:
+            obj = self._cache.get(key)
+        if obj is None:
+            try:
+                obj = self.fetch(COSCHEDULING_API_GROUP, COSCHEDULING_API_VERSION, COSCHEDULING_POD_GROUPS,
+                                 namespace, name)
+            except NotServed:
+                obj = _NOT_SERVED
+            except Exception as exc:
+                raise OwnerLookupError(f"cannot read {where} named by the pod's label {LABEL_COSCHEDULING_POD_GROUP} "
+                                       f"({exc}); the pod is refused so that its controller retries") from None
+            if obj is not None:
+                # a PodGroup found (or the CRD missing) is cached; one missing is not, so that a retry after its
+                # creation sees it at once
+                with self._lock:
+                    self._cache[key] = obj
+        if obj is _NOT_SERVED:
+            raise NotServed(f"{COSCHEDULING_API_GROUP}/{COSCHEDULING_API_VERSION} {COSCHEDULING_POD_GROUPS}")
+        if obj is None:
+            # Refused, not warned: a typo in the label must not quietly turn an all-or-nothing job into pods placed
+            # one by one. Controllers that use PodGroups (training-operator, scheduler-plugins' own examples) create
+            # the PodGroup before the pods, and a refused pod is retried by its controller (a bare pod by whoever
+            # applies it again), so the order "pods first" costs a retry, not a silent half gang.
+            raise GangRefused(f"the pod's label {LABEL_COSCHEDULING_POD_GROUP}={name} names {where}, which does not "
+                              "exist: create it before the pods, or fix the label")
+        min_member = (obj.get("spec") or {}).get("minMember")
+        if isinstance(min_member, bool) or not isinstance(min_member, int) or not 1 <= min_member <= MAX_GANG_SIZE:
+            shown = "missing" if min_member is None else repr(min_member)[:20]
+            raise GangRefused(f"{where} (label {LABEL_COSCHEDULING_POD_GROUP} on the pod) has spec.minMember {shown}: "
+                              f"kube-vgpu needs a whole number from 1 to {MAX_GANG_SIZE} (the gang's size)")
+        return DeclaredGang(derived_gang_name(POD_GROUP_GANG_PREFIX, name), min_member, where)
 
     def inherited(self, namespace: str, labels: Mapping[str, str], owner_refs: Any) -> Inherited:
         """The INHERITED_LABELS the pod lacks, from the nearest controller owner carrying each."""

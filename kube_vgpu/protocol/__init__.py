@@ -115,6 +115,15 @@ ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT = KUEUE_API_GROUP + "/pod-group-total-cou
 #: Annotation on a batch/v1 Job (not on its pods): "true" makes the Job's pods one gang of `parallelism` members
 #: (the webhook stamps the Kueue pod-group label and count above on them).
 ANNOTATION_JOB_GANG = ANNOTATION_PREFIX + "gang"
+#: scheduler-plugins' coscheduling PodGroup (CRD podgroups.scheduling.x-k8s.io, v1alpha1): pods name theirs with this
+#: label; the webhook reads its spec.minMember and stamps the Kueue pod-group label and count above.
+COSCHEDULING_API_GROUP = "scheduling.x-k8s.io"
+COSCHEDULING_API_VERSION = "v1alpha1"
+COSCHEDULING_POD_GROUPS = "podgroups"
+LABEL_COSCHEDULING_POD_GROUP = COSCHEDULING_API_GROUP + "/pod-group"
+#: Prefix of the Kueue pod-group name stamped for a PodGroup: "_" cannot occur in a Job's name (a DNS subdomain),
+#: so a PodGroup's gang never shares a name with a Job's gang (named after the Job) in the same namespace.
+POD_GROUP_GANG_PREFIX = "podgroup_"
 #: Namespace label the API server sets on every namespace (ClusterQueue namespaceSelectors may use it).
 LABEL_NAMESPACE_NAME = "kubernetes.io/metadata.name"
 # --- end of quota additions ---
