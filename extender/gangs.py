@@ -183,7 +183,9 @@ class GangTracker:
         now = self.clock()
         found = []
         for gang in self.gangs.values():
-            if gang.plan and now - gang.planned_at_s > self.timeout_s and not gang.complete():
+            # complete or not: a member beyond the size, planned once the gang was whole, must not hold its
+            # reservation forever either
+            if gang.plan and now - gang.planned_at_s > self.timeout_s:
                 released = list(gang.plan)
                 gang.plan.clear()
                 gang.retry_after_s = now + self.timeout_s / 2
