@@ -35,6 +35,9 @@ from kube_vgpu.protocol import (
     LABEL_KUEUE_QUEUE_NAME,
     POD_ADMITTED_ANNOTATION,
     RESOURCE_GPU,
+    WORKLOAD_API_GROUP,
+    WORKLOAD_API_VERSION,
+    WORKLOAD_POD_GROUPS,
     ContainerGpuRequest,
     InvalidGpuRequest,
     PodGpuRequest,
@@ -302,7 +305,7 @@ def _patch_inherited_labels(
     when the queue an owner names does not exist."""
     metadata = pod.get("metadata") or {}
     labels = metadata.get("labels") or {}
-    gang_labels, gang_annotations = _pod_group_gang(decision, metadata, labels, owners, namespace)
+    gang_labels, gang_annotations = _pod_group_gang(decision, pod, owners, namespace)
     # a gang from the pod's PodGroup stops the owners' walk from making it a Job's gang as well
     inherited = owners.inherited(namespace, {**labels, **gang_labels}, owner_refs_of(pod))
     inherited.labels.update(gang_labels)
@@ -325,25 +328,41 @@ def _patch_inherited_labels(
 
 
 def _pod_group_gang(
-    decision: Decision, metadata: dict[str, Any], labels: dict[str, Any], owners: OwnerResolver, namespace: str
+    decision: Decision, pod: dict[str, Any], owners: OwnerResolver, namespace: str
 ) -> tuple[dict[str, str], dict[str, str]]:
-    """(labels, annotations) that make the pod a member of its coscheduling PodGroup's gang (none when it names no
-    PodGroup, or already declares a Kueue pod group, which wins). Raises GangRefused and OwnerLookupError."""
-    if not labels.get(LABEL_COSCHEDULING_POD_GROUP):
+    """(labels, annotations) that make the pod a member of the gang of the PodGroup it names: Kubernetes' own
+    (spec.schedulingGroup.podGroupName) or a coscheduling one (label). None when it names none, or already declares a
+    Kueue pod group, which wins. Raises GangRefused and OwnerLookupError."""
+    metadata = pod.get("metadata") or {}
+    labels = metadata.get("labels") or {}
+    spec = pod.get("spec") or {}
+    named = []
+    if isinstance(spec.get("schedulingGroup"), dict) and spec["schedulingGroup"].get("podGroupName"):
+        named.append((lambda: owners.scheduling_group(namespace, spec),
+                      "spec.schedulingGroup names a Kubernetes PodGroup, but this cluster does not serve "
+                      f"{WORKLOAD_POD_GROUPS}.{WORKLOAD_API_GROUP}/{WORKLOAD_API_VERSION} (feature gate "
+                      "GenericWorkload off)"))
+    if labels.get(LABEL_COSCHEDULING_POD_GROUP):
+        named.append((lambda: owners.pod_group(namespace, labels),
+                      f"label {LABEL_COSCHEDULING_POD_GROUP} names a coscheduling PodGroup, but this cluster does not "
+                      "serve podgroups.scheduling.x-k8s.io (the CRD is not installed)"))
+    if not named:
         return {}, {}
+    if len(named) > 1:
+        decision.warnings.append(
+            f"the pod names both a Kubernetes PodGroup (spec.schedulingGroup) and a coscheduling one (label "
+            f"{LABEL_COSCHEDULING_POD_GROUP}): kube-vgpu reads the Kubernetes one")
+    read, not_served = named[0]
     kueue_group = labels.get(LABEL_KUEUE_POD_GROUP_NAME)
     try:
         try:
-            gang = owners.pod_group(namespace, labels)
+            gang = read()
         except (NotServed, OwnerLookupError, GangRefused):
             if kueue_group:
                 return {}, {}  # the pod's own Kueue declaration wins; the PodGroup is only read to compare
             raise
     except NotServed:
-        decision.warnings.append(
-            f"label {LABEL_COSCHEDULING_POD_GROUP} names a coscheduling PodGroup, but this cluster does not serve "
-            "podgroups.scheduling.x-k8s.io (the CRD is not installed): this pod is placed on its own, not all or "
-            f"nothing; {_GANG_HINT}")
+        decision.warnings.append(f"{not_served}: this pod is placed on its own, not all or nothing; {_GANG_HINT}")
         return {}, {}
     if gang is None:
         return {}, {}
@@ -352,7 +371,7 @@ def _pod_group_gang(
         if count != str(gang.size):
             decision.warnings.append(
                 f"the pod declares Kueue pod group {kueue_group} of {count or 'no'} members and {gang.source} of "
-                f"minMember {gang.size}: the Kueue declaration wins")
+                f"{gang.size_field} {gang.size}: the Kueue declaration wins")
         return {}, {}
     return {LABEL_KUEUE_POD_GROUP_NAME: gang.name}, {ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT: str(gang.size)}
 
@@ -430,7 +449,13 @@ def _unsupported_gang_declarations(pod: dict[str, Any], *, pod_group: bool) -> l
         found.append(f"label {LABEL_COSCHEDULING_POD_GROUP} (a coscheduling PodGroup) is not read by this kube-vgpu "
                      "webhook, which reads no API objects (--inherit-queue off, or no API access): this pod is placed "
                      f"on its own, not all or nothing; {_GANG_HINT}")
+    if pod_group and (pod.get("spec") or {}).get("schedulingGroup"):
+        found.append("spec.schedulingGroup (a Kubernetes PodGroup) is not read by this kube-vgpu webhook, which reads "
+                     "no API objects (--inherit-queue off, or no API access): this pod is placed on its own, not all "
+                     f"or nothing; {_GANG_HINT}")
     if (pod.get("spec") or {}).get("workloadRef"):
+        # Kubernetes 1.35-1.36's alpha form; 1.37 (scheduling.k8s.io/v1beta1) names a PodGroup in
+        # spec.schedulingGroup instead, which is read
         found.append("spec.workloadRef (a Kubernetes Workload) is not read by kube-vgpu: this pod is placed on its "
                      f"own, not all or nothing; {_GANG_HINT}")
     return found

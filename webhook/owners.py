@@ -32,6 +32,10 @@ from kube_vgpu.protocol import (
     LABEL_KUEUE_PRIORITY_CLASS,
     LABEL_KUEUE_QUEUE_NAME,
     POD_GROUP_GANG_PREFIX,
+    WORKLOAD_API_GROUP,
+    WORKLOAD_API_VERSION,
+    WORKLOAD_POD_GROUP_GANG_PREFIX,
+    WORKLOAD_POD_GROUPS,
 )
 
 log = logging.getLogger(__name__)
@@ -88,7 +92,15 @@ class DeclaredGang:
     name: str  # the Kueue pod-group name to stamp
     size: int
     source: str  # e.g. "PodGroup team-a/train"
-    warnings: tuple[str, ...] = ()
+    size_field: str = "minMember"  # the source's word for the size
+
+
+def _gang_size(value: Any, said: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_GANG_SIZE:
+        shown = "missing" if value is None else repr(value)[:20]
+        raise GangRefused(f"{said} {shown}: kube-vgpu needs a whole number from 1 to {MAX_GANG_SIZE} (the gang's "
+                          "size)")
+    return value
 
 
 def derived_gang_name(prefix: str, name: str) -> str:
@@ -175,38 +187,63 @@ class OwnerResolver:
         if not name:
             return None
         where = f"PodGroup {namespace}/{name}"
-        key = (COSCHEDULING_API_GROUP, COSCHEDULING_POD_GROUPS, namespace, name)
+        named_by = f"the pod's label {LABEL_COSCHEDULING_POD_GROUP}={name}"
+        obj = self._gang_object(
+            (COSCHEDULING_API_GROUP, COSCHEDULING_API_VERSION, COSCHEDULING_POD_GROUPS), namespace, name, where,
+            named_by, "label")
+        min_member = (obj.get("spec") or {}).get("minMember")
+        size = _gang_size(min_member, f"{where} (label {LABEL_COSCHEDULING_POD_GROUP} on the pod) has spec.minMember")
+        return DeclaredGang(derived_gang_name(POD_GROUP_GANG_PREFIX, name), size, where)
+
+    def scheduling_group(self, namespace: str, spec: Mapping[str, Any]) -> DeclaredGang | None:
+        """The gang of a pod whose spec.schedulingGroup.podGroupName names a Kubernetes PodGroup (Workload API,
+        scheduling.k8s.io) with a gang policy; None when it names none, or one of the basic policy (no gang). Raises
+        as pod_group does (NotServed: the API, behind the GenericWorkload feature gate, is not served)."""
+        group = spec.get("schedulingGroup")
+        name = group.get("podGroupName") if isinstance(group, Mapping) else None
+        if not isinstance(name, str) or not name:
+            return None
+        where = f"PodGroup {namespace}/{name} ({WORKLOAD_API_GROUP})"
+        obj = self._gang_object((WORKLOAD_API_GROUP, WORKLOAD_API_VERSION, WORKLOAD_POD_GROUPS), namespace, name,
+                                where, f"the pod's spec.schedulingGroup.podGroupName={name}", "pod's podGroupName")
+        policy = (obj.get("spec") or {}).get("schedulingPolicy") or {}
+        gang = policy.get("gang") if isinstance(policy, Mapping) else None
+        if not isinstance(gang, Mapping):
+            return None  # the basic policy: pods placed one by one, as the API server's own scheduler does
+        size = _gang_size(gang.get("minCount"), f"{where} has spec.schedulingPolicy.gang.minCount")
+        return DeclaredGang(derived_gang_name(WORKLOAD_POD_GROUP_GANG_PREFIX, name), size, where, "minCount")
+
+    def _gang_object(
+        self, resource: tuple[str, str, str], namespace: str, name: str, where: str, named_by: str, fix: str
+    ) -> Mapping[str, Any]:
+        """The object declaring a gang (cached like owners). Raises GangRefused when it does not exist."""
+        group, version, plural = resource
+        key = (group, plural, namespace, name)
         with self._lock:
             obj = self._cache.get(key)
         if obj is None:
             try:
-                obj = self.fetch(COSCHEDULING_API_GROUP, COSCHEDULING_API_VERSION, COSCHEDULING_POD_GROUPS,
-                                 namespace, name)
+                obj = self.fetch(group, version, plural, namespace, name)
             except NotServed:
                 obj = _NOT_SERVED
             except Exception as exc:
-                raise OwnerLookupError(f"cannot read {where} named by the pod's label {LABEL_COSCHEDULING_POD_GROUP} "
-                                       f"({exc}); the pod is refused so that its controller retries") from None
+                raise OwnerLookupError(f"cannot read {where} named by {named_by} ({exc}); the pod is refused so that "
+                                       "its controller retries") from None
             if obj is not None:
-                # a PodGroup found (or the CRD missing) is cached; one missing is not, so that a retry after its
+                # a group found (or its API not served) is cached; one missing is not, so that a retry after its
                 # creation sees it at once
                 with self._lock:
                     self._cache[key] = obj
         if obj is _NOT_SERVED:
-            raise NotServed(f"{COSCHEDULING_API_GROUP}/{COSCHEDULING_API_VERSION} {COSCHEDULING_POD_GROUPS}")
+            raise NotServed(f"{group}/{version} {plural}")
         if obj is None:
-            # Refused, not warned: a typo in the label must not quietly turn an all-or-nothing job into pods placed
-            # one by one. Controllers that use PodGroups (training-operator, scheduler-plugins' own examples) create
-            # the PodGroup before the pods, and a refused pod is retried by its controller (a bare pod by whoever
-            # applies it again), so the order "pods first" costs a retry, not a silent half gang.
-            raise GangRefused(f"the pod's label {LABEL_COSCHEDULING_POD_GROUP}={name} names {where}, which does not "
-                              "exist: create it before the pods, or fix the label")
-        min_member = (obj.get("spec") or {}).get("minMember")
-        if isinstance(min_member, bool) or not isinstance(min_member, int) or not 1 <= min_member <= MAX_GANG_SIZE:
-            shown = "missing" if min_member is None else repr(min_member)[:20]
-            raise GangRefused(f"{where} (label {LABEL_COSCHEDULING_POD_GROUP} on the pod) has spec.minMember {shown}: "
-                              f"kube-vgpu needs a whole number from 1 to {MAX_GANG_SIZE} (the gang's size)")
-        return DeclaredGang(derived_gang_name(POD_GROUP_GANG_PREFIX, name), min_member, where)
+            # Refused, not warned: a typo must not quietly turn an all-or-nothing job into pods placed one by one.
+            # Controllers that use PodGroups (training-operator, scheduler-plugins' own examples, the Job controller
+            # for Workloads) create the group before the pods, and a refused pod is retried by its controller (a bare
+            # pod by whoever applies it again), so the order "pods first" costs a retry, not a silent half gang.
+            raise GangRefused(f"{named_by} names {where}, which does not exist: create it before the pods, or fix "
+                              f"the {fix}")
+        return obj
 
     def inherited(self, namespace: str, labels: Mapping[str, str], owner_refs: Any) -> Inherited:
         """The INHERITED_LABELS the pod lacks, from the nearest controller owner carrying each."""

@@ -124,6 +124,13 @@ LABEL_COSCHEDULING_POD_GROUP = COSCHEDULING_API_GROUP + "/pod-group"
 #: Prefix of the Kueue pod-group name stamped for a PodGroup: "_" cannot occur in a Job's name (a DNS subdomain),
 #: so a PodGroup's gang never shares a name with a Job's gang (named after the Job) in the same namespace.
 POD_GROUP_GANG_PREFIX = "podgroup_"
+#: Kubernetes' own PodGroups (Workload API, scheduling.k8s.io/v1beta1 in 1.37, feature gate GenericWorkload, off by
+#: default): a pod names its PodGroup in spec.schedulingGroup.podGroupName; a gang's size is the PodGroup's
+#: spec.schedulingPolicy.gang.minCount. Its gang's Kueue pod-group name has its own prefix ("_": never a Job's).
+WORKLOAD_API_GROUP = "scheduling.k8s.io"
+WORKLOAD_API_VERSION = "v1beta1"
+WORKLOAD_POD_GROUPS = "podgroups"
+WORKLOAD_POD_GROUP_GANG_PREFIX = "workload_"
 #: Namespace label the API server sets on every namespace (ClusterQueue namespaceSelectors may use it).
 LABEL_NAMESPACE_NAME = "kubernetes.io/metadata.name"
 # --- end of quota additions ---

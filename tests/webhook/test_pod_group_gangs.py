@@ -11,7 +11,7 @@ import pytest
 
 from kube_vgpu.webhook.config import WebhookConfig
 from kube_vgpu.webhook.mutate import Result
-from kube_vgpu.webhook.owners import MAX_LABEL_VALUE_CHARS, OwnerResolver, derived_gang_name
+from kube_vgpu.webhook.owners import MAX_LABEL_VALUE_CHARS, NotServed, OwnerResolver, derived_gang_name
 from tests.webhook.builders import apply_response, run_review
 from tests.webhook.test_owners import COUNT, GROUP, QUEUE, Api, gang_job, gpu_pod_owned_by, ref
 
@@ -86,8 +86,8 @@ def test_a_pod_group_that_cannot_be_read_refuses_the_pod_so_that_it_is_retried()
     assert outcome.result is Result.DENIED
     assert response["status"]["code"] == 503 and response["status"]["reason"] == "ServiceUnavailable"
     assert response["status"]["message"] == (
-        "cannot read PodGroup team-a/pg named by the pod's label scheduling.x-k8s.io/pod-group (no answer within 3 s); "
-        "the pod is refused so that its controller retries")
+        "cannot read PodGroup team-a/pg named by the pod's label scheduling.x-k8s.io/pod-group=pg (no answer within "
+        "3 s); the pod is refused so that its controller retries")
 
 
 def test_without_the_pod_group_crd_the_pod_is_placed_alone_and_told_so() -> None:
@@ -148,3 +148,99 @@ def test_a_burst_of_one_pod_groups_pods_reads_it_once() -> None:
     for _ in range(8):
         assert run_review(member(), owners=resolver)[0].result is Result.MUTATED
     assert api.reads == 1
+
+
+# --- Kubernetes' own PodGroup (Workload API, scheduling.k8s.io/v1beta1 in 1.37): spec.schedulingGroup.podGroupName --
+class K8sApi(Api):
+    """Kubernetes PodGroups as ("k8s-podgroups", name); served unless told otherwise."""
+
+    def __init__(self, groups: dict[str, dict[str, Any]], fail: bool = False, served: bool = True) -> None:
+        super().__init__({("k8s-podgroups", name): group for name, group in groups.items()}, fail=fail)
+        self.served = served
+
+    def __call__(self, group: str, version: str, plural: str, namespace: str, name: str) -> dict[str, Any] | None:
+        if group == "scheduling.k8s.io":
+            assert (version, plural) == ("v1beta1", "podgroups")
+            if not self.served:
+                raise NotServed("scheduling.k8s.io/v1beta1 podgroups is not served")
+            plural = "k8s-podgroups"
+        return super().__call__(group, version, plural, namespace, name)
+
+
+def k8s_pod_group(name: str, policy: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": "scheduling.k8s.io/v1beta1", "kind": "PodGroup",
+            "metadata": {"name": name, "namespace": "team-a"},
+            "spec": {"schedulingPolicy": policy, "workloadRef": {"workloadName": "w", "templateName": "workers"}}}
+
+
+def scheduled_member(group: str = "workers-0", **labels: str) -> dict[str, Any]:
+    p = gpu_pod_owned_by(labels={QUEUE: "q", **labels})
+    p["spec"]["schedulingGroup"] = {"podGroupName": group}
+    return p
+
+
+def test_a_pod_of_a_kubernetes_gang_pod_group_becomes_a_member_of_its_gang() -> None:
+    sent = scheduled_member()
+    api = K8sApi({"workers-0": k8s_pod_group("workers-0", {"gang": {"minCount": 4}})})
+    outcome, response = run_review(sent, owners=OwnerResolver(api))
+    assert outcome.result is Result.MUTATED and "warnings" not in response
+    mutated = apply_response(sent, response)
+    assert mutated["metadata"]["labels"][GROUP] == "workload_workers-0"  # apart from a coscheduling group's name
+    assert mutated["metadata"]["annotations"][COUNT] == "4"
+
+
+def test_a_kubernetes_pod_group_of_the_basic_policy_is_no_gang() -> None:
+    sent = scheduled_member()
+    api = K8sApi({"workers-0": k8s_pod_group("workers-0", {"basic": {}})})
+    outcome, response = run_review(sent, owners=OwnerResolver(api))
+    assert outcome.result is Result.MUTATED and "warnings" not in response
+    assert GROUP not in apply_response(sent, response)["metadata"]["labels"]
+
+
+@pytest.mark.parametrize(("api", "code", "message"), [
+    (K8sApi({}), 403, "the pod's spec.schedulingGroup.podGroupName=workers-0 names PodGroup team-a/workers-0 "
+                      "(scheduling.k8s.io), which does not exist: create it before the pods, or fix the pod's "
+                      "podGroupName"),
+    (K8sApi({}, fail=True), 503, "cannot read PodGroup team-a/workers-0 (scheduling.k8s.io) named by the pod's "
+                                 "spec.schedulingGroup.podGroupName=workers-0 (no answer within 3 s); the pod is "
+                                 "refused so that its controller retries"),
+    (K8sApi({"workers-0": k8s_pod_group("workers-0", {"gang": {}})}), 403,
+     "PodGroup team-a/workers-0 (scheduling.k8s.io) has spec.schedulingPolicy.gang.minCount missing: kube-vgpu needs "
+     "a whole number from 1 to 4096 (the gang's size)"),
+], ids=["missing", "unreadable", "no-min-count"])
+def test_a_kubernetes_pod_group_that_cannot_make_a_gang_refuses_the_pod(api: K8sApi, code: int, message: str) -> None:
+    outcome, response = run_review(scheduled_member(), owners=OwnerResolver(api))
+    assert outcome.result is Result.DENIED
+    assert (response["status"]["code"], response["status"]["message"]) == (code, message)
+
+
+def test_without_the_workload_api_the_pod_is_placed_alone_and_told_so() -> None:
+    sent = scheduled_member()
+    outcome, response = run_review(sent, owners=OwnerResolver(K8sApi({}, served=False)))
+    assert outcome.result is Result.MUTATED
+    [said] = response["warnings"]
+    assert said.startswith("spec.schedulingGroup names a Kubernetes PodGroup, but this cluster does not serve "
+                           "podgroups.scheduling.k8s.io/v1beta1 (feature gate GenericWorkload off): this pod is placed "
+                           "on its own, not all or nothing;")
+
+
+def test_a_pod_naming_both_kinds_of_pod_group_joins_the_kubernetes_one_and_is_told() -> None:
+    sent = scheduled_member(**{PG_LABEL: "pg"})
+    api = K8sApi({"workers-0": k8s_pod_group("workers-0", {"gang": {"minCount": 2}})})
+    api.objects[("podgroups", "pg")] = pod_group("pg", 3)
+    _, response = run_review(sent, owners=OwnerResolver(api))
+    assert apply_response(sent, response)["metadata"]["labels"][GROUP] == "workload_workers-0"
+    assert response["warnings"] == [
+        "the pod names both a Kubernetes PodGroup (spec.schedulingGroup) and a coscheduling one (label "
+        "scheduling.x-k8s.io/pod-group): kube-vgpu reads the Kubernetes one"]
+
+
+def test_a_pods_own_kueue_pod_group_wins_over_its_kubernetes_pod_group() -> None:
+    sent = scheduled_member(**{GROUP: "mine"})
+    sent["metadata"].setdefault("annotations", {})[COUNT] = "2"
+    api = K8sApi({"workers-0": k8s_pod_group("workers-0", {"gang": {"minCount": 4}})})
+    _, response = run_review(sent, owners=OwnerResolver(api))
+    assert apply_response(sent, response)["metadata"]["labels"][GROUP] == "mine"
+    assert response["warnings"] == [
+        "the pod declares Kueue pod group mine of 2 members and PodGroup team-a/workers-0 (scheduling.k8s.io) of "
+        "minCount 4: the Kueue declaration wins"]
