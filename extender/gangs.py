@@ -27,8 +27,7 @@ from kube_vgpu import protocol
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 300.0
-#: one gang may name at most this many members (a typo like 40000 must not make every member wait forever unseen)
-MAX_GANG_SIZE = 4096
+MAX_GANG_SIZE = protocol.MAX_GANG_SIZE
 #: phases after which a pod no longer holds anything
 FINISHED = ("Succeeded", "Failed")
 

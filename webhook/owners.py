@@ -31,6 +31,7 @@ from kube_vgpu.protocol import (
     LABEL_KUEUE_POD_GROUP_NAME,
     LABEL_KUEUE_PRIORITY_CLASS,
     LABEL_KUEUE_QUEUE_NAME,
+    MAX_GANG_SIZE,
     POD_GROUP_GANG_PREFIX,
     WORKLOAD_API_GROUP,
     WORKLOAD_API_VERSION,
@@ -75,8 +76,6 @@ class NotServed(Exception):
 LOCAL_QUEUES = ("kueue.x-k8s.io", "v1beta1", "localqueues")
 
 
-#: the extender's limit on a gang's size (extender/gangs.py MAX_GANG_SIZE; the webhook does not import the extender)
-MAX_GANG_SIZE = 4096
 #: a label value's limit (the Kueue pod-group name is a label)
 MAX_LABEL_VALUE_CHARS = 63
 

@@ -112,6 +112,9 @@ LABEL_KUEUE_PRIORITY_CLASS = KUEUE_API_GROUP + "/priority-class"
 #: Kueue's plain-pod groups (all-or-nothing gangs): the group's name (pod label) and its size (pod annotation).
 LABEL_KUEUE_POD_GROUP_NAME = KUEUE_API_GROUP + "/pod-group-name"
 ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT = KUEUE_API_GROUP + "/pod-group-total-count"
+#: The most members one gang may have (the webhook refuses a PodGroup's larger size; the extender a larger count): a
+#: typo like 40000 must not make every member wait forever unseen.
+MAX_GANG_SIZE = 4096
 #: Annotation on a batch/v1 Job (not on its pods): "true" makes the Job's pods one gang of `parallelism` members
 #: (the webhook stamps the Kueue pod-group label and count above on them).
 ANNOTATION_JOB_GANG = ANNOTATION_PREFIX + "gang"
