@@ -370,8 +370,8 @@ class Scheduler:
         """Place and reserve the pending members at once (caller holds the state lock); "" when planned, else why
         the gang waits (then nothing is reserved). Only the first `size` members (in creation order) are planned
         together: a coscheduling PodGroup's minMember means "at least", so members beyond it must not hold the gang
-        back (nor wait for a capacity the gang never needed); once the gang is whole, each of them (`uid`) is planned
-        on its own."""
+        back (nor wait for a capacity the gang never needed); once `size` members are planned or bound, each of them
+        (`uid`, the member being filtered) is planned on its own."""
         now = self.state.clock()
         if now < gang.retry_after_s:
             return gang.waiting
