@@ -6,6 +6,9 @@ first value found on the pod, so the API server holds it and the extender reads 
 This is the webhook's only I/O: one GET per owner, through the kubernetes client's connection pool, under a deadline,
 cached for `ttl_s` (a Job's pods arrive in bursts: one read serves them all). Only the owner kinds below are read
 (RBAC: get on exactly these); an owner of another kind ends the walk with a warning.
+
+The same reads give a gang to a GPU pod that names a PodGroup (a coscheduling one by label, a Kubernetes one in
+spec.schedulingGroup): its size becomes the Kueue pod-group count the extender reads (extender/gangs.py).
 """
 
 from __future__ import annotations
@@ -86,7 +89,8 @@ class GangRefused(Exception):
 
 @dataclass(frozen=True, slots=True)
 class DeclaredGang:
-    """A gang declared by an object the pod names (a coscheduling PodGroup), as the Kueue label and annotation."""
+    """A gang declared by an object the pod names (a coscheduling or a Kubernetes PodGroup), as the Kueue label and
+    annotation to stamp."""
 
     name: str  # the Kueue pod-group name to stamp
     size: int
