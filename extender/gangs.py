@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 300.0
 MIN_TIMEOUT_S = protocol.MIN_GANG_TIMEOUT_S
 MAX_TIMEOUT_S = protocol.MAX_GANG_TIMEOUT_S
+MAX_GANG_SIZE = protocol.MAX_GANG_SIZE
 #: phases after which a pod no longer holds anything
 FINISHED = ("Succeeded", "Failed")
 #: the pod's gang declaration cannot be read (protocol.parse_gang_declaration says what to fix)
@@ -187,7 +188,9 @@ class GangTracker:
         found = []
         for gang in self.gangs.values():
             timeout_s = self.timeout_of(gang)
-            if gang.plan and now - gang.planned_at_s > timeout_s and not gang.complete():
+            # complete or not: a member beyond the size, planned once the gang was whole, must not hold its
+            # reservation forever either
+            if gang.plan and now - gang.planned_at_s > timeout_s:
                 released = list(gang.plan)
                 # name the members that never bound and where: their events say what refused the planned node
                 unbound = ", ".join(

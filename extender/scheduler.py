@@ -345,9 +345,12 @@ class Scheduler:
                 node = None
             reason = ""
             if node is None:
-                reason = self._plan_gang(gang)
+                reason = self._plan_gang(gang, uid)
                 node = gang.plan.get(uid)
             if node is None:
+                if not reason and not gang.members[uid].bound_to:
+                    reason = (f"gang {gang.key}: this member is beyond the gang's {gang.size} members and is placed "
+                              "after them, on its own")
                 why = reason or f"gang {gang.key}: this member is already bound"
                 outcome.failed = dict.fromkeys(names, why)
                 return outcome
@@ -367,9 +370,12 @@ class Scheduler:
             and record.labels.get(protocol.LABEL_KUEUE_POD_GROUP_NAME) == key.name
         ]
 
-    def _plan_gang(self, gang: Gang) -> str:
-        """Place and reserve every pending member at once (caller holds the state lock); "" when planned, else why
-        the gang waits (then nothing is reserved)."""
+    def _plan_gang(self, gang: Gang, uid: str) -> str:
+        """Place and reserve the pending members at once (caller holds the state lock); "" when planned, else why
+        the gang waits (then nothing is reserved). Only the first `size` members (in creation order) are planned
+        together: a coscheduling PodGroup's minMember means "at least", so members beyond it must not hold the gang
+        back (nor wait for a capacity the gang never needed); once `size` members are planned or bound, each of them
+        (`uid`, the member being filtered) is planned on its own."""
         now = self.state.clock()
         if now < gang.retry_after_s:
             # back-off after a timed-out plan: say when the next try comes, so nobody waits blind
@@ -382,7 +388,13 @@ class Scheduler:
                             f"{protocol.ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT}={gang.size})")
             return gang.waiting
         reserved: list[str] = []
-        for member in gang.pending():
+        started = gang.bound() + len(gang.plan)
+        pending = gang.pending()
+        if started < gang.size:
+            pending = pending[:gang.size - started]
+        else:
+            pending = [member for member in pending if member.uid == uid]
+        for member in pending:
             why = self._plan_member(gang, member.uid, member.pod)
             if why:
                 for member_uid in reserved:

@@ -30,10 +30,14 @@ from kube_vgpu.protocol import (
     ENV_SHARED_CACHE,
     ENV_SM_LIMIT,
     GPU_RESOURCES,
+    LABEL_COSCHEDULING_POD_GROUP,
     LABEL_KUEUE_POD_GROUP_NAME,
     LABEL_KUEUE_QUEUE_NAME,
     POD_ADMITTED_ANNOTATION,
     RESOURCE_GPU,
+    WORKLOAD_API_GROUP,
+    WORKLOAD_API_VERSION,
+    WORKLOAD_POD_GROUPS,
     ContainerGpuRequest,
     InvalidGangDeclaration,
     InvalidGpuRequest,
@@ -45,7 +49,7 @@ from kube_vgpu.protocol import (
 )
 from kube_vgpu.webhook.config import LimiterMode, WebhookConfig
 from kube_vgpu.webhook.escapes import find_escape, is_limiter_env_name
-from kube_vgpu.webhook.owners import OwnerLookupError, OwnerResolver, owner_refs_of
+from kube_vgpu.webhook.owners import GangRefused, NotServed, OwnerLookupError, OwnerResolver, owner_refs_of
 
 API_VERSION_V1 = "admission.k8s.io/v1"
 API_VERSION_V1BETA1 = "admission.k8s.io/v1beta1"
@@ -283,13 +287,18 @@ def admit_create(
             + (" (native sidecars count with the containers they run beside)" if sidecars else ""),
         )
     decision = mutate_gpu_pod(pod, request, config)
-    if owners is not None:
+    if owners is None:
+        decision.warnings.extend(_unsupported_gang_declarations(pod, pod_group=True))
+    else:
+        decision.warnings.extend(_unsupported_gang_declarations(pod, pod_group=False))
         try:
             refusal = _patch_inherited_labels(
                 decision, pod, owners, namespace or str(pod["metadata"].get("namespace") or "")
             )
         except OwnerLookupError as exc:
             return _deny(503, str(exc))
+        except GangRefused as exc:
+            return _deny(403, str(exc))
         if refusal:
             return _deny(403, refusal)
     return decision
@@ -302,7 +311,11 @@ def _patch_inherited_labels(
     when the queue an owner names does not exist."""
     metadata = pod.get("metadata") or {}
     labels = metadata.get("labels") or {}
-    inherited = owners.inherited(namespace, labels, owner_refs_of(pod))
+    gang_labels, gang_annotations = _pod_group_gang(decision, pod, owners, namespace)
+    # a gang from the pod's PodGroup stops the owners' walk from making it a Job's gang as well
+    inherited = owners.inherited(namespace, {**labels, **gang_labels}, owner_refs_of(pod))
+    inherited.labels.update(gang_labels)
+    inherited.annotations.update(gang_annotations)
     decision.warnings.extend(inherited.warnings)
     queue = inherited.labels.get(LABEL_KUEUE_QUEUE_NAME)
     if queue and owners.local_queue_exists(namespace, queue) is False:
@@ -318,6 +331,55 @@ def _patch_inherited_labels(
     for key, value in inherited.annotations.items():
         decision.patch.append({"op": "add", "path": _pointer("metadata", "annotations", key), "value": value})
     return None
+
+
+def _pod_group_gang(
+    decision: Decision, pod: dict[str, Any], owners: OwnerResolver, namespace: str
+) -> tuple[dict[str, str], dict[str, str]]:
+    """(labels, annotations) that make the pod a member of the gang of the PodGroup it names: Kubernetes' own
+    (spec.schedulingGroup.podGroupName) or a coscheduling one (label). None when it names none, or already declares a
+    Kueue pod group, which wins. Raises GangRefused and OwnerLookupError."""
+    metadata = pod.get("metadata") or {}
+    labels = metadata.get("labels") or {}
+    spec = pod.get("spec") or {}
+    named = []
+    if isinstance(spec.get("schedulingGroup"), dict) and spec["schedulingGroup"].get("podGroupName"):
+        named.append((lambda: owners.scheduling_group(namespace, spec),
+                      "spec.schedulingGroup names a Kubernetes PodGroup, but this cluster does not serve "
+                      f"{WORKLOAD_POD_GROUPS}.{WORKLOAD_API_GROUP}/{WORKLOAD_API_VERSION} (feature gate "
+                      "GenericWorkload off)"))
+    if labels.get(LABEL_COSCHEDULING_POD_GROUP):
+        named.append((lambda: owners.pod_group(namespace, labels),
+                      f"label {LABEL_COSCHEDULING_POD_GROUP} names a coscheduling PodGroup, but this cluster does not "
+                      "serve podgroups.scheduling.x-k8s.io (the CRD is not installed)"))
+    if not named:
+        return {}, {}
+    if len(named) > 1:
+        decision.warnings.append(
+            f"the pod names both a Kubernetes PodGroup (spec.schedulingGroup) and a coscheduling one (label "
+            f"{LABEL_COSCHEDULING_POD_GROUP}): kube-vgpu reads the Kubernetes one")
+    read, not_served = named[0]
+    kueue_group = labels.get(LABEL_KUEUE_POD_GROUP_NAME)
+    try:
+        try:
+            gang = read()
+        except (NotServed, OwnerLookupError, GangRefused):
+            if kueue_group:
+                return {}, {}  # the pod's own Kueue declaration wins; the PodGroup is only read to compare
+            raise
+    except NotServed:
+        decision.warnings.append(f"{not_served}: this pod is placed on its own, not all or nothing; {_GANG_HINT}")
+        return {}, {}
+    if gang is None:
+        return {}, {}
+    if kueue_group:
+        count = str((metadata.get("annotations") or {}).get(ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT, ""))
+        if count != str(gang.size):
+            decision.warnings.append(
+                f"the pod declares Kueue pod group {kueue_group} of {count or 'no'} members and {gang.source} of "
+                f"{gang.size_field} {gang.size}: the Kueue declaration wins")
+        return {}, {}
+    return {LABEL_KUEUE_POD_GROUP_NAME: gang.name}, {ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT: str(gang.size)}
 
 
 def _gpu_containers(
@@ -364,7 +426,6 @@ def mutate_gpu_pod(pod: dict[str, Any], request: PodGpuRequest, config: WebhookC
         )
 
     _patch_admission_mark(ops, pod)
-    warnings.extend(_unsupported_gang_declarations(pod))
     mounts = _desired_mounts(config)
     gpu_containers = _gpu_containers(spec, request)
     for key, index, container, gpu in gpu_containers:
@@ -386,12 +447,21 @@ _GANG_HINT = (f"declare the gang with the label {LABEL_KUEUE_POD_GROUP_NAME} and
               f"{ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT} (docs/user-guide.md, Gangs)")
 
 
-def _unsupported_gang_declarations(pod: dict[str, Any]) -> list[str]:
+def _unsupported_gang_declarations(pod: dict[str, Any], *, pod_group: bool) -> list[str]:
+    """Warnings for the gang declarations not read: a PodGroup's when the webhook reads no API objects (`pod_group`),
+    a Workload's always."""
     found = []
-    if "scheduling.x-k8s.io/pod-group" in ((pod.get("metadata") or {}).get("labels") or {}):
-        found.append("label scheduling.x-k8s.io/pod-group (a coscheduling PodGroup) is not read by kube-vgpu: this pod "
-                     f"is placed on its own, not all or nothing; {_GANG_HINT}")
+    if pod_group and LABEL_COSCHEDULING_POD_GROUP in ((pod.get("metadata") or {}).get("labels") or {}):
+        found.append(f"label {LABEL_COSCHEDULING_POD_GROUP} (a coscheduling PodGroup) is not read by this kube-vgpu "
+                     "webhook, which reads no API objects (--inherit-queue off, or no API access): this pod is placed "
+                     f"on its own, not all or nothing; {_GANG_HINT}")
+    if pod_group and (pod.get("spec") or {}).get("schedulingGroup"):
+        found.append("spec.schedulingGroup (a Kubernetes PodGroup) is not read by this kube-vgpu webhook, which reads "
+                     "no API objects (--inherit-queue off, or no API access): this pod is placed on its own, not all "
+                     f"or nothing; {_GANG_HINT}")
     if (pod.get("spec") or {}).get("workloadRef"):
+        # Kubernetes 1.35-1.36's alpha form; 1.37 (scheduling.k8s.io/v1beta1) names a PodGroup in
+        # spec.schedulingGroup instead, which is read
         found.append("spec.workloadRef (a Kubernetes Workload) is not read by kube-vgpu: this pod is placed on its "
                      f"own, not all or nothing; {_GANG_HINT}")
     return found

@@ -6,10 +6,14 @@ first value found on the pod, so the API server holds it and the extender reads 
 This is the webhook's only I/O: one GET per owner, through the kubernetes client's connection pool, under a deadline,
 cached for `ttl_s` (a Job's pods arrive in bursts: one read serves them all). Only the owner kinds below are read
 (RBAC: get on exactly these); an owner of another kind ends the walk with a warning.
+
+The same reads give a gang to a GPU pod that names a PodGroup (a coscheduling one by label, a Kubernetes one in
+spec.schedulingGroup): its size becomes the Kueue pod-group count the extender reads (extender/gangs.py).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -23,9 +27,19 @@ from cachetools import TTLCache
 from kube_vgpu.protocol import (
     ANNOTATION_JOB_GANG,
     ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT,
+    COSCHEDULING_API_GROUP,
+    COSCHEDULING_API_VERSION,
+    COSCHEDULING_POD_GROUPS,
+    LABEL_COSCHEDULING_POD_GROUP,
     LABEL_KUEUE_POD_GROUP_NAME,
     LABEL_KUEUE_PRIORITY_CLASS,
     LABEL_KUEUE_QUEUE_NAME,
+    MAX_GANG_SIZE,
+    POD_GROUP_GANG_PREFIX,
+    WORKLOAD_API_GROUP,
+    WORKLOAD_API_VERSION,
+    WORKLOAD_POD_GROUP_GANG_PREFIX,
+    WORKLOAD_POD_GROUPS,
 )
 
 log = logging.getLogger(__name__)
@@ -63,6 +77,43 @@ class NotServed(Exception):
 
 #: Kueue's LocalQueue, read to check that a queue inherited from an owner exists
 LOCAL_QUEUES = ("kueue.x-k8s.io", "v1beta1", "localqueues")
+
+
+#: a label value's limit (the Kueue pod-group name is a label)
+MAX_LABEL_VALUE_CHARS = 63
+
+
+class GangRefused(Exception):
+    """The pod's gang declaration names something that cannot make a gang; the message says what to fix."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeclaredGang:
+    """A gang declared by an object the pod names (a coscheduling or a Kubernetes PodGroup), as the Kueue label and
+    annotation to stamp."""
+
+    name: str  # the Kueue pod-group name to stamp
+    size: int
+    source: str  # e.g. "PodGroup team-a/train"
+    size_field: str = "minMember"  # the source's word for the size
+
+
+def _gang_size(value: Any, said: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_GANG_SIZE:
+        shown = "missing" if value is None else repr(value)[:20]
+        raise GangRefused(f"{said} {shown}: kube-vgpu needs a whole number from 1 to {MAX_GANG_SIZE} (the gang's "
+                          "size)")
+    return value
+
+
+def derived_gang_name(prefix: str, name: str) -> str:
+    """A Kueue pod-group name (a label value: at most 63 characters) for a gang declared by object `name`: the prefix
+    keeps it apart from the names of Job gangs; a name too long is cut and given a digest of the whole."""
+    whole = prefix + name
+    if len(whole) <= MAX_LABEL_VALUE_CHARS:
+        return whole
+    digest = hashlib.sha256(name.encode()).hexdigest()[:10]
+    return f"{whole[:MAX_LABEL_VALUE_CHARS - len(digest) - 1]}_{digest}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +181,72 @@ class OwnerResolver:
         with self._lock:
             self._cache[key] = obj
         return None if obj is _NOT_SERVED else obj is not None
+
+    def pod_group(self, namespace: str, labels: Mapping[str, str]) -> DeclaredGang | None:
+        """The gang of a pod labelled with a coscheduling PodGroup (LABEL_COSCHEDULING_POD_GROUP); None when it has no
+        such label. Raises GangRefused (no such PodGroup, or a minMember we cannot honour), OwnerLookupError (the
+        PodGroup cannot be read: refused with 503, so that its controller retries) and NotServed (no PodGroup CRD)."""
+        name = labels.get(LABEL_COSCHEDULING_POD_GROUP)
+        if not name:
+            return None
+        where = f"PodGroup {namespace}/{name}"
+        named_by = f"the pod's label {LABEL_COSCHEDULING_POD_GROUP}={name}"
+        obj = self._gang_object(
+            (COSCHEDULING_API_GROUP, COSCHEDULING_API_VERSION, COSCHEDULING_POD_GROUPS), namespace, name, where,
+            named_by, "label")
+        min_member = (obj.get("spec") or {}).get("minMember")
+        size = _gang_size(min_member, f"{where} (label {LABEL_COSCHEDULING_POD_GROUP} on the pod) has spec.minMember")
+        return DeclaredGang(derived_gang_name(POD_GROUP_GANG_PREFIX, name), size, where)
+
+    def scheduling_group(self, namespace: str, spec: Mapping[str, Any]) -> DeclaredGang | None:
+        """The gang of a pod whose spec.schedulingGroup.podGroupName names a Kubernetes PodGroup (Workload API,
+        scheduling.k8s.io) with a gang policy; None when it names none, or one of the basic policy (no gang). Raises
+        as pod_group does (NotServed: the API, behind the GenericWorkload feature gate, is not served)."""
+        group = spec.get("schedulingGroup")
+        name = group.get("podGroupName") if isinstance(group, Mapping) else None
+        if not isinstance(name, str) or not name:
+            return None
+        where = f"PodGroup {namespace}/{name} ({WORKLOAD_API_GROUP})"
+        obj = self._gang_object((WORKLOAD_API_GROUP, WORKLOAD_API_VERSION, WORKLOAD_POD_GROUPS), namespace, name,
+                                where, f"the pod's spec.schedulingGroup.podGroupName={name}", "pod's podGroupName")
+        policy = (obj.get("spec") or {}).get("schedulingPolicy") or {}
+        gang = policy.get("gang") if isinstance(policy, Mapping) else None
+        if not isinstance(gang, Mapping):
+            return None  # the basic policy: pods placed one by one, as the API server's own scheduler does
+        size = _gang_size(gang.get("minCount"), f"{where} has spec.schedulingPolicy.gang.minCount")
+        return DeclaredGang(derived_gang_name(WORKLOAD_POD_GROUP_GANG_PREFIX, name), size, where, "minCount")
+
+    def _gang_object(
+        self, resource: tuple[str, str, str], namespace: str, name: str, where: str, named_by: str, fix: str
+    ) -> Mapping[str, Any]:
+        """The object declaring a gang (cached like owners). Raises GangRefused when it does not exist."""
+        group, version, plural = resource
+        key = (group, plural, namespace, name)
+        with self._lock:
+            obj = self._cache.get(key)
+        if obj is None:
+            try:
+                obj = self.fetch(group, version, plural, namespace, name)
+            except NotServed:
+                obj = _NOT_SERVED
+            except Exception as exc:
+                raise OwnerLookupError(f"cannot read {where} named by {named_by} ({exc}); the pod is refused so that "
+                                       "its controller retries") from None
+            if obj is not None:
+                # a group found (or its API not served) is cached; one missing is not, so that a retry after its
+                # creation sees it at once
+                with self._lock:
+                    self._cache[key] = obj
+        if obj is _NOT_SERVED:
+            raise NotServed(f"{group}/{version} {plural}")
+        if obj is None:
+            # Refused, not warned: a typo must not quietly turn an all-or-nothing job into pods placed one by one.
+            # Controllers that use PodGroups (training-operator, scheduler-plugins' own examples, the Job controller
+            # for Workloads) create the group before the pods, and a refused pod is retried by its controller (a bare
+            # pod by whoever applies it again), so the order "pods first" costs a retry, not a silent half gang.
+            raise GangRefused(f"{named_by} names {where}, which does not exist: create it before the pods, or fix "
+                              f"the {fix}")
+        return obj
 
     def inherited(self, namespace: str, labels: Mapping[str, str], owner_refs: Any) -> Inherited:
         """The INHERITED_LABELS the pod lacks, from the nearest controller owner carrying each."""

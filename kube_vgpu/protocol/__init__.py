@@ -112,6 +112,9 @@ LABEL_KUEUE_PRIORITY_CLASS = KUEUE_API_GROUP + "/priority-class"
 #: Kueue's plain-pod groups (all-or-nothing gangs): the group's name (pod label) and its size (pod annotation).
 LABEL_KUEUE_POD_GROUP_NAME = KUEUE_API_GROUP + "/pod-group-name"
 ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT = KUEUE_API_GROUP + "/pod-group-total-count"
+#: The most members one gang may have (the webhook refuses a PodGroup's larger size; the extender a larger count): a
+#: typo like 40000 must not make every member wait forever unseen.
+MAX_GANG_SIZE = 4096
 #: Annotation on a batch/v1 Job (not on its pods): "true" makes the Job's pods one gang of `parallelism` members
 #: (the webhook stamps the Kueue pod-group label and count above on them).
 ANNOTATION_JOB_GANG = ANNOTATION_PREFIX + "gang"
@@ -122,6 +125,22 @@ ANNOTATION_GANG_TIMEOUT_SECONDS = "gang.kube-vgpu.io/timeout-seconds"
 #: Node labels a multi-node gang's members prefer to share, narrowest first (rack, then zone): a tie-breaker
 #: after "a node the gang already uses" (override with the extender's --gang-topology-labels).
 DEFAULT_GANG_TOPOLOGY_LABELS: tuple[str, ...] = ("topology.kubernetes.io/rack", "topology.kubernetes.io/zone")
+#: scheduler-plugins' coscheduling PodGroup (CRD podgroups.scheduling.x-k8s.io, v1alpha1): pods name theirs with this
+#: label; the webhook reads its spec.minMember and stamps the Kueue pod-group label and count above.
+COSCHEDULING_API_GROUP = "scheduling.x-k8s.io"
+COSCHEDULING_API_VERSION = "v1alpha1"
+COSCHEDULING_POD_GROUPS = "podgroups"
+LABEL_COSCHEDULING_POD_GROUP = COSCHEDULING_API_GROUP + "/pod-group"
+#: Prefix of the Kueue pod-group name stamped for a PodGroup: "_" cannot occur in a Job's name (a DNS subdomain),
+#: so a PodGroup's gang never shares a name with a Job's gang (named after the Job) in the same namespace.
+POD_GROUP_GANG_PREFIX = "podgroup_"
+#: Kubernetes' own PodGroups (Workload API, scheduling.k8s.io/v1beta1 in 1.37, feature gate GenericWorkload, off by
+#: default): a pod names its PodGroup in spec.schedulingGroup.podGroupName; a gang's size is the PodGroup's
+#: spec.schedulingPolicy.gang.minCount. Its gang's Kueue pod-group name has its own prefix ("_": never a Job's).
+WORKLOAD_API_GROUP = "scheduling.k8s.io"
+WORKLOAD_API_VERSION = "v1beta1"
+WORKLOAD_POD_GROUPS = "podgroups"
+WORKLOAD_POD_GROUP_GANG_PREFIX = "workload_"
 #: Namespace label the API server sets on every namespace (ClusterQueue namespaceSelectors may use it).
 LABEL_NAMESPACE_NAME = "kubernetes.io/metadata.name"
 # --- end of quota additions ---
@@ -557,8 +576,6 @@ def decode_allocation(text: str) -> dict[str, tuple[str, ...]]:
 # ---------------------------------------------------------------------------------------------
 
 
-#: one gang may name at most this many members (a typo like 40000 must not make every member wait forever unseen)
-MAX_GANG_SIZE = 4096
 #: a gang's own timeout (annotation) must lie in this range: seconds, not a typo's days or an instant release
 MIN_GANG_TIMEOUT_S = 10.0
 MAX_GANG_TIMEOUT_S = 86400.0

@@ -398,3 +398,48 @@ def test_each_waiting_case_says_what_the_gang_waits_for(scenario: Any, expected:
     reasons = scenario()
     assert reasons == {expected}
     assert "%" not in expected  # kube-scheduler reads an extender's reason as a format string
+
+
+# --- members beyond the declared size (a coscheduling PodGroup's minMember is "at least", ours is exact) -----------
+def test_members_beyond_the_size_do_not_hold_the_gang_back() -> None:
+    # minMember 2, three pods, two free GPUs: the first two (in creation order) are placed together
+    env = Env(nodes=3, free=2)
+    gang = [member("pg", 2, i) for i in range(3)]
+    for p in gang:
+        env.cluster.add_pod(p)
+    extra_passed, extra_reasons = env.filter(gang[2])  # the extra member is filtered first
+    assert extra_passed == []
+    assert extra_reasons == {"gang default/pg: this member is beyond the gang's 2 members and is placed after them, "
+                             "on its own"}
+    assert sorted(n for n in (env.schedule(gang[0]), env.schedule(gang[1])) if n) == ["n0", "n1"]
+    # the extra member then waits like any pod for a GPU of its own, holding nothing meanwhile
+    passed, reasons = env.filter(gang[2])
+    assert passed == [] and reasons == {"gang default/pg: 2 of 2 members fit; waiting for a node for member pg-2 "
+                                        "(1 x 81920 MiB, gpucores 0): none of 3 node(s) fits it: 3 whose GPUs cannot "
+                                        "take it (e.g. n2: no GPU with 81920 MiB free (largest free 0 MiB))"}
+    assert sum(env.used_mib().values()) == 3 * WHOLE_MIB  # two members and the blocker
+    env.cluster.delete_pod("default", env.blockers[0]["metadata"]["name"])
+    assert env.schedule(gang[2]) == "n2"
+
+
+def test_an_extra_member_is_placed_on_its_own_once_the_gang_is_whole() -> None:
+    env = Env(nodes=3, free=3)
+    gang = [member("pg", 2, i) for i in range(3)]
+    for p in gang[:2]:
+        env.cluster.add_pod(p)
+    assert all(env.schedule(p) for p in gang[:2])
+    env.cluster.add_pod(gang[2])  # created later (a PodGroup's minMember is "at least")
+    assert env.schedule(gang[2]) == "n2"
+
+
+def test_an_extra_members_unbound_plan_is_released_after_the_timeout() -> None:
+    env = Env(nodes=3, free=3, timeout_s=60)
+    gang = [member("pg", 2, i) for i in range(3)]
+    for p in gang:
+        env.cluster.add_pod(p)
+    assert all(env.schedule(p) for p in gang[:2])
+    assert env.filter(gang[2])[0] == ["n2"]  # planned, reserved, never bound (kube-scheduler refused n2)
+    assert sum(env.used_mib().values()) == 3 * WHOLE_MIB
+    env.clock.now += 61
+    env.filter(gang[0])  # any member's filter releases expired plans
+    assert sum(env.used_mib().values()) == 2 * WHOLE_MIB

@@ -13,6 +13,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kube_vgpu.protocol import (
+    COSCHEDULING_API_GROUP,
+    COSCHEDULING_POD_GROUPS,
+    WORKLOAD_API_GROUP,
+    WORKLOAD_POD_GROUPS,
+)
 from kube_vgpu.webhook.config import DEFAULT_DEVICE_PLUGIN_USERNAME, DEFAULT_EXTENDER_USERNAME
 from kube_vgpu.webhook.owners import SUPPORTED_OWNERS
 from tests.manifests.render import (
@@ -51,6 +57,8 @@ INTENDED_ROLES: dict[tuple[str, str | None, str], dict[Grant, set[str]]] = {
     ("ClusterRole", None, "kube-vgpu-webhook"): {
         **{(group, plural, ""): {"get"} for (group, _kind), (_version, plural) in SUPPORTED_OWNERS.items()},
         ("kueue.x-k8s.io", "localqueues", ""): {"get"},
+        (COSCHEDULING_API_GROUP, COSCHEDULING_POD_GROUPS, ""): {"get"},
+        (WORKLOAD_API_GROUP, WORKLOAD_POD_GROUPS, ""): {"get"},
     },
     # the self-signed overlay only
     ("Role", NAMESPACE, "kube-vgpu-certs"): {

@@ -33,12 +33,17 @@ class Api:
     """Owner objects by (plural, name); counts the reads."""
 
     def __init__(self, objects: Mapping[tuple[str, str], dict[str, Any]], fail: bool = False,
-                 queues_served: bool = False) -> None:
+                 queues_served: bool = False, pod_groups_served: bool = True) -> None:
         self.objects, self.fail, self.reads, self.queues_served = dict(objects), fail, 0, queues_served
+        self.pod_groups_served = pod_groups_served
 
     def __call__(self, group: str, version: str, plural: str, namespace: str, name: str) -> dict[str, Any] | None:
         if plural == "localqueues" and not self.queues_served:
             raise NotServed("kueue.x-k8s.io/v1beta1 localqueues is not served")
+        if plural == "podgroups":
+            assert (group, version) == ("scheduling.x-k8s.io", "v1alpha1")
+            if not self.pod_groups_served:
+                raise NotServed("scheduling.x-k8s.io/v1alpha1 podgroups is not served")
         self.reads += 1
         if self.fail:
             raise TimeoutError("no answer within 3 s")
@@ -198,7 +203,8 @@ def test_a_gang_mark_that_is_neither_true_nor_false_is_said() -> None:
 
 @pytest.mark.parametrize(("edit", "warning"), [
     (lambda p: p["metadata"]["labels"].update({"scheduling.x-k8s.io/pod-group": "pg"}),
-     "label scheduling.x-k8s.io/pod-group (a coscheduling PodGroup) is not read by kube-vgpu"),
+     "label scheduling.x-k8s.io/pod-group (a coscheduling PodGroup) is not read by this kube-vgpu webhook, which "
+     "reads no API objects"),
     (lambda p: p["spec"].update({"workloadRef": {"name": "w", "podGroup": "g"}}),
      "spec.workloadRef (a Kubernetes Workload) is not read by kube-vgpu"),
 ], ids=["coscheduling-pod-group", "workload-ref"])

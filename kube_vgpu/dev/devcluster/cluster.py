@@ -113,6 +113,11 @@ RESTARTABLE = ("kube-controller-manager", "webhook", "extender", "kube-scheduler
 ProgressFn = Callable[[str], object]
 
 
+#: What ClusterOptions.workload_api switches on in the API server (Kubernetes 1.37)
+WORKLOAD_API_FEATURE_GATE = "GenericWorkload"
+WORKLOAD_API_VERSION = "scheduling.k8s.io/v1beta1"
+
+
 class DevClusterError(RuntimeError):
     """The dev cluster could not start (it was torn down) or could not be driven as asked."""
 
@@ -157,6 +162,11 @@ class ClusterOptions:
     #: plain extended resource); for the throughput comparison.
     extender: bool = True
     extender_args: tuple[str, ...] = ()
+    #: The API server serves Kubernetes' Workload API (Workloads, PodGroups, pods' spec.schedulingGroup):
+    #: feature gate GenericWorkload (beta, off by default in 1.37) and scheduling.k8s.io/v1beta1. Kubernetes 1.37+
+    #: (older releases serve other versions of it and refuse these flags). kube-scheduler keeps the gate off: gangs
+    #: are placed by our extender, not by kube-scheduler's own gang scheduling.
+    workload_api: bool = False
     scheduler_qps: float = DEFAULT_SCHEDULER_QPS
     scheduler_burst: int = DEFAULT_SCHEDULER_BURST
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
@@ -587,6 +597,9 @@ class DevCluster:
             "--endpoint-reconciler-type=none",
             "--profiling=false",
         ]
+        if self.options.workload_api:
+            argv += [f"--feature-gates={WORKLOAD_API_FEATURE_GATE}=true",
+                     f"--runtime-config={WORKLOAD_API_VERSION}=true"]
         self._spawn("kube-apiserver", argv)
         context = _tls_context(self.pki.ca_cert, self.pki.admin)
         url = f"{self.server}/readyz"
