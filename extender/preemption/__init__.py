@@ -3,7 +3,14 @@
 
 from __future__ import annotations
 
-from kube_vgpu.extender.preemption.rules import PodFacts, QueueSnapshot, Verdict, may_preempt, snapshot_queues
+from kube_vgpu.extender.preemption.rules import (
+    PodFacts,
+    QueueSnapshot,
+    Verdict,
+    may_preempt,
+    reclaimable,
+    snapshot_queues,
+)
 from kube_vgpu.extender.preemption.victims import (
     Candidate,
     GangMember,
@@ -24,5 +31,6 @@ __all__ = [
     "find_victims",
     "may_preempt",
     "pick_node",
+    "reclaimable",
     "snapshot_queues",
 ]

@@ -81,10 +81,10 @@ def snapshot_queues(
         key = (CQ, preemptor_queue)
         usage = tree.usage.get(preemptor_queue, {})
         within = all(usage.get(fr, 0) + need <= tree.quota(key, fr).nominal for fr, need in needs.items() if need > 0)
-    names = set(preemption) | set(tree.usage)
+    queues = [key[1] for key in tree.parent if key[0] == CQ]
     return QueueSnapshot(
         preemption=dict(preemption),
-        cohort_root={name: tree.root_of(name) for name in names if tree.has(name)},
+        cohort_root={name: tree.root_of(name) for name in queues},
         borrowed=borrowed,
         preemptor_within_nominal=within,
         needs=dict(needs),
@@ -139,6 +139,21 @@ def _in_cohort(policy: Preemption, preemptor: PodFacts, candidate: PodFacts, que
                               f"{threshold}")
     return Verdict(True, f"borrowWithinCohort: {theirs} borrows {_describe(borrowed)} above its nominal quota, "
                          f"priority {candidate.priority} < {preemptor.priority}")
+
+
+def reclaimable(preemptor: PodFacts, queues: QueueSnapshot) -> dict[str, dict[FlavorResource, int]]:
+    """For the victim search's bound (victims.find_victims): each queue of the preemptor's cohort whose pods the
+    cohort rules allow, with what it borrows in resources the preemptor needs. Only that much may be taken from it:
+    its pods within its nominal quota stay, as in Kueue."""
+    ours = preemptor.cluster_queue
+    if ours is None or queues.cohort_root.get(ours) is None:
+        return {}
+    root = queues.cohort_root[ours]
+    return {
+        name: {fr: n for fr, n in borrowed.items() if queues.needs.get(fr, 0) > 0}
+        for name, borrowed in queues.borrowed.items()
+        if name != ours and queues.cohort_root.get(name) == root
+    }
 
 
 def may_preempt(preemptor: PodFacts, candidate: PodFacts, queues: QueueSnapshot) -> Verdict:

@@ -6,6 +6,10 @@ slots and multi-GPU topology all count), no victims here. Otherwise give candida
 most important down (highest priority, then oldest start) while the preemptor still fits; the rest are the
 victims. So the lowest-priority, most recently started pods go first and no victim is one whose removal does not
 help. A gang is one unit: evicting one member evicts them all, on every node.
+
+Candidates are removed least important first until the preemptor fits, as Kueue does, so a bound on what may be
+taken from a queue can be kept: a pod allowed because its queue borrows (reclaimWithinCohort, borrowWithinCohort)
+is taken only while that queue still borrows, so its pods within its nominal quota stay.
 """
 
 from __future__ import annotations
@@ -16,6 +20,10 @@ from dataclasses import dataclass
 from kube_vgpu.extender.engine.fit import place
 from kube_vgpu.extender.engine.model import FitFailure, GpuUsage, NodeState, Placement, PlacementRequest
 from kube_vgpu.extender.engine.policies.base import Policy
+from kube_vgpu.extender.quota.accounting import FlavorResource
+
+#: what a pod counts in its ClusterQueue's quota, per (flavor, resource)
+Charge = tuple[tuple[FlavorResource, int], ...]
 
 #: kube-scheduler adds this to priorities before summing them, so negative priorities still sum sensibly
 _PRIORITY_OFFSET = 2**31
@@ -32,6 +40,8 @@ class Candidate:
     usage: tuple[GpuUsage, ...]
     gang: str | None = None
     allowed: bool = True
+    cluster_queue: str | None = None
+    charge: Charge = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +52,8 @@ class GangMember:
     priority: int
     started_s: float
     allowed: bool = True
+    cluster_queue: str | None = None
+    charge: Charge = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +120,36 @@ def _importance(unit: _Unit) -> tuple[int, float]:
     return (-unit.priority, unit.started_s)
 
 
+class _Budget:
+    """What may still be taken from each borrowing queue: a unit with a pod of such a queue is taken only while that
+    queue still borrows something (Kueue's "candidate's queue is still borrowing" while it removes candidates)."""
+
+    def __init__(self, reclaimable: Mapping[str, Mapping[FlavorResource, int]]) -> None:
+        self.left = {queue: dict(amounts) for queue, amounts in reclaimable.items()}
+
+    def _charges(self, unit: _Unit) -> list[tuple[str, Charge]]:
+        """(queue, charge) of the unit's pods in a bounded queue."""
+        found = [(c.cluster_queue, c.charge) for c in unit.here] + [(m.cluster_queue, m.charge) for m in unit.elsewhere]
+        return [(queue, charge) for queue, charge in found if queue is not None and queue in self.left]
+
+    def open(self, unit: _Unit) -> bool:
+        return all(any(n > 0 for n in self.left[queue].values()) for queue, _ in self._charges(unit))
+
+    def take(self, unit: _Unit, sign: int) -> None:
+        for queue, charge in self._charges(unit):
+            left = self.left[queue]
+            for fr, amount in charge:
+                if fr in left:
+                    left[fr] -= sign * amount
+
+
+def _remove(work: NodeState, unit: _Unit, budget: _Budget, sign: int) -> None:
+    """Take the unit's pods off the copy (sign 1) or give them back (sign -1)."""
+    for pod in unit.here:
+        work.apply_usage(pod.usage, -sign)
+    budget.take(unit, sign)
+
+
 def find_victims(
     node: NodeState,
     request: PlacementRequest,
@@ -116,46 +158,56 @@ def find_victims(
     node_policy: Policy,
     *,
     gangs: Mapping[str, Sequence[GangMember]] | None = None,
+    reclaimable: Mapping[str, Mapping[FlavorResource, int]] | None = None,
     check_host: bool = False,
 ) -> Victims | NoVictims:
     """The smallest set of allowed candidates (least important first) whose eviction lets `request` fit on
-    `node`. `gangs`: gang key -> its members on other nodes. Never changes `node` (works on a copy)."""
+    `node`. `gangs`: gang key -> its members on other nodes. `reclaimable`: for each queue whose pods are allowed
+    only because it borrows, what it borrows in resources the preemptor needs (rules.reclaimable); its pods are
+    taken only while it still borrows. Never changes `node` (works on a copy)."""
     units, refused = _units(candidates, gangs or {})
+    budget = _Budget(reclaimable or {})
     work = node.copy()
 
     def fits() -> Placement | None:
         result = place(work, request, gpu_policy, node_policy, check_host=check_host)
         return result if isinstance(result, Placement) else None
 
-    for unit in units:
-        for pod in unit.here:
-            work.apply_usage(pod.usage, -1)
+    removed: list[_Unit] = []
+    lent_out = 0  # pods kept because their queue no longer borrows
+    if fits() is None:
+        for unit in sorted(units, key=_importance, reverse=True):  # least important first
+            if not budget.open(unit):
+                lent_out += len(unit.here)
+                continue
+            _remove(work, unit, budget, 1)
+            removed.append(unit)
+            if fits() is not None:
+                break
     failure = place(work, request, gpu_policy, node_policy, check_host=check_host)
     if isinstance(failure, FitFailure):
-        kept = f" ({refused} pod(s) here may not be preempted)" if refused else ""
+        kept = f"; {refused} pod(s) here may not be preempted" if refused else ""
+        kept += f"; {lent_out} kept as their queue would no longer borrow" if lent_out else ""
         return NoVictims(node.name, f"does not fit even with every preemptible pod gone: {failure.reason}{kept}")
+    # give back from the most important down while the preemptor still fits: every victim left is needed
     victims: list[_Unit] = []
-    for unit in sorted(units, key=_importance):
-        for pod in unit.here:
-            work.apply_usage(pod.usage, 1)
+    for unit in sorted(removed, key=_importance):
+        _remove(work, unit, budget, -1)
         if fits() is None:
-            for pod in unit.here:
-                work.apply_usage(pod.usage, -1)
+            _remove(work, unit, budget, 1)
             victims.append(unit)
     # greedy reprieve is minimal when fit is monotone; a GPU policy's choice need not be, so check once more
-    # that each victim is still needed, and give back any that is not
+    # that each victim is still needed, and give back any that is not (giving back never breaks the budget)
     changed = True
     while changed:
         changed = False
         for unit in sorted(victims, key=_importance):
-            for pod in unit.here:
-                work.apply_usage(pod.usage, 1)
+            _remove(work, unit, budget, -1)
             if fits() is not None:
                 victims.remove(unit)
                 changed = True
                 break
-            for pod in unit.here:
-                work.apply_usage(pod.usage, -1)
+            _remove(work, unit, budget, 1)
     placement = fits()
     assert placement is not None  # every step above keeps the preemptor fitting
     victims.sort(key=_importance, reverse=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import cache
 from typing import Any
 
@@ -22,7 +23,9 @@ from kube_vgpu.extender.preemption import (
     find_victims,
     may_preempt,
     pick_node,
+    reclaimable,
 )
+from kube_vgpu.extender.quota.objects import Preemption
 from tests.helpers import pod
 
 BINPACK = make_policy("binpack")
@@ -243,3 +246,51 @@ def test_pick_node_counts_gang_members_elsewhere() -> None:
     gang = found_on("a", [(1, 0.0)], ((1, 0.0), (1, 0.0)))
     assert pick_node([gang, found_on("b", [(1, 0.0), (1, 0.0)])]).node_name == "b"  # type: ignore[union-attr]
     assert pick_node([]) is None
+
+
+GPU = ("a100", "nvidia.com/gpu")
+
+
+@pytest.mark.parametrize(("gpus", "expected"), [(1, ["b3"]), (2, ["b3", "b2"]), (3, None)])
+def test_reclaim_takes_only_what_the_queue_borrows(gpus: int, expected: list[str] | None) -> None:
+    """team-b has a nominal quota of 2 GPUs and runs 4 here (borrowing 2); team-a, within its nominal quota,
+    reclaims: at most the 2 borrowed GPUs, the most recently started first. b's pods within its quota stay."""
+    node = new_node(gpus=4)
+    preemptor = PodFacts("me", 0, 100.0, "team-a")
+    queues = QueueSnapshot(preemption={"team-a": Preemption(reclaim_within_cohort="Any")},
+                           cohort_root={"team-a": "ai", "team-b": "ai"}, borrowed={"team-b": {GPU: 2}},
+                           needs={GPU: gpus})
+    candidates = []
+    for i in range(4):
+        allowed = may_preempt(preemptor, PodFacts(f"b{i}", 0, float(i), "team-b"), queues).allowed
+        candidate = hold(node, f"b{i}", 0, float(i), [(i, A100_MIB, 100)], allowed=allowed)
+        candidates.append(replace(candidate, cluster_queue="team-b", charge=((GPU, 1),)))
+    found = find_victims(node, request(gpus=gpus, cores=100), candidates, BINPACK, BINPACK,
+                         reclaimable=reclaimable(preemptor, queues))
+    if expected is None:
+        assert isinstance(found, NoVictims)
+        assert "2 kept as their queue would no longer borrow" in found.reason, found.reason
+    else:
+        assert uids(found) == expected
+
+
+def test_a_borrowing_gang_is_taken_whole_while_its_queue_borrows() -> None:
+    node = new_node()
+    member = replace(hold(node, "g-0", 0, 1.0, [(0, A100_MIB, 100)], gang="g"), cluster_queue="team-b",
+                     charge=((GPU, 1),))
+    elsewhere = [GangMember("g-1", 0, 1.0, cluster_queue="team-b", charge=((GPU, 1),))]
+    found = find_victims(node, request(cores=100), [member], BINPACK, BINPACK, gangs={"g": elsewhere},
+                         reclaimable={"team-b": {GPU: 1}})
+    assert isinstance(found, Victims) and found.count == 2  # Kueue takes a whole workload while its queue borrows
+    spent = find_victims(node, request(cores=100), [member], BINPACK, BINPACK, gangs={"g": elsewhere},
+                         reclaimable={"team-b": {GPU: 0}})
+    assert isinstance(spent, NoVictims)
+
+
+def test_reclaimable_lists_only_cohort_queues_and_needed_resources() -> None:
+    queues = QueueSnapshot(cohort_root={"a": "ai", "b": "ai", "c": "other", "d": None},
+                           borrowed={"a": {GPU: 1}, "b": {GPU: 2, ("a100", "cpu"): 5}, "c": {GPU: 3}},
+                           needs={GPU: 1})
+    assert reclaimable(PodFacts("p", 0, 0.0, "a"), queues) == {"b": {GPU: 2}}
+    assert reclaimable(PodFacts("p", 0, 0.0, None), queues) == {}
+    assert reclaimable(PodFacts("p", 0, 0.0, "d"), queues) == {}
