@@ -1,17 +1,16 @@
 """Which running pods to evict on one node so a pending pod fits its GPUs, and which node's victims to prefer.
 
-kube-scheduler's DefaultPreemption (selectVictimsOnNode), on our GPU model: on a copy of the node, remove every
-allowed candidate; if the preemptor still does not fit (per engine.fit.place, so memory, cores, exclusivity, vGPU
-slots and multi-GPU topology all count), no victims here. Otherwise give candidates back ("reprieve") from the
-most important down (highest priority, then oldest start) while the preemptor still fits; the rest are the
-victims. So the lowest-priority, most recently started pods go first and no victim is one whose removal does not
-help. A gang is one unit: evicting one member evicts them all, on every node.
+kube-scheduler's DefaultPreemption (selectVictimsOnNode) and Kueue's preemptor, on our GPU model. On a copy of the
+node, remove allowed candidates least important first (lowest priority, then latest start) until the preemptor
+fits per engine.fit.place (memory, cores, exclusivity, vGPU slots and multi-GPU topology all count); if it never
+fits, no victims here. Then give candidates back ("reprieve") from the most important down while the preemptor
+still fits; the rest are the victims. So the lowest-priority, most recently started pods go first and no victim
+is one whose removal does not help. A gang is one unit: evicting one member evicts them all, on every node.
 
-Candidates are removed least important first until the preemptor fits, as Kueue does, so a bound on what may be
-taken from a queue can be kept: a pod allowed because its queue borrows (reclaimWithinCohort, borrowWithinCohort)
-is taken only while that queue still borrows, so its pods within its nominal quota stay.
+Removing in order (rather than all at once, as kube-scheduler does) keeps Kueue's bound: a pod allowed because
+its queue borrows (reclaimWithinCohort, borrowWithinCohort) is taken only while that queue still borrows, so its
+pods within its nominal quota stay.
 """
-
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
