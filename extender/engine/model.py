@@ -98,6 +98,13 @@ class GpuState:
     def idle(self) -> bool:
         return self.used_vgpus == 0
 
+    def copy(self) -> GpuState:
+        """An independent copy (what-if planning changes its usage without touching the original)."""
+        twin = object.__new__(GpuState)
+        for name in GpuState.__slots__:
+            setattr(twin, name, getattr(self, name))
+        return twin
+
 
 @dataclass(frozen=True, slots=True)
 class GpuUsage:
@@ -296,6 +303,19 @@ class NodeState:
         self.models_lower = frozenset(gpu.model_lower for gpu in self.gpus)
         self.inventory_external = {info.uuid: info.external_pods for info in gpus_info if info.external_pods}
         self.touch()
+
+    def copy(self) -> NodeState:
+        """A what-if copy: its GPUs' usage can change without touching this node, its version or its caches.
+        Hardware (link matrix, labels, inventory) is shared, never mutated after set_inventory."""
+        twin = object.__new__(NodeState)
+        for name in NodeState.__slots__:
+            setattr(twin, name, getattr(self, name))
+        twin.gpus = [gpu.copy() for gpu in self.gpus]
+        twin.gpu_by_uuid = {gpu.uuid: gpu for gpu in twin.gpus}
+        twin.pod_kinds = dict(self.pod_kinds)
+        twin.fit_cache = {}
+        twin.free_milli_cache = None
+        return twin
 
     def touch(self) -> None:
         """Record a change: cached fit results and policy data are no longer valid."""

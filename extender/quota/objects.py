@@ -49,6 +49,15 @@ STOP_POLICIES = ("None", "Hold", "HoldAndDrain")
 SELECTOR_OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist")
 TOLERATION_OPERATORS = ("Equal", "Exists")
 TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+# ClusterQueue spec.preemption (Kueue's ClusterQueuePreemption); "Never" everywhere is Kueue's default
+NEVER = "Never"
+LOWER_PRIORITY = "LowerPriority"
+LOWER_OR_NEWER_EQUAL_PRIORITY = "LowerOrNewerEqualPriority"
+ANY = "Any"
+WITHIN_CLUSTER_QUEUE_POLICIES = (NEVER, LOWER_PRIORITY, LOWER_OR_NEWER_EQUAL_PRIORITY)
+RECLAIM_WITHIN_COHORT_POLICIES = (NEVER, LOWER_PRIORITY, ANY)
+BORROW_WITHIN_COHORT_POLICIES = (NEVER, LOWER_PRIORITY)
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
 
 class QuotaConfigError(ValueError):
@@ -168,6 +177,17 @@ class ResourceGroup:
 
 
 @dataclass(frozen=True, slots=True)
+class Preemption:
+    """ClusterQueue spec.preemption. The defaults are Kueue's: nothing is ever preempted."""
+
+    within_cluster_queue: str = NEVER
+    reclaim_within_cohort: str = NEVER
+    borrow_within_cohort: str = NEVER
+    #: borrowWithinCohort.maxPriorityThreshold: only victims at or below it (None: any lower priority)
+    max_priority_threshold: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterQueue:
     name: str
     resource_groups: tuple[ResourceGroup, ...] = ()
@@ -175,6 +195,7 @@ class ClusterQueue:
     namespace_selector: LabelSelector | None = None  # None: no namespace (Kueue's null)
     queueing_strategy: str = BEST_EFFORT_FIFO
     stop_policy: str = "None"
+    preemption: Preemption = Preemption()
 
     @property
     def covered_resources(self) -> frozenset[str]:
@@ -403,6 +424,25 @@ def _parse_resource_groups(  # noqa: C901
     return tuple(groups)
 
 
+def parse_preemption(value: Any, where: str) -> Preemption:
+    """spec.preemption, with Kueue's validation (its CRD rule refuses reclaim Never with borrowing preemption)."""
+    doc = _mapping(value, where)
+    within = _enum(doc.get("withinClusterQueue"), WITHIN_CLUSTER_QUEUE_POLICIES, NEVER, f"{where}.withinClusterQueue")
+    reclaim = _enum(doc.get("reclaimWithinCohort"), RECLAIM_WITHIN_COHORT_POLICIES, NEVER,
+                    f"{where}.reclaimWithinCohort")
+    borrow_doc = _mapping(doc.get("borrowWithinCohort"), f"{where}.borrowWithinCohort")
+    borrow = _enum(borrow_doc.get("policy"), BORROW_WITHIN_COHORT_POLICIES, NEVER, f"{where}.borrowWithinCohort.policy")
+    threshold = borrow_doc.get("maxPriorityThreshold")
+    if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, int)
+                                  or not INT32_MIN <= threshold <= INT32_MAX):
+        raise QuotaConfigError(f"{where}.borrowWithinCohort.maxPriorityThreshold: must be a 32-bit integer, "
+                               f"got {threshold!r}")
+    if reclaim == NEVER and borrow != NEVER:
+        raise QuotaConfigError(f"{where}: reclaimWithinCohort=Never and borrowWithinCohort.policy={borrow} "
+                               f"contradict each other (Kueue refuses them); set reclaimWithinCohort too")
+    return Preemption(within, reclaim, borrow, threshold)
+
+
 def _check_version(api_version: str, kind: str, allowed: tuple[str, ...], where: str) -> str:
     group, _, version = api_version.partition("/")
     if group != protocol.KUEUE_API_GROUP or version not in allowed:
@@ -491,6 +531,7 @@ def parse_object(doc: Mapping[str, Any]) -> Any:
         queueing_strategy=_enum(spec.get("queueingStrategy"), QUEUEING_STRATEGIES, BEST_EFFORT_FIFO,
                                 f"{where}: spec.queueingStrategy"),
         stop_policy=_enum(spec.get("stopPolicy"), STOP_POLICIES, "None", f"{where}: spec.stopPolicy"),
+        preemption=parse_preemption(spec.get("preemption"), f"{where}: spec.preemption"),
     )
 
 
