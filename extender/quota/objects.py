@@ -556,6 +556,12 @@ def build_config(docs: Iterable[tuple[str, Mapping[str, Any]]]) -> QuotaConfig:
             config.flavors[parsed.name] = parsed
         elif isinstance(parsed, ClusterQueue):
             config.cluster_queues[parsed.name] = parsed
+            if parsed.preemption != Preemption():
+                # read and checked (extender/preemption/ decides with it), but no pod is evicted yet: said, so that
+                # nobody lends quota believing it comes back
+                config.warnings.append(f"ClusterQueue {parsed.name}: spec.preemption is not carried out yet: "
+                                       "kube-vgpu evicts no pod, so borrowed quota comes back only as pods finish "
+                                       "(docs/preemption.md)")
             for resource in parsed.covered_resources:
                 if resource == protocol.RESOURCE_GPU_MEMORY_PERCENTAGE:
                     config.warnings.append(f"ClusterQueue {parsed.name}: {resource} is never counted (usage is "

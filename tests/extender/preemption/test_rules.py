@@ -190,3 +190,17 @@ def test_preemption_parsed(text: str, expected: Preemption) -> None:
 def test_bad_preemption_refused_with_its_field(text: str, message: str) -> None:
     with pytest.raises(QuotaConfigError, match=r"ClusterQueue q: spec\.preemption" + message):
         parse_object(queue_with(text))
+
+
+@pytest.mark.parametrize(("text", "warned"), [
+    ("null", False),
+    ("{withinClusterQueue: Never}", False),  # Kueue's defaults written out: nothing to carry out
+    ("{withinClusterQueue: LowerPriority}", True),
+    ("{reclaimWithinCohort: Any}", True),
+])
+def test_a_preemption_policy_not_carried_out_yet_is_said(text: str, warned: bool) -> None:
+    config = build_config([("quota.yaml", queue_with(text))])
+    assert config.errors == []
+    expected = ["ClusterQueue q: spec.preemption is not carried out yet: kube-vgpu evicts no pod, so borrowed quota "
+                "comes back only as pods finish (docs/preemption.md)"]
+    assert config.warnings == (expected if warned else [])
