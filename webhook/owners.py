@@ -41,6 +41,7 @@ from kube_vgpu.protocol import (
     WORKLOAD_POD_GROUP_GANG_PREFIX,
     WORKLOAD_POD_GROUPS,
 )
+from kube_vgpu.webhook.workloads import GANG_SIZE_OF
 
 log = logging.getLogger(__name__)
 
@@ -271,18 +272,31 @@ class OwnerResolver:
                 break  # deleted meanwhile: nothing to inherit
             metadata = obj.get("metadata") or {}
             owner_labels = metadata.get("labels") or {}
-            if want_gang and depth == 1 and (group, kind) == ("batch", "Job"):
-                want_gang = False  # only the pod's own Job can make it a gang member
+            if want_gang:
+                # the nearest owner that says "true" or "false" decides: a JobSet's or a PyTorchJob's mark makes all
+                # its GPU pods one gang; a Job's, its own pods (the Job keeps its historical gang name, its own)
                 mark = str((metadata.get("annotations") or {}).get(ANNOTATION_JOB_GANG, "")).lower()
                 if mark not in ("", "true", "false"):
-                    warnings.append(f"annotation {ANNOTATION_JOB_GANG}={mark[:20]!r} on Job {namespace}/{name} is "
-                                    "neither \"true\" nor \"false\": its pods are not a gang")
-                if mark == "true":
-                    size = (obj.get("spec") or {}).get("parallelism", 1)
-                    found[LABEL_KUEUE_POD_GROUP_NAME] = name
-                    sources[LABEL_KUEUE_POD_GROUP_NAME] = f"{kind} {namespace}/{name}"
-                    annotations[ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT] = str(size if isinstance(size, int) else 1)
-            want_gang = False
+                    warnings.append(f"annotation {ANNOTATION_JOB_GANG}={mark[:20]!r} on {kind} {namespace}/{name} "
+                                    "is neither \"true\" nor \"false\": its pods are not a gang")
+                    want_gang = False
+                elif mark == "false":
+                    want_gang = False
+                elif mark == "true":
+                    want_gang = False
+                    size_of = GANG_SIZE_OF.get((group, kind))
+                    if size_of is None:
+                        warnings.append(f"annotation {ANNOTATION_JOB_GANG} on {kind} {namespace}/{name} is not read: "
+                                        f"kube-vgpu reads it on {', '.join(k for _g, k in GANG_SIZE_OF)}; declare "
+                                        f"the gang with the label {LABEL_KUEUE_POD_GROUP_NAME} and the annotation "
+                                        f"{ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT} on the pod template instead")
+                    else:
+                        size = _gang_size(size_of(obj), f"{kind} {namespace}/{name} runs GPU pods at once:")
+                        is_own_job = depth == 1 and (group, kind) == ("batch", "Job")
+                        gang_name = name if is_own_job else derived_gang_name(f"{kind.lower()}_", name)
+                        found[LABEL_KUEUE_POD_GROUP_NAME] = gang_name
+                        sources[LABEL_KUEUE_POD_GROUP_NAME] = f"{kind} {namespace}/{name}"
+                        annotations[ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT] = str(size)
             for key in list(missing):
                 value = owner_labels.get(key)
                 if isinstance(value, str) and value:

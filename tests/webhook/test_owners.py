@@ -145,8 +145,35 @@ def gang_job(name: str, parallelism: Any, mark: str | None = "true", owners: lis
     job = obj(name, labels, owners)
     if mark is not None:
         job["metadata"]["annotations"] = {"kube-vgpu.io/gang": mark}
-    job["spec"] = {"parallelism": parallelism} if parallelism is not None else {}
+    job["spec"] = {"template": GPU_TEMPLATE}
+    if parallelism is not None:
+        job["spec"]["parallelism"] = parallelism
     return job
+
+
+GPU_TEMPLATE = {"spec": {"containers": [{"name": "t", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}
+CPU_TEMPLATE = {"spec": {"containers": [{"name": "t", "resources": {"limits": {"cpu": "1"}}}]}}
+
+
+def marked(name: str, spec: dict[str, Any], mark: str = "true", labels: dict[str, str] | None = None) -> dict[str, Any]:
+    found = obj(name, labels)
+    found["metadata"]["annotations"] = {"kube-vgpu.io/gang": mark}
+    found["spec"] = spec
+    return found
+
+
+def jobset_spec(*jobs: tuple[int | None, int | None, dict[str, Any]]) -> dict[str, Any]:
+    """replicatedJobs of (replicas, parallelism, pod template)."""
+    replicated = []
+    for index, (replicas, parallelism, template) in enumerate(jobs):
+        job_spec: dict[str, Any] = {"template": template}
+        if parallelism is not None:
+            job_spec["parallelism"] = parallelism
+        entry: dict[str, Any] = {"name": f"rj{index}", "template": {"spec": job_spec}}
+        if replicas is not None:
+            entry["replicas"] = replicas
+        replicated.append(entry)
+    return {"replicatedJobs": replicated}
 
 
 @pytest.mark.parametrize(("case", "job", "group", "count"), [
@@ -166,13 +193,61 @@ def test_a_job_marked_as_a_gang_makes_its_pods_one_gang(case: str, job: dict[str
     assert mutated["metadata"]["annotations"]["kube-vgpu.io/admitted"] == "v1"
 
 
-def test_only_the_pods_own_job_makes_a_gang_and_the_queue_still_comes_from_above() -> None:
-    api = Api({("jobs", "w-0"): gang_job("w-0", 3, None, [ref("JobSet", "js", "jobset.x-k8s.io/v1alpha2")]),
-               ("jobsets", "js"): gang_job("js", 8, "true", labels={QUEUE: "q"})})
+def test_a_jobset_marked_as_a_gang_makes_all_its_gpu_pods_one_gang_and_the_queue_still_comes_from_above() -> None:
+    spec = jobset_spec((2, 4, GPU_TEMPLATE), (None, None, GPU_TEMPLATE), (1, 1, CPU_TEMPLATE))
+    api = Api({("jobs", "w-0"): gang_job("w-0", 4, None, [ref("JobSet", "js", "jobset.x-k8s.io/v1alpha2")]),
+               ("jobsets", "js"): marked("js", spec, labels={QUEUE: "q"})})
+    sent = gpu_pod_owned_by(ref("Job", "w-0"))
+    _, response = run_review(sent, WebhookConfig(), owners=OwnerResolver(api))
+    mutated = apply_response(sent, response)
+    assert mutated["metadata"]["labels"][QUEUE] == "q"
+    # 2 Jobs x 4 pods + 1 x 1, the CPU-only coordinator not counted (kube-vgpu never sees it)
+    assert mutated["metadata"]["labels"][GROUP] == "jobset_js"
+    assert mutated["metadata"]["annotations"][COUNT] == "9"
+
+
+def test_a_job_marked_false_keeps_its_pods_out_of_its_jobsets_gang() -> None:
+    api = Api({("jobs", "w-0"): gang_job("w-0", 4, "false", [ref("JobSet", "js", "jobset.x-k8s.io/v1alpha2")]),
+               ("jobsets", "js"): marked("js", jobset_spec((2, 4, GPU_TEMPLATE)), labels={QUEUE: "q"})})
     sent = gpu_pod_owned_by(ref("Job", "w-0"))
     _, response = run_review(sent, WebhookConfig(), owners=OwnerResolver(api))
     mutated = apply_response(sent, response)
     assert mutated["metadata"]["labels"][QUEUE] == "q" and GROUP not in mutated["metadata"]["labels"]
+
+
+@pytest.mark.parametrize(("kind", "api_version", "plural", "field", "count"), [
+    ("PyTorchJob", "kubeflow.org/v1", "pytorchjobs", "pytorchReplicaSpecs", "5"),
+    ("TFJob", "kubeflow.org/v1", "tfjobs", "tfReplicaSpecs", "5"),
+    ("MPIJob", "kubeflow.org/v2beta1", "mpijobs", "mpiReplicaSpecs", "5"),
+])
+def test_a_training_job_marked_as_a_gang_counts_its_gpu_replicas(kind: str, api_version: str, plural: str,
+                                                                 field: str, count: str) -> None:
+    # Master 1 (replicas defaults to 1) + Worker 4 with GPUs; a CPU-only Launcher is not a member
+    spec = {field: {"Master": {"template": GPU_TEMPLATE}, "Worker": {"replicas": 4, "template": GPU_TEMPLATE},
+                    "Launcher": {"replicas": 1, "template": CPU_TEMPLATE}}}
+    api = Api({(plural, "train"): marked("train", spec)})
+    sent = gpu_pod_owned_by(ref(kind, "train", api_version), labels={QUEUE: "q"})
+    _, response = run_review(sent, WebhookConfig(), owners=OwnerResolver(api))
+    mutated = apply_response(sent, response)
+    assert mutated["metadata"]["labels"][GROUP] == f"{kind.lower()}_train"
+    assert mutated["metadata"]["annotations"][COUNT] == count
+
+
+def test_a_marked_workload_without_gpu_pods_at_once_is_refused() -> None:
+    api = Api({("jobsets", "js"): marked("js", jobset_spec((0, 4, GPU_TEMPLATE)))})
+    sent = gpu_pod_owned_by(ref("JobSet", "js", "jobset.x-k8s.io/v1alpha2"), labels={QUEUE: "q"})
+    outcome, response = run_review(sent, WebhookConfig(), owners=OwnerResolver(api))
+    assert outcome.result is Result.DENIED and response["status"]["code"] == 403
+    assert response["status"]["message"] == ("JobSet team-a/js runs GPU pods at once: 0: kube-vgpu needs a whole "
+                                             "number from 1 to 4096 (the gang's size)")
+
+
+def test_a_gang_mark_on_a_kind_without_a_size_is_said() -> None:
+    api = Api({("rayjobs", "r"): marked("r", {})})
+    sent = gpu_pod_owned_by(ref("RayJob", "r", "ray.io/v1"), labels={QUEUE: "q"})
+    outcome, response = run_review(sent, WebhookConfig(), owners=OwnerResolver(api))
+    assert outcome.result is Result.MUTATED
+    assert any("annotation kube-vgpu.io/gang on RayJob team-a/r is not read" in w for w in response["warnings"])
 
 
 @pytest.mark.parametrize(("served", "queues", "allowed"), [
