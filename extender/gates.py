@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
     from kube_vgpu.extender.engine.model import NodeState
     from kube_vgpu.extender.gangs import GangTracker
+    from kube_vgpu.extender.preemption.rules import QueueRules
     from kube_vgpu.extender.sources.watch import WatchHealth
     from kube_vgpu.protocol import PodGpuRequest
 
@@ -40,6 +41,11 @@ class Gate(Protocol):
     def snapshot(self, gangs: GangTracker | None = None) -> dict[str, Any] | None:
         """The gate's JSON view for /quota (with the gangs in its queues, from the tracker); None when it has
         none."""
+        ...
+
+    def queue_rules(self) -> QueueRules | None:
+        """The gate's queues as preemption's rules read them (Kueue's spec.preemption); None for a gate without
+        queues (then plain PriorityClass preemption applies)."""
         ...
 
     def start(self) -> None:

@@ -41,6 +41,10 @@ from kube_vgpu.extender.fence import LeaderFence
 from kube_vgpu.extender.gangs import DEFAULT_TIMEOUT_S as DEFAULT_GANG_TIMEOUT_S
 from kube_vgpu.extender.gangs import Gang, GangKey, GangTracker, InvalidGang, Member, gang_of
 from kube_vgpu.extender.gates import Gate
+from kube_vgpu.extender.preemption.evict import Evictor
+from kube_vgpu.extender.preemption.executor import DEFAULT_MAX_IN_FLIGHT, EvictionExecutor
+from kube_vgpu.extender.preemption.nominations import Nominations
+from kube_vgpu.extender.preemption.preemptor import Preemptor
 from kube_vgpu.extender.state import ClusterState, PodRecord
 from kube_vgpu.protocol import InvalidGpuRequest, PodGpuRequest
 
@@ -115,6 +119,12 @@ class Scheduler:
         self.gangs = GangTracker(timeout_s=gang_timeout_s, clock=state.clock)
         #: node labels a gang's members prefer to share when they span nodes, narrowest first
         self.gang_topology_labels = tuple(gang_topology_labels)
+        #: preemptions in progress and the running pods' priorities (preemption/nominations.py); decisions are
+        #: made only once enable_preemption gave an Evictor
+        self.nominations = Nominations(clock=state.clock)
+        self.preemptor: Preemptor | None = None
+        with state.lock:
+            state.pod_listeners.append(self.nominations.on_pod)
         with state.lock:
             state.pod_listeners.append(self.gangs.on_pod)
         self.binder = binder
@@ -140,6 +150,14 @@ class Scheduler:
         self.ordering = BindOrdering()
         #: hooks for metrics: called with (verb outcome, FitFailure code)
         self.on_rejection: Callable[[str], None] = lambda code: None
+
+    def enable_preemption(self, evictor: Evictor, *, inline: bool = False,
+                          max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> None:
+        """Preempt on GPU shares (issue 14) through this Evictor; `inline` runs evictions in the filter's thread
+        (snapshot mode, tests)."""
+        executor = EvictionExecutor(evictor, self.nominations, self.state.lock, max_in_flight=max_in_flight,
+                                    inline=inline)
+        self.preemptor = Preemptor(self.state, self.gangs, executor, self.gates)
 
     # --- policies -------------------------------------------------------------------------------
     def policy(self, name: str) -> Policy:
@@ -247,6 +265,12 @@ class Scheduler:
                 self._recent_pods[uid] = pod
             now = state.clock()
             nodes = state.nodes
+            preemptor = self.preemptor
+            held_nodes = self.nominations.by_node
+            if held_nodes:
+                self.nominations.expire()
+            pod_priority = _priority(pod) if held_nodes else 0
+            gpu_failed: list[str] = []  # nodes refused for GPU reasons only: where preemption could help
             if cacheable:
                 outdated = self._outdated_nodes(key, (node_policy.epoch(), gpu_policy.epoch()))
                 budget_pops = refresh_budget * 4  # nodes without a result of this shape cost nothing to skip
@@ -284,7 +308,16 @@ class Scheduler:
                 if isinstance(result, FitFailure):
                     (outcome.unresolvable if result.unresolvable else outcome.failed)[name] = result.reason
                     self.on_rejection(result.code)
+                    if not result.unresolvable:
+                        gpu_failed.append(name)
                     continue
+                if held_nodes and name in held_nodes and preemptor is not None:
+                    held = preemptor.held(node, str(uid or ""), pod_priority, placement_request, gpu_policy,
+                                          node_policy)
+                    if held:
+                        outcome.failed[name] = held
+                        self.on_rejection("nominated")
+                        continue
                 gate_reason = None
                 for gate in self.gates:
                     gate_reason = gate.check(pod, request, node)
@@ -296,6 +329,9 @@ class Scheduler:
                     continue
                 outcome.passed.append(name)
                 placements[name] = result
+            if not outcome.passed and preemptor is not None and uid and gpu_failed:
+                preemptor.on_unplaced(pod, str(uid), request, placement_request, gpu_policy, node_policy,
+                                      gpu_failed, outcome.failed)
             for gate in self.gates:  # gates that track waiting pods (quota StrictFIFO) learn the whole outcome
                 gate.observe_filter(pod, request, outcome.passed)
         return outcome, placements
@@ -720,6 +756,11 @@ class Scheduler:
         return (pod.get("spec") or {}).get("nodeName") == node_name and written.get(
             protocol.POD_ASSIGNMENT_ANNOTATION
         ) == annotations[protocol.POD_ASSIGNMENT_ANNOTATION]
+
+
+def _priority(pod: Mapping[str, Any]) -> int:
+    value = (pod.get("spec") or {}).get("priority")
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def _label_of(state: ClusterState, node_name: str, label: str) -> str:

@@ -365,6 +365,7 @@ def add_views(app: FastAPI, scheduler: Scheduler, registry: CollectorRegistry) -
         view = state.snapshot()
         with state.lock:
             view["gangs"] = gangs_view(scheduler.gangs)
+            view["nominations"] = scheduler.nominations.view()
         return _json(view)
 
     @app.get("/quota")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kube_vgpu.extender.quota.accounting import CQ, FlavorResource, QuotaTree
 from kube_vgpu.extender.quota.objects import (
@@ -55,6 +56,18 @@ class QueueSnapshot:
     preemptor_within_nominal: bool = True
     #: what the preemptor needs, per (flavor, resource): reclaim only from queues borrowing one of these
     needs: Mapping[FlavorResource, int] = field(default_factory=dict)
+
+
+class QueueRules(Protocol):
+    """What the rules need of a quota gate's queues (Gate.queue_rules)."""
+
+    def queue_of(self, uid: str, namespace: str, labels: Mapping[str, str]) -> str | None:
+        """The ClusterQueue a pod is in; None outside any queue."""
+        ...
+
+    def snapshot(self, preemptor_queue: str | None) -> QueueSnapshot:
+        """The queues' preemption policies, cohorts and borrowing, as of now."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,6 +55,7 @@ from kube_vgpu.protocol import PodGpuRequest
 
 if TYPE_CHECKING:
     from kube_vgpu.extender.gangs import GangTracker
+    from kube_vgpu.extender.preemption.rules import QueueRules, QueueSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -595,6 +596,9 @@ class QuotaGate:
             found = [c for c in self.charges.values() if c.cluster_queue == cluster_queue and c.counted]
         return sorted(found, key=lambda c: (c.priority, -c.created_s))
 
+    def queue_rules(self) -> QueueRules:
+        return _GateQueueRules(self)
+
     def snapshot(self, gangs: GangTracker | None = None) -> dict[str, Any]:
         """JSON-ready view for GET /quota (quota/views.py), with each queue's gangs when given the tracker."""
         return quota_view(self, gangs)
@@ -612,3 +616,22 @@ class QuotaGate:
             self.watcher.stop()
 
 
+
+
+class _GateQueueRules:
+    """QueueRules over the gate (the caller holds the state lock, which guards the gate's accounting)."""
+
+    def __init__(self, gate: QuotaGate) -> None:
+        self.gate = gate
+
+    def queue_of(self, uid: str, namespace: str, labels: Mapping[str, str]) -> str | None:
+        found = self.gate.cluster_queue_of(uid, namespace, labels)
+        return found.name if found is not None else None
+
+    def snapshot(self, preemptor_queue: str | None) -> QueueSnapshot:
+        from kube_vgpu.extender.preemption.rules import snapshot_queues
+
+        config = self.gate.config
+        policies = {name: queue.preemption for name, queue in config.cluster_queues.items()}
+        # GPU capacity, not quota, is what this preemption frees: no quota need, so no reclaim from a cohort here
+        return snapshot_queues(self.gate.tree, policies, preemptor_queue, needs={})

@@ -1,0 +1,188 @@
+"""Preemption on GPU shares, wired into filter (issue 14): when a pod fits no node's GPUs, choose victims on one
+node (victims.py, allowed by rules.py), nominate the pod there and evict them (executor.py); while nominated, the
+freed GPUs are held for it (nominations.py). Called by the Scheduler with the cluster state's lock held; no I/O
+here (evictions run on the executor's threads).
+
+What it decides on: the nodes kube-scheduler offered (its own plugins passed them: CPU, memory, taints, affinity)
+where the pod failed for GPU reasons only (memory, cores, exclusivity, vGPU slots, topology) and the quota gate
+would admit it. Victims: bound pods with an assignment on that node, not terminating, not protected by a recent
+PodDisruptionBudget refusal, that the rules allow (plain priority; Kueue's withinClusterQueue for two pods of one
+ClusterQueue). A gang victim takes its whole gang.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kube_vgpu import protocol
+from kube_vgpu.extender.engine.fit import place
+from kube_vgpu.extender.engine.model import NodeState, Placement, PlacementRequest, assignment_from_placement
+from kube_vgpu.extender.engine.policies.base import Policy
+from kube_vgpu.extender.gangs import GangTracker
+from kube_vgpu.extender.gates import Gate
+from kube_vgpu.extender.preemption.evict import EvictionRequest
+from kube_vgpu.extender.preemption.executor import EvictionExecutor
+from kube_vgpu.extender.preemption.nominations import Nomination, RunningPod, Victim, running_pod
+from kube_vgpu.extender.preemption.rules import PodFacts, QueueRules, QueueSnapshot, Verdict, may_preempt
+from kube_vgpu.extender.preemption.victims import Candidate, GangMember, Victims, find_victims, pick_node
+from kube_vgpu.extender.state import ClusterState, usage_from_assignment
+
+log = logging.getLogger(__name__)
+
+
+class Preemptor:
+    def __init__(self, state: ClusterState, gangs: GangTracker, executor: EvictionExecutor,
+                 gates: Sequence[Gate]) -> None:
+        self.state = state
+        self.gangs = gangs
+        self.executor = executor
+        self.nominations = executor.nominations
+        self.gates = list(gates)
+        self._queue_rules: QueueRules | None = next(
+            (rules for rules in (gate.queue_rules() for gate in self.gates) if rules is not None), None)
+
+    # --- holding a nominated node's GPUs -----------------------------------------------------------------------
+    def held(self, node: NodeState, uid: str, priority: int, request: PlacementRequest, gpu_policy: Policy,
+             node_policy: Policy) -> str | None:
+        """Why the pod may not use this node's GPUs, which are held for nominated preemptors of higher or equal
+        priority (None: it fits beside them)."""
+        holding = self.nominations.holding(node.name, uid, priority)
+        if not holding:
+            return None
+        work = node.copy()
+        for nomination in holding:
+            work.apply_usage(nomination.usage, 1)
+        if isinstance(place(work, request, gpu_policy, node_policy), Placement):
+            return None
+        names = ", ".join(f"{n.namespace}/{n.name}" for n in holding[:3])
+        return f"GPUs held for {names} (priority {holding[0].priority}), which preempted pods on this node"
+
+    # --- deciding --------------------------------------------------------------------------------------------
+    def on_unplaced(self, pod: Mapping[str, Any], uid: str, request: protocol.PodGpuRequest,
+                    placement_request: PlacementRequest, gpu_policy: Policy, node_policy: Policy,
+                    gpu_failed: Sequence[str], failed: dict[str, str]) -> None:
+        """The pod fits no node: report its nomination's progress in `failed`, or start a preemption."""
+        nomination = self.nominations.by_preemptor.get(uid)
+        if nomination is not None:
+            waiting = nomination.waiting_for()
+            if waiting:
+                names = ", ".join(f"{v.namespace}/{v.name} ({v.state.value})" for v in waiting[:5])
+                failed[nomination.node_name] = (f"preempting for this pod on this node: waiting for {len(waiting)} "
+                                                f"victim(s) to leave: {names}; {nomination.rule}")
+            return
+        preemptor = running_pod(pod)
+        if preemptor.never_preempts:
+            return
+        if self.executor.room() <= 0:
+            log.info("preemption for %s/%s deferred: %d evictions in flight", preemptor.namespace, preemptor.name,
+                     self.executor.in_flight)
+            return
+        metadata = pod.get("metadata") or {}
+        queue = (self._queue_rules.queue_of(uid, preemptor.namespace, metadata.get("labels") or {})
+                 if self._queue_rules is not None else None)
+        snapshot = self._queue_rules.snapshot(queue) if self._queue_rules is not None else QueueSnapshot()
+        facts = PodFacts(uid, preemptor.priority, preemptor.created_s, queue, preemptor.never_preempts)
+        found: list[tuple[Victims, dict[str, str]]] = []
+        for name in gpu_failed:
+            node = self.state.nodes.get(name)
+            if node is None or any(gate.check(pod, request, node) for gate in self.gates):
+                continue  # quota would refuse it here anyway: evicting for GPUs cannot help
+            result = self._victims_on(node, facts, snapshot, placement_request, gpu_policy, node_policy)
+            if result is not None:
+                found.append(result)
+        best = pick_node(victims for victims, _rules in found)
+        if best is None:
+            last = self.nominations.last_outcome.get(uid)
+            if last:  # why its last preemption ended, beside each node's own reason
+                for name in gpu_failed:
+                    if name in failed:
+                        failed[name] = f"{failed[name]}; preemption: {last}"
+            return
+        rules = next(rules for victims, rules in found if victims is best)
+        self._start(pod, uid, preemptor, best, rules)
+        count = best.count
+        failed[best.node_name] = (f"preempting {count} pod(s) on this node for this pod: "
+                                  f"{', '.join(sorted(set(rules.values())))[:300]}")
+
+    def _victims_on(self, node: NodeState, preemptor: PodFacts, snapshot: QueueSnapshot,
+                    request: PlacementRequest, gpu_policy: Policy,
+                    node_policy: Policy) -> tuple[Victims, dict[str, str]] | None:
+        """The cheapest victims on this node, with the rule that allowed each; None when none would do."""
+        work = node.copy()
+        candidates: list[Candidate] = []
+        rules: dict[str, str] = {}
+        elsewhere: dict[str, list[GangMember]] = {}
+        for uid in self.state.pods_by_node.get(node.name, ()):
+            record = self.state.pods.get(uid)
+            facts = self.nominations.facts.get(uid)
+            if record is None or not record.applied or facts is None:
+                continue
+            if facts.terminating:
+                work.apply_usage(record.usage, -1)  # leaving already: its GPUs are as good as free
+                continue
+            if not (record.bound and record.confirmed):
+                continue  # a bind in flight is nobody's victim yet
+            verdict = self._verdict(preemptor, uid, record.labels, facts, snapshot)
+            gang = record.labels.get(protocol.LABEL_KUEUE_POD_GROUP_NAME)
+            gang_key = f"{record.namespace}/{gang}" if gang else None
+            allowed = verdict.allowed and not self.nominations.protected(uid)
+            candidates.append(Candidate(uid, facts.priority, facts.started_s, record.usage, gang_key, allowed))
+            rules[uid] = verdict.rule
+            if gang_key is not None and gang_key not in elsewhere:
+                elsewhere[gang_key] = self._gang_elsewhere(gang_key, node.name, preemptor, snapshot, rules)
+        if not any(c.allowed for c in candidates):
+            return None
+        result = find_victims(work, request, candidates, gpu_policy, node_policy, gangs=elsewhere)
+        if not isinstance(result, Victims) or not result.count:
+            return None
+        chosen = {c.uid for c in result.victims} | {m.uid for m in result.extra}
+        return result, {uid: rule for uid, rule in rules.items() if uid in chosen}
+
+    def _gang_elsewhere(self, gang_key: str, node_name: str, preemptor: PodFacts, snapshot: QueueSnapshot,
+                        rules: dict[str, str]) -> list[GangMember]:
+        namespace, _, name = gang_key.partition("/")
+        members = []
+        for gang in self.gangs.gangs.values():
+            if gang.key.namespace != namespace or gang.key.name != name:
+                continue
+            for member in gang.members.values():
+                if not member.bound_to or member.bound_to == node_name:
+                    continue
+                record = self.state.pods.get(member.uid)
+                facts = self.nominations.facts.get(member.uid)
+                if record is None or facts is None:
+                    continue
+                verdict = self._verdict(preemptor, member.uid, record.labels, facts, snapshot)
+                rules[member.uid] = verdict.rule
+                members.append(GangMember(member.uid, facts.priority, facts.started_s,
+                                          verdict.allowed and not self.nominations.protected(member.uid)))
+        return members
+
+    def _verdict(self, preemptor: PodFacts, uid: str, labels: Mapping[str, str], facts: RunningPod,
+                 snapshot: QueueSnapshot) -> Verdict:
+        queue = self._queue_rules.queue_of(uid, facts.namespace, labels) if self._queue_rules is not None else None
+        candidate = PodFacts(uid, facts.priority, facts.created_s, queue)
+        return may_preempt(preemptor, candidate, snapshot)
+
+    def _start(self, pod: Mapping[str, Any], uid: str, preemptor: RunningPod, best: Victims,
+               rules: Mapping[str, str]) -> None:
+        node = self.state.nodes[best.node_name]
+        usage, _missing = usage_from_assignment(node, assignment_from_placement(node, best.placement))
+        victims: dict[str, Victim] = {}
+        requests: list[EvictionRequest] = []
+        for victim_uid in [c.uid for c in best.victims] + [m.uid for m in best.extra]:
+            record = self.state.pods.get(victim_uid)
+            if record is None:
+                continue
+            victims[victim_uid] = Victim(victim_uid, record.namespace, record.name)
+            requests.append(EvictionRequest(record.namespace, record.name, victim_uid, preemptor.namespace,
+                                            preemptor.name, uid, rules.get(victim_uid, ""), record.node_name))
+        rule = "; ".join(sorted(set(rules.values())))
+        nomination = Nomination(uid, preemptor.namespace, preemptor.name, preemptor.priority, best.node_name, usage,
+                                rule, self.state.clock(), victims)
+        self.nominations.add(nomination)
+        log.info("preemption: %s/%s nominated to %s, evicting %s (%s)", preemptor.namespace, preemptor.name,
+                 best.node_name, ", ".join(f"{r.namespace}/{r.name}" for r in requests), rule)
+        self.executor.submit(requests)

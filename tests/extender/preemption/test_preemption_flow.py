@@ -1,0 +1,209 @@
+"""Preemption wired into filter (issue 14): a pod that fits no node's GPUs evicts the cheapest allowed victims on
+one node, is nominated there, and the freed GPUs are held for it until it binds; refusals (a PodDisruptionBudget)
+and failures end the nomination and the next filter decides again. Snapshot mode, evictions run inline."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kube_vgpu import protocol
+from kube_vgpu.extender.preemption.evict import EvictionOutcome, EvictionRequest, EvictionResult
+from kube_vgpu.extender.scheduler import Scheduler
+from kube_vgpu.extender.sources.snapshot import SnapshotCluster
+from kube_vgpu.extender.state import ClusterState
+from tests.helpers import gpu_node, pod
+
+GPU_MIB = 81920
+PDB_REFUSAL = "Cannot evict pod as it would violate the pod's disruption budget."
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_800_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class MemoryEvictor:
+    """Evicts from the snapshot as the Eviction API would: the pod goes, or a PodDisruptionBudget refuses."""
+
+    def __init__(self, cluster: SnapshotCluster) -> None:
+        self.cluster = cluster
+        self.protected: set[str] = set()
+        self.requests: list[EvictionRequest] = []
+
+    def evict(self, request: EvictionRequest) -> EvictionResult:
+        self.requests.append(request)
+        if request.name in self.protected:
+            return EvictionResult(EvictionOutcome.BLOCKED, PDB_REFUSAL)
+        stored = self.cluster.get_pod(request.namespace, request.name)
+        if stored is None or stored["metadata"]["uid"] != request.uid:
+            return EvictionResult(EvictionOutcome.GONE)
+        self.cluster.delete_pod(request.namespace, request.name)
+        return EvictionResult(EvictionOutcome.EVICTED)
+
+
+class Env:
+    def __init__(self, nodes: int = 1) -> None:
+        self.clock = Clock()
+        self.state = ClusterState(heartbeat_ttl_s=float("inf"), clock=self.clock)
+        self.names = [f"n{i}" for i in range(nodes)]
+        self.cluster = SnapshotCluster(self.state, [gpu_node(n, gpus=1, memory_mib=GPU_MIB) for n in self.names])
+        self.scheduler = Scheduler(self.state, self.cluster)
+        self.evictor = MemoryEvictor(self.cluster)
+        self.scheduler.enable_preemption(self.evictor, inline=True)
+
+    def make(self, name: str, memory_mib: int, priority: int = 0, **spec: Any) -> dict[str, Any]:
+        p = pod(name, memory_mib=memory_mib)
+        p["spec"]["priority"] = priority
+        p["spec"].update(spec)
+        self.cluster.add_pod(p)
+        return p
+
+    def run(self, name: str, node: str, memory_mib: int, priority: int = 0,
+            labels: dict[str, str] | None = None, annotations: dict[str, str] | None = None) -> dict[str, Any]:
+        p = pod(name, memory_mib=memory_mib)
+        p["spec"]["priority"] = priority
+        p["metadata"]["labels"].update(labels or {})
+        p["metadata"]["annotations"].update(annotations or {})
+        self.cluster.add_pod(p)
+        passed = self.scheduler.filter(p, [node]).passed
+        assert passed == [node], self.scheduler.filter(p, [node]).failed
+        self.bind(p, node)
+        return p
+
+    def filter(self, p: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
+        outcome = self.scheduler.filter(p, self.names)
+        return outcome.passed, {**outcome.failed, **outcome.unresolvable}
+
+    def bind(self, p: dict[str, Any], node: str) -> None:
+        meta = p["metadata"]
+        self.scheduler.bind(meta["namespace"], meta["name"], meta["uid"], node)
+
+    def alive(self, *pods: dict[str, Any]) -> list[bool]:
+        return [self.cluster.get_pod(p["metadata"]["namespace"], p["metadata"]["name"]) is not None for p in pods]
+
+
+def test_a_higher_priority_pod_evicts_the_lowest_priority_pods_it_needs_and_lands_there() -> None:
+    env = Env()
+    low = [env.run(f"low-{i}", "n0", 20480, priority=i) for i in range(3)]  # 60 GiB used, 20 GiB free
+    urgent = env.make("urgent", 40960, priority=1000)
+    passed, reasons = env.filter(urgent)
+    assert passed == []
+    assert reasons["n0"].startswith("preempting 1 pod(s) on this node for this pod: priority: 0 is lower than 1000")
+    assert env.alive(*low) == [False, True, True]  # only the lowest went: one more 20 GiB was enough
+    assert [r.name for r in env.evictor.requests] == ["low-0"]
+    assert env.evictor.requests[0].rule == "priority: 0 is lower than 1000"
+    passed, _ = env.filter(urgent)
+    assert passed == ["n0"]
+    env.bind(urgent, "n0")
+    assert env.scheduler.nominations.by_preemptor == {}  # bound: its nomination is done
+
+
+def test_the_freed_gpus_are_held_for_the_preemptor_against_lower_and_equal_priority_pods() -> None:
+    env = Env()
+    env.run("low", "n0", 61440, priority=0)
+    urgent = env.make("urgent", 61440, priority=1000)
+    assert env.filter(urgent)[0] == []  # the eviction starts (and, inline, ends)
+    # before the preemptor binds, the GPU looks free; others of lower or equal priority may not take it
+    for name, priority in (("sneaky", 0), ("peer", 1000)):
+        other = env.make(name, 40960, priority=priority)
+        passed, reasons = env.filter(other)
+        assert passed == [] and reasons["n0"].startswith("GPUs held for default/urgent (priority 1000)")
+    small = env.make("small", 20480, priority=0)
+    assert env.filter(small)[0] == ["n0"]  # fits beside the preemptor's 60 GiB
+    higher = env.make("higher", 40960, priority=2000)
+    assert env.filter(higher)[0] == ["n0"]  # not held against a more important pod
+    assert env.filter(urgent)[0] == ["n0"]
+
+
+def test_equal_or_lower_priority_and_preemption_policy_never_preempt_nothing() -> None:
+    env = Env()
+    running = env.run("running", "n0", 61440, priority=100)
+    for name, priority, spec in (("equal", 100, {}), ("lower", 5, {}),
+                                 ("polite", 1000, {"preemptionPolicy": "Never"})):
+        p = env.make(name, 40960, priority=priority, **spec)
+        passed, reasons = env.filter(p)
+        assert passed == [] and "preempting" not in reasons["n0"]
+    assert env.alive(running) == [True] and env.evictor.requests == []
+
+
+def test_a_victim_protected_by_a_disruption_budget_is_left_out_and_another_chosen() -> None:
+    env = Env()
+    cheap = env.run("cheap", "n0", 40960, priority=0)
+    dearer = env.run("dearer", "n0", 40960, priority=10)
+    env.evictor.protected.add("cheap")
+    urgent = env.make("urgent", 40960, priority=1000)
+    passed, _ = env.filter(urgent)  # chooses the cheapest: refused by its budget
+    assert passed == [] and env.alive(cheap, dearer) == [True, True]
+    passed, _ = env.filter(urgent)  # decides again: the protected one is left alone for a while
+    assert passed == []
+    assert [r.name for r in env.evictor.requests] == ["cheap", "dearer"]
+    assert env.alive(cheap, dearer) == [True, False]
+    assert env.filter(urgent)[0] == ["n0"]
+
+
+def test_a_refused_eviction_is_said_in_the_preemptors_reasons_when_nothing_else_can_go() -> None:
+    env = Env()
+    env.run("only", "n0", 61440, priority=0)
+    env.evictor.protected.add("only")
+    urgent = env.make("urgent", 40960, priority=1000)
+    env.filter(urgent)
+    passed, reasons = env.filter(urgent)
+    assert passed == []
+    assert reasons["n0"].endswith(f"preemption: the eviction of default/only was refused ({PDB_REFUSAL}); other "
+                                  "victims are chosen on the next attempt")
+
+
+def test_a_gang_victim_takes_its_whole_gang_on_every_node() -> None:
+    env = Env(nodes=2)
+    gang_labels = {protocol.LABEL_KUEUE_POD_GROUP_NAME: "g"}
+    gang_annotations = {protocol.ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT: "2"}
+    members = []
+    for index in range(len(env.names)):
+        p = pod(f"g-{index}", memory_mib=GPU_MIB)
+        p["metadata"]["labels"].update(gang_labels)
+        p["metadata"]["annotations"].update(gang_annotations)
+        env.cluster.add_pod(p)
+        members.append(p)
+    for p in members:
+        env.filter(p)
+    for p, node in zip(members, env.names, strict=True):
+        passed = env.scheduler.filter(p, env.names).passed
+        env.bind(p, passed[0] if passed else node)
+    assert env.alive(*members) == [True, True]
+    urgent = env.make("urgent", GPU_MIB, priority=1000)
+    passed, _ = env.filter(urgent)
+    assert passed == []
+    assert env.alive(*members) == [False, False]  # one member was in the way; the gang went whole
+    assert env.filter(urgent)[0] == env.names  # both freed; it binds to one
+
+
+def test_a_nomination_that_is_never_used_expires_and_releases_the_hold() -> None:
+    env = Env()
+    env.run("low", "n0", 61440, priority=0)
+    urgent = env.make("urgent", 61440, priority=1000)
+    env.filter(urgent)
+    other = env.make("other", 40960, priority=0)
+    assert env.filter(other)[0] == []
+    env.clock.now += 121  # the preemptor never came back to bind (deleted before its event, rescheduled, ...)
+    assert env.filter(other)[0] == ["n0"]
+    assert env.scheduler.nominations.last_outcome["" + urgent["metadata"]["uid"]].startswith(
+        "its nomination to node n0 expired")
+
+
+def test_state_view_lists_nominations() -> None:
+    env = Env()
+    env.run("low", "n0", 61440, priority=0)
+    env.evictor.protected.add("low")
+    urgent = env.make("urgent", 61440, priority=1000)
+    env.scheduler.nominations.expire()
+    with env.state.lock:
+        assert env.scheduler.nominations.view() == []
+    env.evictor.protected.clear()
+    env.filter(urgent)
+    with env.state.lock:
+        assert env.scheduler.nominations.view() == [{
+            "preemptor": "default/urgent", "node": "n0", "priority": 1000, "rule": "priority: 0 is lower than 1000",
+            "victims": {"default/low": "gone"}}]
