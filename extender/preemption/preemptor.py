@@ -67,10 +67,12 @@ class Preemptor:
         nomination = self.nominations.by_preemptor.get(uid)
         if nomination is not None:
             waiting = nomination.waiting_for()
-            if waiting:
+            if nomination.node_name in failed:
                 names = ", ".join(f"{v.namespace}/{v.name} ({v.state.value})" for v in waiting[:5])
-                failed[nomination.node_name] = (f"preempting for this pod on this node: waiting for {len(waiting)} "
-                                                f"victim(s) to leave: {names}; {nomination.rule}")
+                failed[nomination.node_name] = (
+                    f"preempting for this pod on this node: waiting for {len(waiting)} victim(s) to leave: {names}; "
+                    f"{nomination.rule}" if waiting else
+                    f"nominated to this node, its GPUs held for this pod: {nomination.rule}")
             return
         preemptor = running_pod(pod)
         if preemptor.never_preempts:
@@ -102,8 +104,7 @@ class Preemptor:
             return
         rules = next(rules for victims, rules in found if victims is best)
         self._start(pod, uid, preemptor, best, rules)
-        count = best.count
-        failed[best.node_name] = (f"preempting {count} pod(s) on this node for this pod: "
+        failed[best.node_name] = (f"preempting {best.count} pod(s) on this node for this pod: "
                                   f"{', '.join(sorted(set(rules.values())))[:300]}")
 
     def _victims_on(self, node: NodeState, preemptor: PodFacts, snapshot: QueueSnapshot,
@@ -114,13 +115,17 @@ class Preemptor:
         candidates: list[Candidate] = []
         rules: dict[str, str] = {}
         elsewhere: dict[str, list[GangMember]] = {}
+        leaving = 0
         for uid in self.state.pods_by_node.get(node.name, ()):
             record = self.state.pods.get(uid)
             facts = self.nominations.facts.get(uid)
             if record is None or not record.applied or facts is None:
                 continue
             if facts.terminating:
-                work.apply_usage(record.usage, -1)  # leaving already: its GPUs are as good as free
+                # leaving already (evicted before a restart of ours, or deleted): its GPUs are as good as free, and
+                # it is never evicted twice
+                work.apply_usage(record.usage, -1)
+                leaving += 1
                 continue
             if not (record.bound and record.confirmed):
                 continue  # a bind in flight is nobody's victim yet
@@ -132,12 +137,14 @@ class Preemptor:
             rules[uid] = verdict.rule
             if gang_key is not None and gang_key not in elsewhere:
                 elsewhere[gang_key] = self._gang_elsewhere(gang_key, node.name, preemptor, snapshot, rules)
-        if not any(c.allowed for c in candidates):
+        if not leaving and not any(c.allowed for c in candidates):
             return None
         result = find_victims(work, request, candidates, gpu_policy, node_policy, gangs=elsewhere)
-        if not isinstance(result, Victims) or not result.count:
+        if not isinstance(result, Victims) or not (result.count or leaving):
             return None
-        chosen = {c.uid for c in result.victims} | {m.uid for m in result.extra}
+        if not result.count:
+            rules = {"": f"waiting for {leaving} terminating pod(s) to leave"}  # a nomination with no eviction
+        chosen = {c.uid for c in result.victims} | {m.uid for m in result.extra} | {""}
         return result, {uid: rule for uid, rule in rules.items() if uid in chosen}
 
     def _gang_elsewhere(self, gang_key: str, node_name: str, preemptor: PodFacts, snapshot: QueueSnapshot,

@@ -207,3 +207,25 @@ def test_state_view_lists_nominations() -> None:
         assert env.scheduler.nominations.view() == [{
             "preemptor": "default/urgent", "node": "n0", "priority": 1000, "rule": "priority: 0 is lower than 1000",
             "victims": {"default/low": "gone"}}]
+
+
+def test_after_a_restart_terminating_victims_are_waited_for_never_evicted_twice() -> None:
+    env = Env()
+    victim = env.run("victim", "n0", 61440, priority=0)
+    # evicted by an extender that then died: the pod is terminating, still holding its GPUs
+    stored = env.cluster.get_pod("default", "victim")
+    assert stored is not None
+    terminating = {**stored, "metadata": {**stored["metadata"], "deletionTimestamp": "2027-01-15T08:00:00Z"}}
+    env.state.upsert_pod(terminating)
+    urgent = env.make("urgent", 61440, priority=1000)
+    passed, reasons = env.filter(urgent)
+    assert passed == [] and env.evictor.requests == []  # nothing evicted again
+    assert reasons["n0"] == ("preempting 0 pod(s) on this node for this pod: waiting for 1 terminating pod(s) to "
+                             "leave")
+    other = env.make("other", 20480, priority=0)
+    assert env.filter(other)[0] == []  # the GPUs it frees are held for the preemptor
+    passed, reasons = env.filter(urgent)
+    assert reasons["n0"] == ("nominated to this node, its GPUs held for this pod: waiting for 1 terminating pod(s) "
+                             "to leave")
+    env.cluster.delete_pod("default", victim["metadata"]["name"])
+    assert env.filter(urgent)[0] == ["n0"]
