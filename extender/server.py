@@ -20,7 +20,7 @@ import orjson
 from fastapi import FastAPI
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
@@ -103,6 +103,27 @@ class BindTurnCollector(Collector):
                                 "binds holding their node's turn (writing their Binding)", value=writing)
         yield GaugeMetricFamily("kube_vgpu_extender_binds_waiting",
                                 "binds decided and reserved, waiting for their node's turn", value=waiting)
+
+
+class PreemptionCollector(Collector):
+    """Evictions by rule and outcome (blocked: a PodDisruptionBudget refused), and nominations in progress."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    def collect(self) -> Iterator[Any]:
+        evictions = CounterMetricFamily("kube_vgpu_preemption_evictions",
+                                        "evictions for preemption, by the rule that allowed them and their outcome",
+                                        labels=["rule", "outcome"])
+        preemptor = self.scheduler.preemptor
+        if preemptor is not None:
+            for (rule, outcome), count in sorted(preemptor.executor.counts().items()):
+                evictions.add_metric([rule, outcome], count)
+        yield evictions
+        with self.scheduler.state.lock:
+            nominated = len(self.scheduler.nominations.by_preemptor)
+        yield GaugeMetricFamily("kube_vgpu_preemption_nominations",
+                                "pods nominated to a node whose victims are being evicted for them", value=nominated)
 
 
 def parse_json_body(body: bytes) -> Any:
@@ -247,6 +268,7 @@ def extender_metrics(scheduler: Scheduler) -> ExtenderMetrics:
     )
     registry.register(GpuCollector(scheduler.state))
     registry.register(BindTurnCollector(scheduler))
+    registry.register(PreemptionCollector(scheduler))
     for gate in scheduler.gates:  # gates may publish their own gauges (the quota gate)
         gate_collector = gate.collector()
         if gate_collector is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 from kube_vgpu.extender.preemption.evict import EvictionOutcome, EvictionRequest, EvictionResult, Evictor
@@ -33,6 +34,9 @@ class EvictionExecutor:
         #: run each eviction in the caller's thread (snapshot mode and tests: deterministic, nothing to wait for)
         self.inline = inline
         self.in_flight = 0
+        #: (rule kind, outcome) -> evictions, for /metrics: rule kind is the rule's first word ("priority",
+        #: "withinClusterQueue", ...), outcome an EvictionOutcome value
+        self.outcomes: Counter[tuple[str, str]] = Counter()
         self._counter_lock = threading.Lock()
         self._pool = None if inline else ThreadPoolExecutor(max_workers=4, thread_name_prefix="evict")
 
@@ -58,12 +62,24 @@ class EvictionExecutor:
         finally:
             with self._counter_lock:
                 self.in_flight -= 1
+        with self._counter_lock:
+            self.outcomes[(rule_kind(request.rule), result.outcome.value)] += 1
         log.info("preemption: %s/%s on %s for %s/%s: %s%s", request.namespace, request.name, request.node_name,
                  request.preemptor_namespace, request.preemptor_name, result.outcome.value,
                  f" ({result.detail})" if result.detail else "")
         with self.lock:
             self.nominations.record(request.preemptor_uid, request.uid, _STATES[result.outcome], result.detail)
 
+    def counts(self) -> dict[tuple[str, str], int]:
+        with self._counter_lock:
+            return dict(self.outcomes)
+
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def rule_kind(rule: str) -> str:
+    """A rule text's kind, a bounded label: "priority: 0 is lower than 1000" -> "priority"."""
+    head = rule.split(":", 1)[0].split(" ", 1)[0]
+    return head if head in ("priority", "withinClusterQueue", "reclaimWithinCohort", "borrowWithinCohort") else "other"

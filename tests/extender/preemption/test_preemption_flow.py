@@ -229,3 +229,21 @@ def test_after_a_restart_terminating_victims_are_waited_for_never_evicted_twice(
                              "to leave")
     env.cluster.delete_pod("default", victim["metadata"]["name"])
     assert env.filter(urgent)[0] == ["n0"]
+
+
+def test_metrics_count_evictions_by_rule_and_outcome() -> None:
+    from prometheus_client import generate_latest
+
+    from kube_vgpu.extender.server import extender_metrics
+
+    env = Env()
+    env.run("cheap", "n0", 40960, priority=0)
+    env.run("dearer", "n0", 40960, priority=10)
+    env.evictor.protected.add("cheap")
+    urgent = env.make("urgent", 40960, priority=1000)
+    env.filter(urgent)
+    env.filter(urgent)
+    text = generate_latest(extender_metrics(env.scheduler).registry).decode()
+    assert 'kube_vgpu_preemption_evictions_total{outcome="blocked",rule="priority"} 1.0' in text
+    assert 'kube_vgpu_preemption_evictions_total{outcome="evicted",rule="priority"} 1.0' in text
+    assert "kube_vgpu_preemption_nominations 1.0" in text
