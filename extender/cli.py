@@ -75,6 +75,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gang-topology-labels", default=",".join(protocol.DEFAULT_GANG_TOPOLOGY_LABELS),
                         help="node labels, narrowest first, whose values a gang spanning nodes prefers to share "
                              "(comma-separated; empty: no preference)")
+    parser.add_argument("--preemption", action=argparse.BooleanOptionalAction, default=True,
+                        help="evict lower-priority pods for a pod that fits no node's GPUs (PriorityClass rules; "
+                             "Kueue's withinClusterQueue between pods of one ClusterQueue); through the Eviction "
+                             "API, so PodDisruptionBudgets hold")
     parser.add_argument("--log-level", default="INFO")
 
 

@@ -271,6 +271,9 @@ class Scheduler:
                 self.nominations.expire()
             pod_priority = _priority(pod) if held_nodes else 0
             gpu_failed: list[str] = []  # nodes refused for GPU reasons only: where preemption could help
+            quota_failed: list[tuple[str, Placement]] = []  # GPUs fit, the quota gate refused
+            if preemptor is not None and uid and self.nominations.by_preemptor:
+                preemptor.before_filter(str(uid))
             if cacheable:
                 outdated = self._outdated_nodes(key, (node_policy.epoch(), gpu_policy.epoch()))
                 budget_pops = refresh_budget * 4  # nodes without a result of this shape cost nothing to skip
@@ -326,12 +329,13 @@ class Scheduler:
                 if gate_reason:
                     outcome.failed[name] = gate_reason
                     self.on_rejection("quota")
+                    quota_failed.append((name, result))
                     continue
                 outcome.passed.append(name)
                 placements[name] = result
-            if not outcome.passed and preemptor is not None and uid and gpu_failed:
+            if not outcome.passed and preemptor is not None and uid and (gpu_failed or quota_failed):
                 preemptor.on_unplaced(pod, str(uid), request, placement_request, gpu_policy, node_policy,
-                                      gpu_failed, outcome.failed)
+                                      gpu_failed, quota_failed, outcome.failed)
             for gate in self.gates:  # gates that track waiting pods (quota StrictFIFO) learn the whole outcome
                 gate.observe_filter(pod, request, outcome.passed)
         return outcome, placements

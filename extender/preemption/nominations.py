@@ -75,6 +75,8 @@ class Nomination:
     victims: dict[str, Victim] = field(default_factory=dict)
     #: when the last victim went (0: some still hold GPUs)
     cleared_s: float = 0.0
+    #: its needs are held in its ClusterQueue (a preemption on quota) until its victims are gone
+    quota_hold: bool = False
 
     def waiting_for(self) -> list[Victim]:
         return [v for v in self.victims.values() if v.state is not VictimState.GONE]
@@ -121,6 +123,8 @@ class Nominations:
         self.protected_until_s: dict[str, float] = {}
         #: preemptor uid -> why its last preemption ended without a bind (for its next filter reasons)
         self.last_outcome: dict[str, str] = {}
+        #: called with every nomination that ends (the preemptor releases a quota hold)
+        self.on_drop: Callable[[Nomination], None] = lambda nomination: None
 
     # --- pod events ------------------------------------------------------------------------------------------
     def on_pod(self, uid: str, pod: Mapping[str, Any] | None) -> None:
@@ -166,6 +170,7 @@ class Nominations:
         for victim_uid in nomination.victims:
             if self._victim_of.get(victim_uid) == preemptor_uid:
                 del self._victim_of[victim_uid]
+        self.on_drop(nomination)
         if why:
             self.last_outcome[preemptor_uid] = why
 

@@ -25,6 +25,7 @@ from kube_vgpu.extender.gates import Gate
 from kube_vgpu.extender.preemption.evict import EvictionRequest
 from kube_vgpu.extender.preemption.executor import EvictionExecutor
 from kube_vgpu.extender.preemption.nominations import Nomination, RunningPod, Victim, running_pod
+from kube_vgpu.extender.preemption.quota_victims import QuotaCandidate, find_quota_victims
 from kube_vgpu.extender.preemption.rules import PodFacts, QueueRules, QueueSnapshot, Verdict, may_preempt
 from kube_vgpu.extender.preemption.victims import Candidate, GangMember, Victims, find_victims, pick_node
 from kube_vgpu.extender.state import ClusterState, usage_from_assignment
@@ -42,6 +43,19 @@ class Preemptor:
         self.gates = list(gates)
         self._queue_rules: QueueRules | None = next(
             (rules for rules in (gate.queue_rules() for gate in self.gates) if rules is not None), None)
+        self.nominations.on_drop = self._dropped
+
+    def _dropped(self, nomination: Nomination) -> None:
+        if nomination.quota_hold and self._queue_rules is not None:
+            self._queue_rules.release(nomination.preemptor_uid)
+            nomination.quota_hold = False
+
+    def before_filter(self, uid: str) -> None:
+        """A nominated preemptor whose victims are gone is about to be filtered: its quota hold goes, so that the
+        quota gate admits it on what the victims freed (it binds right after)."""
+        nomination = self.nominations.by_preemptor.get(uid)
+        if nomination is not None and nomination.quota_hold and not nomination.waiting_for():
+            self._dropped(nomination)
 
     # --- holding a nominated node's GPUs -----------------------------------------------------------------------
     def held(self, node: NodeState, uid: str, priority: int, request: PlacementRequest, gpu_policy: Policy,
@@ -62,7 +76,8 @@ class Preemptor:
     # --- deciding --------------------------------------------------------------------------------------------
     def on_unplaced(self, pod: Mapping[str, Any], uid: str, request: protocol.PodGpuRequest,
                     placement_request: PlacementRequest, gpu_policy: Policy, node_policy: Policy,
-                    gpu_failed: Sequence[str], failed: dict[str, str]) -> None:
+                    gpu_failed: Sequence[str], quota_failed: Sequence[tuple[str, Placement]],
+                    failed: dict[str, str]) -> None:
         """The pod fits no node: report its nomination's progress in `failed`, or start a preemption."""
         nomination = self.nominations.by_preemptor.get(uid)
         if nomination is not None:
@@ -95,6 +110,9 @@ class Preemptor:
             if result is not None:
                 found.append(result)
         best = pick_node(victims for victims, _rules in found)
+        if best is None and quota_failed and queue is not None and self._queue_rules is not None:
+            if self._on_quota(pod, uid, preemptor, facts, request, quota_failed, failed):
+                return
         if best is None:
             last = self.nominations.last_outcome.get(uid)
             if last:  # why its last preemption ended, beside each node's own reason
@@ -106,6 +124,50 @@ class Preemptor:
         self._start(pod, uid, preemptor, best, rules)
         failed[best.node_name] = (f"preempting {best.count} pod(s) on this node for this pod: "
                                   f"{', '.join(sorted(set(rules.values())))[:300]}")
+
+    # --- preemption on quota (Kueue's reclaimWithinCohort / withinClusterQueue) --------------------------------
+    def _on_quota(self, pod: Mapping[str, Any], uid: str, preemptor: RunningPod, facts: PodFacts,
+                  request: protocol.PodGpuRequest, quota_failed: Sequence[tuple[str, Placement]],
+                  failed: dict[str, str]) -> bool:
+        """The pod's GPUs fit on these nodes but its ClusterQueue is short: evict pods whose quota it may take.
+        True when a preemption started."""
+        rules_source = self._queue_rules
+        assert rules_source is not None
+        for node_name, placement in quota_failed[:8]:  # nodes of one flavor ask the same: a few are enough
+            node = self.state.nodes.get(node_name)
+            found = rules_source.needs_on(pod, request, node) if node is not None else None
+            if node is None or found is None:
+                continue
+            queue, needs = found
+            snapshot = rules_source.snapshot(queue, needs)
+            candidates: list[QuotaCandidate] = []
+            rules: dict[str, str] = {}
+            for charge in rules_source.charges():
+                if charge.uid == uid:
+                    continue
+                running = self.nominations.facts.get(charge.uid)
+                if running is None or running.terminating:
+                    continue
+                verdict = may_preempt(facts, PodFacts(charge.uid, charge.priority, charge.created_s,
+                                                      charge.cluster_queue), snapshot)
+                record = self.state.pods.get(charge.uid)
+                gang = record.labels.get(protocol.LABEL_KUEUE_POD_GROUP_NAME) if record is not None else None
+                allowed = verdict.allowed and not self.nominations.protected(charge.uid)
+                candidates.append(QuotaCandidate(charge.uid, charge.cluster_queue, charge.amounts, charge.priority,
+                                                 charge.created_s, allowed,
+                                                 f"{running.namespace}/{gang}" if gang else None))
+                rules[charge.uid] = verdict.rule
+            victims = find_quota_victims(rules_source.tree(), queue, needs, candidates)
+            if not victims:
+                continue  # None: not enough to take; []: it fits already (something else refused it)
+            chosen = {v.uid: rules[v.uid] for v in victims}
+            nomination = self._nominate(uid, preemptor, node, placement, chosen)
+            rules_source.hold(uid, queue, needs)
+            nomination.quota_hold = True
+            failed[node_name] = (f"preempting {len(victims)} pod(s) for this pod's quota in ClusterQueue {queue}: "
+                                 f"{', '.join(sorted(set(chosen.values())))[:300]}")
+            return True
+        return False
 
     def _victims_on(self, node: NodeState, preemptor: PodFacts, snapshot: QueueSnapshot,
                     request: PlacementRequest, gpu_policy: Policy,
@@ -175,21 +237,31 @@ class Preemptor:
 
     def _start(self, pod: Mapping[str, Any], uid: str, preemptor: RunningPod, best: Victims,
                rules: Mapping[str, str]) -> None:
-        node = self.state.nodes[best.node_name]
-        usage, _missing = usage_from_assignment(node, assignment_from_placement(node, best.placement))
+        chosen = {victim: rules.get(victim, "") for victim in [c.uid for c in best.victims] +
+                  [m.uid for m in best.extra]}
+        if not chosen:
+            chosen = {"": rules.get("", "")}  # nothing to evict: terminating pods are leaving already
+        self._nominate(uid, preemptor, self.state.nodes[best.node_name], best.placement, chosen)
+
+    def _nominate(self, uid: str, preemptor: RunningPod, node: NodeState, placement: Placement,
+                  chosen: Mapping[str, str]) -> Nomination:
+        """Nominate the preemptor to the node (its planned usage held there) and evict the victims (uid -> the
+        rule that allowed it; the uid "" stands for "none, waiting": its rule is the nomination's)."""
+        usage, _missing = usage_from_assignment(node, assignment_from_placement(node, placement))
         victims: dict[str, Victim] = {}
         requests: list[EvictionRequest] = []
-        for victim_uid in [c.uid for c in best.victims] + [m.uid for m in best.extra]:
+        for victim_uid, victim_rule in chosen.items():
             record = self.state.pods.get(victim_uid)
             if record is None:
                 continue
             victims[victim_uid] = Victim(victim_uid, record.namespace, record.name)
             requests.append(EvictionRequest(record.namespace, record.name, victim_uid, preemptor.namespace,
-                                            preemptor.name, uid, rules.get(victim_uid, ""), record.node_name))
-        rule = "; ".join(sorted(set(rules.values())))
-        nomination = Nomination(uid, preemptor.namespace, preemptor.name, preemptor.priority, best.node_name, usage,
+                                            preemptor.name, uid, victim_rule, record.node_name))
+        rule = "; ".join(sorted(set(chosen.values())))
+        nomination = Nomination(uid, preemptor.namespace, preemptor.name, preemptor.priority, node.name, usage,
                                 rule, self.state.clock(), victims)
         self.nominations.add(nomination)
         log.info("preemption: %s/%s nominated to %s, evicting %s (%s)", preemptor.namespace, preemptor.name,
-                 best.node_name, ", ".join(f"{r.namespace}/{r.name}" for r in requests), rule)
+                 node.name, ", ".join(f"{r.namespace}/{r.name}" for r in requests) or "nobody", rule)
         self.executor.submit(requests)
+        return nomination

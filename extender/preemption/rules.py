@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kube_vgpu.extender.quota.accounting import CQ, FlavorResource, QuotaTree
 from kube_vgpu.extender.quota.objects import (
@@ -28,6 +28,10 @@ from kube_vgpu.extender.quota.objects import (
     NEVER,
     Preemption,
 )
+
+if TYPE_CHECKING:
+    from kube_vgpu.extender.engine.model import NodeState
+    from kube_vgpu.protocol import PodGpuRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,9 +69,38 @@ class QueueRules(Protocol):
         """The ClusterQueue a pod is in; None outside any queue."""
         ...
 
-    def snapshot(self, preemptor_queue: str | None) -> QueueSnapshot:
-        """The queues' preemption policies, cohorts and borrowing, as of now."""
+    def snapshot(self, preemptor_queue: str | None, needs: Mapping[FlavorResource, int] | None = None) -> QueueSnapshot:
+        """The queues' preemption policies, cohorts and borrowing, as of now (`needs`: the preemptor's, when it
+        waits for quota: what reclaim may take back)."""
         ...
+
+    def needs_on(self, pod: Mapping[str, Any], request: PodGpuRequest,
+                 node: NodeState) -> tuple[str, dict[FlavorResource, int]] | None:
+        """The pod's ClusterQueue and what it would be counted for on this node; None when no queue manages it."""
+        ...
+
+    def tree(self) -> QuotaTree:
+        """The quota tree as of now (callers clone it before changing anything)."""
+        ...
+
+    def charges(self) -> list[QueueCharge]:
+        """Every counted pod: (uid, ClusterQueue, amounts, priority, created_s)."""
+        ...
+
+    def hold(self, uid: str, cluster_queue: str, amounts: Mapping[FlavorResource, int]) -> None:
+        """Count a nominated preemptor's needs in its queue until released: the quota its victims free is its."""
+        ...
+
+    def release(self, uid: str) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class QueueCharge:
+    uid: str
+    cluster_queue: str
+    amounts: Mapping[FlavorResource, int]
+    priority: int
+    created_s: float
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ from prometheus_client.registry import Collector
 
 from kube_vgpu import protocol
 from kube_vgpu.extender.engine.model import NodeState
-from kube_vgpu.extender.quota.accounting import QuotaTree, Shortfall
+from kube_vgpu.extender.quota.accounting import FlavorResource, QuotaTree, Shortfall
 from kube_vgpu.extender.quota.admission import Admission, DecisionCache, Refusal
 from kube_vgpu.extender.quota.metrics import QuotaCollector
 from kube_vgpu.extender.quota.objects import (
@@ -55,7 +55,7 @@ from kube_vgpu.protocol import PodGpuRequest
 
 if TYPE_CHECKING:
     from kube_vgpu.extender.gangs import GangTracker
-    from kube_vgpu.extender.preemption.rules import QueueRules, QueueSnapshot
+    from kube_vgpu.extender.preemption.rules import QueueCharge, QueueRules, QueueSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +104,9 @@ class QuotaGate:
         self.tree = QuotaTree(())
         self.tree_queues: list[str] = []  # the ClusterQueues the tree was built from
         self.charges: dict[str, Charge] = {}
+        #: nominated preemptors' needs, counted in their queues until they bind or their nomination ends
+        #: (preemption/preemptor.py): the quota their victims free is not taken by others meanwhile
+        self.holds: dict[str, tuple[str, dict[FlavorResource, int]]] = {}
         self.pending: dict[str, PendingPod] = {}
         self._pod_infos: dict[str, PodInfo] = {}
         self._unresolved: set[str] = set()
@@ -171,6 +174,11 @@ class QuotaGate:
         self._unresolved.clear()
         for record in self.state.pods.values():
             self._on_usage(record, 1)
+        for uid, (queue, amounts) in list(self.holds.items()):
+            if queue in config.cluster_queues:
+                self.tree.add(queue, amounts, 1)
+            else:
+                del self.holds[uid]  # its queue is gone: nothing to hold
         self._version += 1
 
     # --- listeners (called under state.lock) ------------------------------------------------------
@@ -628,10 +636,46 @@ class _GateQueueRules:
         found = self.gate.cluster_queue_of(uid, namespace, labels)
         return found.name if found is not None else None
 
-    def snapshot(self, preemptor_queue: str | None) -> QueueSnapshot:
+    def snapshot(self, preemptor_queue: str | None, needs: Mapping[FlavorResource, int] | None = None) -> QueueSnapshot:
         from kube_vgpu.extender.preemption.rules import snapshot_queues
 
         config = self.gate.config
         policies = {name: queue.preemption for name, queue in config.cluster_queues.items()}
-        # GPU capacity, not quota, is what this preemption frees: no quota need, so no reclaim from a cohort here
-        return snapshot_queues(self.gate.tree, policies, preemptor_queue, needs={})
+        # without needs (preemption for GPU capacity, not quota) nothing is reclaimed from a cohort
+        return snapshot_queues(self.gate.tree, policies, preemptor_queue, needs=needs or {})
+
+    def needs_on(self, pod: Mapping[str, Any], request: PodGpuRequest,
+                 node: NodeState) -> tuple[str, dict[FlavorResource, int]] | None:
+        gate = self.gate
+        cache = gate._decide(pod)
+        admission = cache.result
+        if not isinstance(admission, Admission):
+            return None
+        if cache.request is not request:
+            gate._prepare(cache, admission, request)
+        needs = dict(gate._needs_on(cache, admission, request, node))
+        flavors = gate._flavors(admission.cluster_queue, node.labels, needs, admission.tolerations)
+        if isinstance(flavors, str):
+            return None
+        return admission.cluster_queue.name, {(flavors[r], r): v for r, v in needs.items()}
+
+    def tree(self) -> QuotaTree:
+        return self.gate.tree
+
+    def charges(self) -> list[QueueCharge]:
+        from kube_vgpu.extender.preemption.rules import QueueCharge
+
+        return [QueueCharge(c.uid, c.cluster_queue, dict(c.amounts), c.priority, c.created_s)
+                for c in self.gate.charges.values() if c.counted]
+
+    def hold(self, uid: str, cluster_queue: str, amounts: Mapping[FlavorResource, int]) -> None:
+        self.release(uid)
+        self.gate.holds[uid] = (cluster_queue, dict(amounts))
+        self.gate.tree.add(cluster_queue, amounts, 1)
+        self.gate._version += 1
+
+    def release(self, uid: str) -> None:
+        held = self.gate.holds.pop(uid, None)
+        if held is not None:
+            self.gate.tree.add(held[0], held[1], -1)
+            self.gate._version += 1

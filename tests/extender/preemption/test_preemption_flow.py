@@ -247,3 +247,69 @@ def test_metrics_count_evictions_by_rule_and_outcome() -> None:
     assert 'kube_vgpu_preemption_evictions_total{outcome="blocked",rule="priority"} 1.0' in text
     assert 'kube_vgpu_preemption_evictions_total{outcome="evicted",rule="priority"} 1.0' in text
     assert "kube_vgpu_preemption_nominations 1.0" in text
+
+
+# --- preemption on quota: Kueue's reclaimWithinCohort ------------------------------------------------------------
+
+
+def reclaim_env(team_b_preemption: str) -> Any:
+    from tests.quota.helpers import FLAVORS, a100_node, gpu_queue, local_queue, make_env
+
+    quota = (FLAVORS + gpu_queue("team-a", {"a100": 4}, cohort="ai")
+             + gpu_queue("team-b", {"a100": 4}, cohort="ai", extra=team_b_preemption)
+             + local_queue("team-a", "qa", "team-a") + local_queue("team-b", "qb", "team-b"))
+    env = make_env(quota, [a100_node("a100-0", gpus=4), a100_node("a100-1", gpus=4)])
+    evictor = MemoryEvictor(env.cluster)
+    env.scheduler.enable_preemption(evictor, inline=True)
+    return env, evictor
+
+
+def test_a_queue_within_its_nominal_quota_takes_back_what_its_cohort_borrows() -> None:
+    from tests.quota.helpers import queued_pod
+
+    env, evictor = reclaim_env("  preemption: {reclaimWithinCohort: Any}\n")
+    # team-a borrows the whole cohort: 8 one-vGPU pods (4 of them on team-b's nominal quota)
+    team_a = [queued_pod("qa", "team-a", gpus=1, memory_mib=4096, name=f"a-{i}", priority=i % 2,
+                         created=f"2027-01-15T08:00:{i:02d}Z") for i in range(8)]
+    for p in team_a:
+        assert isinstance(env.submit(p), str)
+    assert env.used("team-a", "a100") == 8
+    # team-b asks for 2 of its own 4: its GPUs fit, its quota does not (the cohort is full)
+    team_b = [queued_pod("qb", "team-b", gpus=1, memory_mib=4096, name=f"b-{i}") for i in range(2)]
+    for p in team_b:
+        outcome = env.submit(p)
+        assert not isinstance(outcome, str)
+    # reclaimed: team-a's most recent priority-0 pods, two in all; its pods within its nominal 4 stay
+    assert sorted(r.name for r in evictor.requests) == ["a-4", "a-6"]
+    assert all(r.rule.startswith("reclaimWithinCohort: team-a borrows") for r in evictor.requests)
+    assert env.used("team-a", "a100") == 6
+    for p in team_b:
+        assert isinstance(env.retry(p), str)
+    assert env.used("team-b", "a100") == 2
+    assert env.gate.holds == {}  # every hold released once its preemptor bound
+
+
+def test_the_quota_freed_is_held_for_the_preemptor_not_taken_back_by_the_borrower() -> None:
+    from tests.quota.helpers import queued_pod
+
+    env, evictor = reclaim_env("  preemption: {reclaimWithinCohort: Any}\n")
+    evictor.protected.update(f"a-{i}" for i in range(8))  # evictions refused: victims stay, quota stays used
+    for i in range(8):
+        env.submit(queued_pod("qa", "team-a", gpus=1, memory_mib=4096, name=f"a-{i}"))
+    evictor.protected.clear()
+    b = queued_pod("qb", "team-b", gpus=1, memory_mib=4096, name="b-0")
+    assert not isinstance(env.submit(b), str)  # evicts one team-a pod; b is nominated, its quota held
+    again = queued_pod("qa", "team-a", gpus=1, memory_mib=4096, name="a-again")
+    outcome = env.submit(again)
+    assert not isinstance(outcome, str)  # the freed vGPU is b's, not the borrower's
+    assert isinstance(env.retry(b), str)
+
+
+def test_with_kueues_default_preemption_nothing_is_reclaimed() -> None:
+    from tests.quota.helpers import queued_pod
+
+    env, evictor = reclaim_env("")
+    for i in range(8):
+        env.submit(queued_pod("qa", "team-a", gpus=1, memory_mib=4096, name=f"a-{i}"))
+    outcome = env.submit(queued_pod("qb", "team-b", gpus=1, memory_mib=4096, name="b-0"))
+    assert not isinstance(outcome, str) and evictor.requests == []
