@@ -109,6 +109,7 @@ class Scheduler:
         fence: LeaderFence | None = None,
         gang_timeout_s: float = DEFAULT_GANG_TIMEOUT_S,
         gang_topology_labels: Sequence[str] = protocol.DEFAULT_GANG_TOPOLOGY_LABELS,
+        nominations: Nominations | None = None,
     ) -> None:
         self.state = state
         #: refuse GPU pods that did not pass the webhook (live clusters: `kube-vgpu extender` turns it on)
@@ -121,10 +122,13 @@ class Scheduler:
         self.gang_topology_labels = tuple(gang_topology_labels)
         #: preemptions in progress and the running pods' priorities (preemption/nominations.py); decisions are
         #: made only once enable_preemption gave an Evictor
-        self.nominations = Nominations(clock=state.clock)
+        #: (a caller whose source loads pods before the scheduler exists, a snapshot, passes one already listening)
+        if nominations is None:
+            nominations = Nominations(clock=state.clock)
+            with state.lock:
+                state.pod_listeners.append(nominations.on_pod)
+        self.nominations = nominations
         self.preemptor: Preemptor | None = None
-        with state.lock:
-            state.pod_listeners.append(self.nominations.on_pod)
         with state.lock:
             state.pod_listeners.append(self.gangs.on_pod)
         self.binder = binder

@@ -32,6 +32,11 @@ from kube_vgpu.extender.state import ClusterState, usage_from_assignment
 
 log = logging.getLogger(__name__)
 
+#: how many nodes with victims a decision compares, at least, and as a share of the refusing nodes (kube-scheduler's
+#: DefaultPreemption defaults: minCandidateNodesAbsolute 100, minCandidateNodesPercentage 10)
+MIN_CANDIDATE_NODES = 100
+CANDIDATE_NODES_PERCENT = 10
+
 
 class Preemptor:
     def __init__(self, state: ClusterState, gangs: GangTracker, executor: EvictionExecutor,
@@ -44,6 +49,7 @@ class Preemptor:
         self._queue_rules: QueueRules | None = next(
             (rules for rules in (gate.queue_rules() for gate in self.gates) if rules is not None), None)
         self.nominations.on_drop = self._dropped
+        self._next_start = 0
 
     def _dropped(self, nomination: Nomination) -> None:
         if nomination.quota_hold and self._queue_rules is not None:
@@ -102,13 +108,20 @@ class Preemptor:
         snapshot = self._queue_rules.snapshot(queue) if self._queue_rules is not None else QueueSnapshot()
         facts = PodFacts(uid, preemptor.priority, preemptor.created_s, queue, preemptor.never_preempts)
         found: list[tuple[Victims, dict[str, str]]] = []
-        for name in gpu_failed:
+        # as kube-scheduler (minCandidateNodesPercentage / Absolute): enough nodes with victims to choose well from,
+        # not all of them; the start rotates so that successive preemptors spread over the cluster
+        wanted = max(MIN_CANDIDATE_NODES, len(gpu_failed) * CANDIDATE_NODES_PERCENT // 100)
+        start = self._next_start % len(gpu_failed) if gpu_failed else 0
+        self._next_start += 1
+        for name in [*gpu_failed[start:], *gpu_failed[:start]]:
             node = self.state.nodes.get(name)
             if node is None or any(gate.check(pod, request, node) for gate in self.gates):
                 continue  # quota would refuse it here anyway: evicting for GPUs cannot help
             result = self._victims_on(node, facts, snapshot, placement_request, gpu_policy, node_policy)
             if result is not None:
                 found.append(result)
+                if len(found) >= wanted:
+                    break
         best = pick_node(victims for victims, _rules in found)
         if best is None and quota_failed and queue is not None and self._queue_rules is not None:
             if self._on_quota(pod, uid, preemptor, facts, request, quota_failed, failed):

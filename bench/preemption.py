@@ -1,0 +1,117 @@
+"""Preemption cost, in-process: N nodes x 8 A100-80GB carrying 8 running 1-GPU pods each (priority 0, ~50% of a
+GPU's memory and cores: 4000 pods at 500 nodes), then high-priority pods that fit nowhere without evicting.
+
+Measured in the same run, so ratios are what to read (the machine is noisy):
+  * baseline: filter of a 1-GPU fractional pod that fits (no preemption involved);
+  * deciding: the filter call that finds no node and decides a preemption (victim search on every refusing node);
+  * beside nominations: filter of an ordinary pod while half the preemptors are nominated and not yet bound
+    (their nodes' GPUs are held: checked on a copy);
+  * arrival to bound: a preemptor's first filter, its evictions (in-process, as the snapshot evicts), its second
+    filter and its bind.
+
+    python bench/preemption.py                 # 500 nodes
+    python bench/preemption.py --nodes 1000 --preemptors 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from bench.extender_latency import half_full_cluster, percentile
+from kube_vgpu.dev.fixtures import scheduled_pod as make_pod
+from kube_vgpu.extender.preemption.evict import EvictionOutcome, EvictionRequest, EvictionResult
+from kube_vgpu.extender.preemption.nominations import Nominations
+from kube_vgpu.extender.scheduler import Scheduler
+from kube_vgpu.extender.sources.snapshot import SnapshotCluster
+from kube_vgpu.extender.state import ClusterState
+
+WHOLE_GPU_MIB = 81920
+
+
+class SnapshotEvictor:
+    def __init__(self, cluster: SnapshotCluster) -> None:
+        self.cluster = cluster
+        self.evicted = 0
+
+    def evict(self, request: EvictionRequest) -> EvictionResult:
+        self.cluster.delete_pod(request.namespace, request.name)
+        self.evicted += 1
+        return EvictionResult(EvictionOutcome.EVICTED)
+
+
+def ms(samples: list[float]) -> str:
+    return f"p50 {percentile(samples, 50) * 1e3:8.2f} ms  p99 {percentile(samples, 99) * 1e3:8.2f} ms"
+
+
+def preemptor(index: int) -> dict[str, Any]:
+    pod = make_pod(f"urgent-{index}", gpus=1, memory_mib=WHOLE_GPU_MIB, cores=100)
+    pod["spec"]["priority"] = 1000
+    return pod
+
+
+def run(nodes: int, preemptors: int, baseline_pods: int) -> dict[str, list[float]]:
+    items = half_full_cluster(nodes)
+    names = [i["metadata"]["name"] for i in items if i["kind"] == "Node"]
+    state = ClusterState(heartbeat_ttl_s=float("inf"))
+    nominations = Nominations(clock=state.clock)  # listening before the snapshot's pods arrive
+    state.pod_listeners.append(nominations.on_pod)
+    cluster = SnapshotCluster(state, [dict(i) for i in items])
+    scheduler = Scheduler(state, cluster, nominations=nominations)
+    evictor = SnapshotEvictor(cluster)
+    scheduler.enable_preemption(evictor, inline=True)
+    timings: dict[str, list[float]] = {"baseline filter": [], "deciding filter": [], "filter beside nominations": [],
+                                       "arrival to bound": []}
+
+    def ordinary(index: int) -> dict[str, Any]:
+        pod = make_pod(f"plain-{index}", gpus=1, memory_mib=2048, cores=5)
+        cluster.remember_pod(pod)
+        return pod
+
+    for index in range(baseline_pods):
+        pod = ordinary(index)
+        started = time.perf_counter()
+        scheduler.filter(pod, names)
+        timings["baseline filter"].append(time.perf_counter() - started)
+    for index in range(preemptors):
+        pod = preemptor(index)
+        cluster.add_pod(pod)
+        started = time.perf_counter()
+        outcome = scheduler.filter(pod, names)
+        timings["deciding filter"].append(time.perf_counter() - started)
+        assert not outcome.passed, "the preemptor fitted without preempting: the cluster is not full enough"
+        assert pod["metadata"]["uid"] in scheduler.nominations.by_preemptor, "the preemptor found no victims"
+        if index < preemptors // 2:
+            continue  # the other half is bound after the ordinary pods below were filtered beside them
+        outcome = scheduler.filter(pod, names)
+        assert outcome.passed, outcome.failed
+        meta = pod["metadata"]
+        scheduler.bind(meta["namespace"], meta["name"], meta["uid"], outcome.passed[0])
+        timings["arrival to bound"].append(time.perf_counter() - started)
+    for index in range(baseline_pods):
+        pod = ordinary(baseline_pods + index)
+        started = time.perf_counter()
+        scheduler.filter(pod, names)
+        timings["filter beside nominations"].append(time.perf_counter() - started)
+    print(f"# evicted {evictor.evicted} pods for {preemptors} preemptors", file=sys.stderr)
+    return timings
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nodes", type=int, default=500)
+    parser.add_argument("--preemptors", type=int, default=10)
+    parser.add_argument("--baseline-pods", type=int, default=30)
+    args = parser.parse_args()
+    timings = run(args.nodes, args.preemptors, args.baseline_pods)
+    base = percentile(timings["baseline filter"], 50)
+    print(f"{args.nodes} nodes x 8 GPUs, {args.nodes * 8} running pods, {args.preemptors} preemptors")
+    for name, samples in timings.items():
+        print(f"  {name:28s} {ms(samples)}   p50 ratio to baseline filter {percentile(samples, 50) / base:6.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
