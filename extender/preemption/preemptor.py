@@ -155,11 +155,19 @@ class Preemptor:
             snapshot = rules_source.snapshot(queue, needs)
             candidates: list[QuotaCandidate] = []
             rules: dict[str, str] = {}
+            tree = rules_source.tree().clone()
+            leaving = 0
             for charge in rules_source.charges():
                 if charge.uid == uid:
                     continue
                 running = self.nominations.facts.get(charge.uid)
-                if running is None or running.terminating:
+                if running is None:
+                    continue
+                if running.terminating:
+                    # evicted already (before a restart of ours, say): its quota is as good as free, and it is
+                    # never evicted twice
+                    tree.add(charge.cluster_queue, charge.amounts, -1)
+                    leaving += 1
                     continue
                 verdict = may_preempt(facts, PodFacts(charge.uid, charge.priority, charge.created_s,
                                                       charge.cluster_queue), snapshot)
@@ -170,10 +178,11 @@ class Preemptor:
                                                  charge.created_s, allowed,
                                                  f"{running.namespace}/{gang}" if gang else None))
                 rules[charge.uid] = verdict.rule
-            victims = find_quota_victims(rules_source.tree(), queue, needs, candidates)
-            if not victims:
-                continue  # None: not enough to take; []: it fits already (something else refused it)
-            chosen = {v.uid: rules[v.uid] for v in victims}
+            victims = find_quota_victims(tree, queue, needs, candidates)
+            if victims is None or (not victims and not leaving):
+                continue  # not enough to take; or it fits already (something else refused it)
+            chosen = ({v.uid: rules[v.uid] for v in victims} if victims else
+                      {"": f"waiting for {leaving} terminating pod(s) to leave"})
             nomination = self._nominate(uid, preemptor, node, placement, chosen)
             rules_source.hold(uid, queue, needs)
             nomination.quota_hold = True

@@ -313,3 +313,23 @@ def test_with_kueues_default_preemption_nothing_is_reclaimed() -> None:
         env.submit(queued_pod("qa", "team-a", gpus=1, memory_mib=4096, name=f"a-{i}"))
     outcome = env.submit(queued_pod("qb", "team-b", gpus=1, memory_mib=4096, name="b-0"))
     assert not isinstance(outcome, str) and evictor.requests == []
+
+
+def test_after_a_restart_terminating_borrowers_are_waited_for_not_evicted_again() -> None:
+    from tests.quota.helpers import queued_pod
+
+    env, evictor = reclaim_env("  preemption: {reclaimWithinCohort: Any}\n")
+    team_a = [queued_pod("qa", "team-a", gpus=1, memory_mib=4096, name=f"a-{i}") for i in range(8)]
+    for p in team_a:
+        env.submit(p)
+    stored = env.cluster.get_pod("team-a", "a-7")
+    assert stored is not None
+    env.state.upsert_pod({**stored, "metadata": {**stored["metadata"], "deletionTimestamp": "2027-01-15T08:00:00Z"}})
+    b = queued_pod("qb", "team-b", gpus=1, memory_mib=4096, name="b-0")
+    outcome = env.submit(b)
+    assert not isinstance(outcome, str) and evictor.requests == []  # the leaving pod is enough
+    assert any("waiting for 1 terminating pod(s) to leave" in r for r in outcome.failed.values())
+    again = queued_pod("qa", "team-a", gpus=1, memory_mib=4096, name="a-again")
+    assert not isinstance(env.submit(again), str)  # b's quota is held
+    env.delete(team_a[7])
+    assert isinstance(env.retry(b), str)
