@@ -8,7 +8,8 @@ For one victim, in kube-scheduler's order (DefaultPreemption's PrepareCandidate)
    cause `metadata.uid`) when the pod of that name is another one. That is the UID precondition a patch allows,
    in one call and without a read-then-write race.
 2. POST pods/{name}/eviction (policy/v1 Eviction) with `deleteOptions.preconditions.uid`. The Eviction API checks
-   PodDisruptionBudgets: a refusal is 429 and is BLOCKED, never forced. Nothing here ever deletes a pod directly.
+   PodDisruptionBudgets: a refusal is 429 (cause DisruptionBudget) and is BLOCKED, never forced; a 429 of the API
+   server's flow control is no refusal and is FAILED. Nothing here ever deletes a pod directly.
    The Eviction API writes its own DisruptionTarget condition (reason EvictionByEvictionAPI) over ours before
    deleting, so once the eviction is accepted ours is written once more (best effort: the pod may be gone).
 3. Events (events.k8s.io/v1): "Preempted" on the victim, "Preempting" on the preemptor. Failures are logged and
@@ -63,6 +64,26 @@ def _status_message(data: bytes) -> str:
     if isinstance(document, dict) and isinstance(document.get("message"), str):
         return str(document["message"])
     return data.decode(errors="replace")[:500]
+
+
+def _budget_refusal(data: bytes) -> str | None:
+    """The refusal's words when a 429 is a PodDisruptionBudget's (the Eviction API names the cause
+    `DisruptionBudget`: the budget has no disruption left, or its controller has not counted it yet), else None: a
+    429 from the API server's own flow control ("Too many requests", plain text) is not a refusal, only a failure."""
+    try:
+        document = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(document, dict):
+        return None
+    message = str(document.get("message") or "")
+    details = document.get("details")
+    causes = [c for c in (details.get("causes") or [] if isinstance(details, dict) else []) if isinstance(c, dict)]
+    budget = [str(c.get("message") or "") for c in causes if c.get("reason") == "DisruptionBudget"]
+    if not budget and "disruption budget" not in message:
+        return None
+    # "Cannot evict pod as it would violate the pod's disruption budget." plus which budget and why
+    return " ".join([message, *(m for m in budget if m)]).strip()
 
 
 def _uid_refused(data: bytes) -> bool:
@@ -134,14 +155,17 @@ class LiveEvictor:
 
     def _mark(self, request: EvictionRequest) -> EvictionResult | None:
         """None when the condition is written, else the result to return (GONE, FAILED)."""
-        status, data = self._call(
-            "PATCH",
-            "/api/v1/namespaces/{namespace}/pods/{name}/status",
-            {"namespace": request.namespace, "name": request.name},
-            self._condition_patch(request),
-            "application/strategic-merge-patch+json",
-            f"marking pod {request.namespace}/{request.name}",
-        )
+        try:
+            status, data = self._call(
+                "PATCH",
+                "/api/v1/namespaces/{namespace}/pods/{name}/status",
+                {"namespace": request.namespace, "name": request.name},
+                self._condition_patch(request),
+                "application/strategic-merge-patch+json",
+                f"marking pod {request.namespace}/{request.name}",
+            )
+        except Exception as exc:  # a timeout or a broken connection: nothing evicted, retried later
+            return EvictionResult(EvictionOutcome.FAILED, f"marking DisruptionTarget: {type(exc).__name__}: {exc}")
         if 200 <= status < 300:
             return None
         if status == 404:
@@ -154,11 +178,7 @@ class LiveEvictor:
 
     def _mark_again(self, request: EvictionRequest) -> None:
         """After the Eviction API replaced our condition with its own: ours again, so the pod says why."""
-        try:
-            refused = self._mark(request)
-        except Exception as exc:
-            log.info("pod %s/%s: DisruptionTarget not rewritten: %s", request.namespace, request.name, exc)
-            return
+        refused = self._mark(request)
         if refused is not None:  # typically gone already: nothing left to say it on
             log.debug("pod %s/%s: DisruptionTarget not rewritten: %s", request.namespace, request.name, refused)
 
@@ -184,8 +204,11 @@ class LiveEvictor:
         message = _status_message(data)
         if status in (200, 201):
             return EvictionResult(EvictionOutcome.EVICTED)
-        if status == 429:  # a PodDisruptionBudget (or its controller not having counted yet): never forced
-            return EvictionResult(EvictionOutcome.BLOCKED, message)
+        if status == 429:
+            refusal = _budget_refusal(data)
+            if refusal is not None:  # never forced: the caller chooses other victims or waits
+                return EvictionResult(EvictionOutcome.BLOCKED, refusal)
+            return EvictionResult(EvictionOutcome.FAILED, f"eviction: HTTP 429 (API server busy): {message}")
         if status in (404, 409):  # gone, or the UID precondition failed: another pod of that name
             return EvictionResult(EvictionOutcome.GONE, message)
         return EvictionResult(EvictionOutcome.FAILED, f"eviction: HTTP {status}: {message}")

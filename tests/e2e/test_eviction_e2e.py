@@ -133,7 +133,8 @@ def test_a_pod_disruption_budget_blocks_the_eviction_and_the_pod_stays(
     result = evictor.evict(_request(victim, preemptor))
 
     assert result.outcome is EvictionOutcome.BLOCKED, result
-    assert "disruption budget" in result.detail, result.detail
+    # the API server's words, and which budget refused (the cause the Eviction API adds)
+    assert "disruption budget" in result.detail and "keep-victim" in result.detail, result.detail
     after = _read(dev_cluster, e2e_namespace, "victim")
     assert after is not None and after["metadata"]["uid"] == victim["metadata"]["uid"]
     assert not after["metadata"].get("deletionTimestamp"), "a refused eviction deleted the pod"

@@ -37,7 +37,9 @@ REQUEST = EvictionRequest(
     namespace="team-b", name="victim", uid="uid-victim", preemptor_namespace="team-a", preemptor_name="big",
     preemptor_uid="uid-big", rule="priority 1000 > 0", node_name="n1",
 )
+Answer = dict[str, Any] | str  # a JSON document, or plain text
 PDB_MESSAGE = "Cannot evict pod as it would violate the pod's disruption budget."
+BUDGET_CAUSE = "The disruption budget keep needs 1 healthy pods and has 1 currently"
 
 
 def status(code: int, message: str, **details: Any) -> tuple[int, dict[str, Any]]:
@@ -59,9 +61,9 @@ class Seen:
 class Api:
     """Answers by the last path segment ("status", "eviction", "events"); 2xx unless told otherwise."""
 
-    answers: dict[str, tuple[int, dict[str, Any]]] = field(default_factory=dict)
+    answers: dict[str, tuple[int, Answer]] = field(default_factory=dict)
     #: answers given once each, in order, before `answers`
-    queued: dict[str, list[tuple[int, dict[str, Any]]]] = field(default_factory=dict)
+    queued: dict[str, list[tuple[int, Answer]]] = field(default_factory=dict)
     delay_s: dict[str, float] = field(default_factory=dict)
     seen: list[Seen] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -86,6 +88,8 @@ class Api:
             code, answer = given or self.answers.get(
                 kind, (201 if request.method == "POST" else 200, {"kind": "Status"})
             )
+            if isinstance(answer, str):
+                return Response(answer, status_code=code, media_type="text/plain")
             return Response(orjson.dumps(answer), status_code=code, media_type="application/json")
 
         return app
@@ -147,7 +151,13 @@ def test_an_accepted_eviction_marks_evicts_marks_again_and_records_both_events(
     ("answer", "outcome", "detail"),
     [
         ((200, {"kind": "Eviction"}), EvictionOutcome.EVICTED, ""),
-        (status(429, PDB_MESSAGE, causes=[{"reason": "DisruptionBudget"}]), EvictionOutcome.BLOCKED, PDB_MESSAGE),
+        (status(429, PDB_MESSAGE, causes=[{"reason": "DisruptionBudget", "message": BUDGET_CAUSE}]),
+         EvictionOutcome.BLOCKED, f"{PDB_MESSAGE} {BUDGET_CAUSE}"),
+        (status(429, PDB_MESSAGE, causes=[{"reason": "DisruptionBudget",
+                                           "message": "The disruption budget keep is still being processed"}]),
+         EvictionOutcome.BLOCKED, "is still being processed"),
+        # API Priority and Fairness answers 429 in plain text: the server is busy, no budget refused anything
+        ((429, "Too many requests, please try again later."), EvictionOutcome.FAILED, "HTTP 429 (API server busy)"),
         (status(404, 'pods "victim" not found'), EvictionOutcome.GONE, 'pods "victim" not found'),
         (status(409, "Precondition failed: UID in precondition: uid-victim, UID in object meta: other"),
          EvictionOutcome.GONE, "Precondition failed"),
@@ -156,7 +166,7 @@ def test_an_accepted_eviction_marks_evicts_marks_again_and_records_both_events(
     ],
 )
 def test_the_evictions_answer_decides_the_outcome(
-    api: tuple[Api, LiveEvictor], answer: tuple[int, dict[str, Any]], outcome: EvictionOutcome, detail: str
+    api: tuple[Api, LiveEvictor], answer: tuple[int, Answer], outcome: EvictionOutcome, detail: str
 ) -> None:
     fake, evictor = api
     fake.answers["eviction"] = answer
