@@ -1,9 +1,11 @@
 """LiveEvictor against the real API server, with the extender's own credentials (so the shipped RBAC is what is
 exercised): a PodDisruptionBudget refuses (BLOCKED, the pod stays), without one the victim is marked, evicted
-and KWOK finishes it, with both events recorded; a stale UID evicts nothing (GONE)."""
+and KWOK finishes it, with both events recorded; a victim that lingers terminating carries our condition; a stale UID
+evicts nothing (GONE)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -213,3 +215,34 @@ def test_a_stale_uid_or_a_missing_pod_evicts_nothing(
     gone = evictor.evict(_request(missing, preemptor))
     assert gone.outcome is EvictionOutcome.GONE, gone
     assert not [e for e in _events(dev_cluster, e2e_namespace) if e.get("reason") in ("Preempted", "Preempting")]
+
+
+def test_an_evicted_pod_that_lingers_says_it_was_preempted(
+    dev_cluster: DevCluster, e2e_namespace: str, gpu_nodes: Callable[..., NodeSet], evictor: LiveEvictor
+) -> None:
+    """The Eviction API writes its own DisruptionTarget (EvictionByEvictionAPI) over ours before it deletes; a pod
+    that stays terminating for a while (here: held by a finalizer, elsewhere: its grace period) ends up with ours."""
+    nodes = gpu_nodes(1, gpus=2)
+    hold = "e2e.kube-vgpu.io/hold"
+    body = gpu_pod("victim", memory_mib=1024, labels={"app": "victim"}, node_selector=nodes.selector)
+    body["metadata"]["finalizers"] = [hold]
+    dev_cluster.core.create_namespaced_pod(e2e_namespace, body, _preload_content=False)
+    try:
+        victim = _wait(
+            "pod victim Running",
+            lambda: (p := _read(dev_cluster, e2e_namespace, "victim")) and p["status"].get("phase") == "Running" and p,
+            lambda: str(_read(dev_cluster, e2e_namespace, "victim")),
+        )
+        preemptor = _running_pod(dev_cluster, e2e_namespace, "preemptor", nodes)
+
+        result = evictor.evict(_request(victim, preemptor))
+
+        assert result.outcome is EvictionOutcome.EVICTED, result
+        after = _read(dev_cluster, e2e_namespace, "victim")
+        assert after is not None and after["metadata"].get("deletionTimestamp"), after
+        condition = _disruption_target(after)
+        assert condition is not None and condition["reason"] == PREEMPTION_BY_SCHEDULER, after["status"]
+    finally:
+        patch = {"metadata": {"finalizers": None}}
+        with contextlib.suppress(ApiException):
+            dev_cluster.core.patch_namespaced_pod("victim", e2e_namespace, patch, _preload_content=False)
