@@ -45,3 +45,44 @@ class Evictor(Protocol):
     def evict(self, request: EvictionRequest) -> EvictionResult:
         """Mark, evict and record one victim (see the module's docstring). Never raises: failures are results."""
         ...
+
+
+# --- what is written, shared by every Evictor so the words are the same in live and snapshot mode ---------------
+
+#: the pod condition kube-scheduler's preemption sets (and Job podFailurePolicy / controllers read)
+DISRUPTION_TARGET = "DisruptionTarget"
+PREEMPTION_BY_SCHEDULER = "PreemptionByScheduler"
+#: event reasons, as kube-scheduler names them (on the victim, and on the preemptor)
+REASON_PREEMPTED = "Preempted"
+REASON_PREEMPTING = "Preempting"
+#: reportingController / source component of the events
+REPORTING_CONTROLLER = "kube-vgpu-extender"
+#: an events.k8s.io/v1 note is at most 1 KiB (the API server refuses longer ones)
+NOTE_LIMIT_BYTES = 1024
+
+
+def condition_message(request: EvictionRequest, scheduler_name: str) -> str:
+    """The DisruptionTarget condition's message: kube-scheduler's words, plus the preemptor and the rule."""
+    return (
+        f"{scheduler_name}: preempting to accommodate a higher priority pod "
+        f"{request.preemptor_namespace}/{request.preemptor_name} ({request.rule})"
+    )
+
+
+def victim_event_message(request: EvictionRequest) -> str:
+    return (
+        f"Preempted by {request.preemptor_namespace}/{request.preemptor_name} on node {request.node_name}: "
+        f"{request.rule}"
+    )
+
+
+def preemptor_event_message(request: EvictionRequest) -> str:
+    return f"Preempting {request.namespace}/{request.name} on node {request.node_name}: {request.rule}"
+
+
+def truncate_note(text: str) -> str:
+    """At most NOTE_LIMIT_BYTES of UTF-8, cut on a character boundary."""
+    encoded = text.encode()
+    if len(encoded) <= NOTE_LIMIT_BYTES:
+        return text
+    return encoded[: NOTE_LIMIT_BYTES - 3].decode(errors="ignore") + "..."

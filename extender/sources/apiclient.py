@@ -55,6 +55,9 @@ class ApiTimeouts:
     read_s: float = 5.0
     #: one Binding
     bind_s: float = 10.0
+    #: one write of a preemption (the victim's status patch, its Eviction, each event): evictions run on a
+    #: worker thread outside any bind, so this is not part of the bind budget
+    evict_s: float = 10.0
     #: one page of a list (LIST_PAGE_SIZE objects)
     list_page_s: float = 60.0
     #: a watch that delivers nothing (no event, no bookmark, no end) for this long is dead: it is closed and
@@ -65,7 +68,7 @@ class ApiTimeouts:
     watch_server_timeout_s: int = 60
 
     def __post_init__(self) -> None:
-        for name in ("connect_s", "read_s", "bind_s", "list_page_s", "watch_progress_s"):
+        for name in ("connect_s", "read_s", "bind_s", "evict_s", "list_page_s", "watch_progress_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ApiTimeouts.{name} must be positive")
         if not 0 < self.watch_server_timeout_s < self.watch_progress_s:

@@ -98,6 +98,10 @@ ACCESS: list[tuple[str, str, str, str, str, bool]] = [
     *((EXTENDER, verb, "pods", "team-a", "", True) for verb in ("get", "list", "watch")),
     (EXTENDER, "patch", "pods", "team-a", "", False),  # its annotations travel in the Binding
     (EXTENDER, "create", "pods/binding", "team-a", "", True),
+    # preemption (extender/sources/evictor.py); pods/status patch and pods delete also come with
+    # system:kube-scheduler, the Eviction API only with our role
+    (EXTENDER, "create", "pods/eviction", "team-a", "", True),
+    (EXTENDER, "patch", "pods/status", "team-a", "", True),
     *((EXTENDER, verb, "namespaces", "", "", True) for verb in ("list", "watch")),
     *((EXTENDER, verb, f"{plural}.kueue.x-k8s.io", "team-a" if plural == "localqueues" else "", "", True)
       for plural in ("clusterqueues", "localqueues", "resourceflavors", "cohorts", "workloadpriorityclasses")
@@ -119,6 +123,7 @@ ACCESS: list[tuple[str, str, str, str, str, bool]] = [
     (DEVICE_PLUGIN, "create", "events", "team-a", "", True),
     *((DEVICE_PLUGIN, verb, "pods", "team-a", "", False) for verb in ("watch", "delete", "create")),
     (DEVICE_PLUGIN, "create", "pods/binding", "team-a", "", False),
+    (DEVICE_PLUGIN, "create", "pods/eviction", "team-a", "", False),
     (DEVICE_PLUGIN, "get", "secrets", NAMESPACE, "", False),
     # the webhook: nothing
     *((WEBHOOK, verb, "pods", "team-a", "", False) for verb in ("get", "list")),

@@ -42,6 +42,10 @@ INTENDED_ROLES: dict[tuple[str, str | None, str], dict[Grant, set[str]]] = {
         ("", "nodes", ""): {"list", "watch"},
         ("", "pods", ""): {"get", "list", "watch"},
         ("", "pods/binding", ""): {"create"},
+        # preemption (extender/sources/evictor.py): never pods delete, PodDisruptionBudgets apply
+        ("", "pods/status", ""): {"patch"},
+        ("", "pods/eviction", ""): {"create"},
+        ("events.k8s.io", "events", ""): {"create"},
         ("", "namespaces", ""): {"list", "watch"},
         **{("kueue.x-k8s.io", plural, ""): {"list", "watch"} for plural in KUEUE},
     },
@@ -200,6 +204,8 @@ _RAW_CALL = re.compile(
     r'"(POST|PATCH|PUT|DELETE)",\s*"/api/v1/namespaces/\{namespace\}/([a-z]+)/\{name\}(?:/([a-z]+))?"'
 )
 _RAW_VERBS = {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}
+# raw calls to a collection of a named API group: "POST", "/apis/<group>/<version>/namespaces/{namespace}/<plural>"
+_RAW_GROUP_CALL = re.compile(r'"(POST)",\s*"/apis/([a-z0-9.-]+)/[a-z0-9]+/namespaces/\{namespace\}/([a-z]+)"')
 
 
 def api_calls(*paths: str) -> set[tuple[str, str, str]]:
@@ -209,6 +215,8 @@ def api_calls(*paths: str) -> set[tuple[str, str, str]]:
         text = (ROOT / path).read_text()
         for method, resource, subresource in _RAW_CALL.findall(text):
             calls.add(("", f"{resource}/{subresource}" if subresource else resource, _RAW_VERBS[method]))
+        for method, group, resource in _RAW_GROUP_CALL.findall(text):
+            calls.add((group, resource, _RAW_VERBS[method]))
         for verb, _, kind, _ in _CALL.findall(text):
             if kind == "cluster_custom_object":  # Kueue's objects (extender/quota/live.py KINDS)
                 resources = [("kueue.x-k8s.io", plural) for plural in KUEUE]
@@ -227,7 +235,8 @@ def allowed(role_name: str) -> set[tuple[str, str, str]]:
 @pytest.mark.parametrize(
     ("role", "sources", "watched"),
     [
-        ("kube-vgpu-extender", ("extender/sources/live.py", "extender/quota/live.py", "extender/scheduler.py"), True),
+        ("kube-vgpu-extender", ("extender/sources/live.py", "extender/sources/evictor.py", "extender/quota/live.py",
+                                 "extender/scheduler.py"), True),
         ("kube-vgpu-device-plugin", ("deviceplugin/kube.py", "deviceplugin/app.py", "deviceplugin/foreign.py"), False),
     ],
 )
