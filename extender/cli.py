@@ -16,6 +16,7 @@ from kube_vgpu.extender.gangs import DEFAULT_TIMEOUT_S as DEFAULT_GANG_TIMEOUT_S
 from kube_vgpu.extender.gangs import MAX_TIMEOUT_S as MAX_GANG_TIMEOUT_S
 from kube_vgpu.extender.gangs import MIN_TIMEOUT_S as MIN_GANG_TIMEOUT_S
 from kube_vgpu.extender.gates import ClusterSource, Gate
+from kube_vgpu.extender.preemption.nominations import Nominations
 from kube_vgpu.extender.scheduler import Binder, Scheduler
 from kube_vgpu.extender.state import ClusterState
 
@@ -172,6 +173,9 @@ def build(args: argparse.Namespace) -> Extender:
         gate = build_gate(state, quota_config=quota_config, api_client=api_client, unqueued=args.quota_unqueued)
         if gate is not None:
             gates.append(gate)
+    # preemption's facts of running pods (priority, start), listening before a snapshot's pods arrive
+    nominations = Nominations(clock=state.clock)
+    state.pod_listeners.append(nominations.on_pod)
     if args.snapshot:
         from kube_vgpu.extender.sources.snapshot import SnapshotCluster, load_snapshot
 
@@ -186,7 +190,16 @@ def build(args: argparse.Namespace) -> Extender:
     fence, start_fence = _build_fence(args, api_client, source)
     scheduler = Scheduler(state, binder, node_policy=args.policy, gpu_policy=args.gpu_policy, gates=gates,
                           require_admission_mark=admission_mark_required(args), fence=fence,
-                          gang_timeout_s=gang_timeout_s(args), gang_topology_labels=gang_topology_labels(args))
+                          gang_timeout_s=gang_timeout_s(args), gang_topology_labels=gang_topology_labels(args),
+                          nominations=nominations)
+    if args.preemption:
+        if args.snapshot:
+            scheduler.enable_preemption(snapshot, inline=True)  # the snapshot evicts from itself, at once
+        else:
+            from kube_vgpu.extender.sources.evictor import LiveEvictor
+
+            assert api_client is not None
+            scheduler.enable_preemption(LiveEvictor(api_client))
     if not args.snapshot:
         from kube_vgpu.extender.binding import BindOrdering
         from kube_vgpu.extender.sources.apiclient import DEFAULT_TIMEOUTS

@@ -118,7 +118,8 @@ class Nominations:
         self.by_preemptor: dict[str, Nomination] = {}
         #: node -> the nominations on it (a node with none is absent: filter's check is one dict lookup)
         self.by_node: dict[str, list[Nomination]] = {}
-        self._victim_of: dict[str, str] = {}  # victim uid -> its preemptor's uid
+        #: victim uid -> the preemptors it is evicted for (one, unless a restart or a race chose it twice)
+        self._victim_of: dict[str, set[str]] = {}
         #: victim uid -> until when new decisions leave it alone (a PodDisruptionBudget refused its eviction)
         self.protected_until_s: dict[str, float] = {}
         #: preemptor uid -> why its last preemption ended without a bind (for its next filter reasons)
@@ -141,13 +142,17 @@ class Nominations:
             self.drop(uid, "")  # bound (wherever): its nomination has done its job
 
     def _victim_left(self, uid: str) -> None:
-        preemptor = self._victim_of.pop(uid, None)
-        nomination = self.by_preemptor.get(preemptor) if preemptor is not None else None
-        if nomination is None or uid not in nomination.victims:
-            return
-        nomination.victims[uid].state = VictimState.GONE
-        if not nomination.waiting_for():
-            nomination.cleared_s = self.clock()
+        for preemptor in self._victim_of.pop(uid, set()):
+            nomination = self.by_preemptor.get(preemptor)
+            if nomination is None or uid not in nomination.victims:
+                continue
+            nomination.victims[uid].state = VictimState.GONE
+            if not nomination.waiting_for():
+                nomination.cleared_s = self.clock()
+
+    def claimed(self, uid: str) -> bool:
+        """Whether the pod is being evicted for a nomination (its GPUs and quota are that preemptor's)."""
+        return uid in self._victim_of
 
     # --- nominations -----------------------------------------------------------------------------------------
     def add(self, nomination: Nomination) -> None:
@@ -155,7 +160,7 @@ class Nominations:
         self.by_preemptor[nomination.preemptor_uid] = nomination
         self.by_node.setdefault(nomination.node_name, []).append(nomination)
         for victim_uid in nomination.victims:
-            self._victim_of[victim_uid] = nomination.preemptor_uid
+            self._victim_of.setdefault(victim_uid, set()).add(nomination.preemptor_uid)
         self.last_outcome.pop(nomination.preemptor_uid, None)
 
     def drop(self, preemptor_uid: str, why: str) -> None:
@@ -168,8 +173,11 @@ class Nominations:
         if not on_node:
             self.by_node.pop(nomination.node_name, None)
         for victim_uid in nomination.victims:
-            if self._victim_of.get(victim_uid) == preemptor_uid:
-                del self._victim_of[victim_uid]
+            preemptors = self._victim_of.get(victim_uid)
+            if preemptors is not None:
+                preemptors.discard(preemptor_uid)
+                if not preemptors:
+                    del self._victim_of[victim_uid]
         self.on_drop(nomination)
         if why:
             self.last_outcome[preemptor_uid] = why

@@ -163,6 +163,10 @@ class Preemptor:
                 running = self.nominations.facts.get(charge.uid)
                 if running is None:
                     continue
+                if self.nominations.claimed(charge.uid):
+                    # being evicted for another preemptor, whose needs its hold already counts
+                    tree.add(charge.cluster_queue, charge.amounts, -1)
+                    continue
                 if running.terminating:
                     # evicted already (before a restart of ours, say): its quota is as good as free, and it is
                     # never evicted twice
@@ -196,6 +200,9 @@ class Preemptor:
                     node_policy: Policy) -> tuple[Victims, dict[str, str]] | None:
         """The cheapest victims on this node, with the rule that allowed each; None when none would do."""
         work = node.copy()
+        for other in self.nominations.by_node.get(node.name, ()):
+            if other.preemptor_uid != preemptor.uid:
+                work.apply_usage(other.usage, 1)  # GPUs already promised to another preemptor
         candidates: list[Candidate] = []
         rules: dict[str, str] = {}
         elsewhere: dict[str, list[GangMember]] = {}
@@ -204,6 +211,9 @@ class Preemptor:
             record = self.state.pods.get(uid)
             facts = self.nominations.facts.get(uid)
             if record is None or not record.applied or facts is None:
+                continue
+            if self.nominations.claimed(uid):
+                work.apply_usage(record.usage, -1)  # being evicted for another preemptor, whose usage is added
                 continue
             if facts.terminating:
                 # leaving already (evicted before a restart of ours, or deleted): its GPUs are as good as free, and

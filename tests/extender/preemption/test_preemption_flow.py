@@ -32,6 +32,8 @@ class MemoryEvictor:
         self.cluster = cluster
         self.protected: set[str] = set()
         self.requests: list[EvictionRequest] = []
+        #: accept evictions but leave the pods (their deletion not seen yet, as between an eviction and its event)
+        self.slow = False
 
     def evict(self, request: EvictionRequest) -> EvictionResult:
         self.requests.append(request)
@@ -40,7 +42,8 @@ class MemoryEvictor:
         stored = self.cluster.get_pod(request.namespace, request.name)
         if stored is None or stored["metadata"]["uid"] != request.uid:
             return EvictionResult(EvictionOutcome.GONE)
-        self.cluster.delete_pod(request.namespace, request.name)
+        if not self.slow:
+            self.cluster.delete_pod(request.namespace, request.name)
         return EvictionResult(EvictionOutcome.EVICTED)
 
 
@@ -333,3 +336,34 @@ def test_after_a_restart_terminating_borrowers_are_waited_for_not_evicted_again(
     assert not isinstance(env.submit(again), str)  # b's quota is held
     env.delete(team_a[7])
     assert isinstance(env.retry(b), str)
+
+
+def test_two_preemptors_deciding_before_any_victim_leaves_choose_different_victims() -> None:
+    env = Env()
+    env.evictor.slow = True
+    low = [env.run(f"low-{i}", "n0", 20480, priority=0) for i in range(4)]
+    first, second = env.make("first", 20480, priority=1000), env.make("second", 20480, priority=1000)
+    env.filter(first)
+    env.filter(second)  # first's victim is still there (its deletion not seen yet): not chosen again
+    assert len({r.name for r in env.evictor.requests}) == 2, [r.name for r in env.evictor.requests]
+    for request in env.evictor.requests:
+        env.cluster.delete_pod(request.namespace, request.name)
+    assert env.filter(first)[0] == ["n0"] and env.filter(second)[0] == ["n0"]
+    assert len(env.alive(*low)) == 4 and sum(env.alive(*low)) == 2
+
+
+def test_two_reclaiming_preemptors_take_different_borrowed_pods() -> None:
+    from tests.quota.helpers import queued_pod
+
+    env, evictor = reclaim_env("  preemption: {reclaimWithinCohort: Any}\n")
+    for i in range(8):
+        env.submit(queued_pod("qa", "team-a", gpus=1, memory_mib=4096, name=f"a-{i}"))
+    evictor.slow = True
+    team_b = [queued_pod("qb", "team-b", gpus=1, memory_mib=4096, name=f"b-{i}") for i in range(2)]
+    for p in team_b:
+        env.submit(p)
+    victims = [r.name for r in evictor.requests]
+    assert len(victims) == 2 and len(set(victims)) == 2, victims
+    for request in evictor.requests:
+        env.cluster.delete_pod(request.namespace, request.name)
+    assert all(isinstance(env.retry(p), str) for p in team_b)
