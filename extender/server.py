@@ -113,12 +113,12 @@ class PreemptionCollector(Collector):
 
     def collect(self) -> Iterator[Any]:
         evictions = CounterMetricFamily("kube_vgpu_preemption_evictions",
-                                        "evictions for preemption, by the rule that allowed them and their outcome",
-                                        labels=["rule", "outcome"])
+                                        "evictions for preemption, by the rule that allowed them, the preemptor's "
+                                        "ClusterQueue and their outcome", labels=["rule", "cluster_queue", "outcome"])
         preemptor = self.scheduler.preemptor
         if preemptor is not None:
-            for (rule, outcome), count in sorted(preemptor.executor.counts().items()):
-                evictions.add_metric([rule, outcome], count)
+            for (rule, queue, outcome), count in sorted(preemptor.executor.counts().items()):
+                evictions.add_metric([rule, queue, outcome], count)
         yield evictions
         with self.scheduler.state.lock:
             nominated = len(self.scheduler.nominations.by_preemptor)

@@ -33,6 +33,8 @@ class EvictionRequest:
     #: why, for the condition, the events and the logs: e.g. "priority 1000 > 0" or "reclaimWithinCohort: ..."
     rule: str
     node_name: str
+    #: the preemptor's ClusterQueue ("" outside any), for metrics by queue
+    preemptor_queue: str = ""
 
 
 @dataclass(frozen=True, slots=True)

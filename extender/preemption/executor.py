@@ -34,9 +34,9 @@ class EvictionExecutor:
         #: run each eviction in the caller's thread (snapshot mode and tests: deterministic, nothing to wait for)
         self.inline = inline
         self.in_flight = 0
-        #: (rule kind, outcome) -> evictions, for /metrics: rule kind is the rule's first word ("priority",
-        #: "withinClusterQueue", ...), outcome an EvictionOutcome value
-        self.outcomes: Counter[tuple[str, str]] = Counter()
+        #: (rule kind, preemptor's ClusterQueue, outcome) -> evictions, for /metrics: rule kind is the rule's first
+        #: word ("priority", "withinClusterQueue", ...), outcome an EvictionOutcome value
+        self.outcomes: Counter[tuple[str, str, str]] = Counter()
         self._counter_lock = threading.Lock()
         self._pool = None if inline else ThreadPoolExecutor(max_workers=4, thread_name_prefix="evict")
 
@@ -63,14 +63,14 @@ class EvictionExecutor:
             with self._counter_lock:
                 self.in_flight -= 1
         with self._counter_lock:
-            self.outcomes[(rule_kind(request.rule), result.outcome.value)] += 1
+            self.outcomes[(rule_kind(request.rule), request.preemptor_queue, result.outcome.value)] += 1
         log.info("preemption: %s/%s on %s for %s/%s: %s%s", request.namespace, request.name, request.node_name,
                  request.preemptor_namespace, request.preemptor_name, result.outcome.value,
                  f" ({result.detail})" if result.detail else "")
         with self.lock:
             self.nominations.record(request.preemptor_uid, request.uid, _STATES[result.outcome], result.detail)
 
-    def counts(self) -> dict[tuple[str, str], int]:
+    def counts(self) -> dict[tuple[str, str, str], int]:
         with self._counter_lock:
             return dict(self.outcomes)
 

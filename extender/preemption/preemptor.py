@@ -134,7 +134,7 @@ class Preemptor:
                         failed[name] = f"{failed[name]}; preemption: {last}"
             return
         rules = next(rules for victims, rules in found if victims is best)
-        self._start(pod, uid, preemptor, best, rules)
+        self._start(uid, preemptor, best, rules, queue)
         failed[best.node_name] = (f"preempting {best.count} pod(s) on this node for this pod: "
                                   f"{', '.join(sorted(set(rules.values())))[:300]}")
 
@@ -187,7 +187,7 @@ class Preemptor:
                 continue  # not enough to take; or it fits already (something else refused it)
             chosen = ({v.uid: rules[v.uid] for v in victims} if victims else
                       {"": f"waiting for {leaving} terminating pod(s) to leave"})
-            nomination = self._nominate(uid, preemptor, node, placement, chosen)
+            nomination = self._nominate(uid, preemptor, node, placement, chosen, queue)
             rules_source.hold(uid, queue, needs)
             nomination.quota_hold = True
             failed[node_name] = (f"preempting {len(victims)} pod(s) for this pod's quota in ClusterQueue {queue}: "
@@ -267,16 +267,16 @@ class Preemptor:
         candidate = PodFacts(uid, facts.priority, facts.created_s, queue)
         return may_preempt(preemptor, candidate, snapshot)
 
-    def _start(self, pod: Mapping[str, Any], uid: str, preemptor: RunningPod, best: Victims,
-               rules: Mapping[str, str]) -> None:
+    def _start(self, uid: str, preemptor: RunningPod, best: Victims, rules: Mapping[str, str],
+               queue: str | None) -> None:
         chosen = {victim: rules.get(victim, "") for victim in [c.uid for c in best.victims] +
                   [m.uid for m in best.extra]}
         if not chosen:
             chosen = {"": rules.get("", "")}  # nothing to evict: terminating pods are leaving already
-        self._nominate(uid, preemptor, self.state.nodes[best.node_name], best.placement, chosen)
+        self._nominate(uid, preemptor, self.state.nodes[best.node_name], best.placement, chosen, queue)
 
     def _nominate(self, uid: str, preemptor: RunningPod, node: NodeState, placement: Placement,
-                  chosen: Mapping[str, str]) -> Nomination:
+                  chosen: Mapping[str, str], queue: str | None = None) -> Nomination:
         """Nominate the preemptor to the node (its planned usage held there) and evict the victims (uid -> the
         rule that allowed it; the uid "" stands for "none, waiting": its rule is the nomination's)."""
         usage, _missing = usage_from_assignment(node, assignment_from_placement(node, placement))
@@ -288,7 +288,7 @@ class Preemptor:
                 continue
             victims[victim_uid] = Victim(victim_uid, record.namespace, record.name)
             requests.append(EvictionRequest(record.namespace, record.name, victim_uid, preemptor.namespace,
-                                            preemptor.name, uid, victim_rule, record.node_name))
+                                            preemptor.name, uid, victim_rule, record.node_name, queue or ""))
         rule = "; ".join(sorted(set(chosen.values())))
         nomination = Nomination(uid, preemptor.namespace, preemptor.name, preemptor.priority, node.name, usage,
                                 rule, self.state.clock(), victims)

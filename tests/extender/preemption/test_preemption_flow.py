@@ -247,8 +247,8 @@ def test_metrics_count_evictions_by_rule_and_outcome() -> None:
     env.filter(urgent)
     env.filter(urgent)
     text = generate_latest(extender_metrics(env.scheduler).registry).decode()
-    assert 'kube_vgpu_preemption_evictions_total{outcome="blocked",rule="priority"} 1.0' in text
-    assert 'kube_vgpu_preemption_evictions_total{outcome="evicted",rule="priority"} 1.0' in text
+    assert 'kube_vgpu_preemption_evictions_total{cluster_queue="",outcome="blocked",rule="priority"} 1.0' in text
+    assert 'kube_vgpu_preemption_evictions_total{cluster_queue="",outcome="evicted",rule="priority"} 1.0' in text
     assert "kube_vgpu_preemption_nominations 1.0" in text
 
 
@@ -290,6 +290,8 @@ def test_a_queue_within_its_nominal_quota_takes_back_what_its_cohort_borrows() -
         assert isinstance(env.retry(p), str)
     assert env.used("team-b", "a100") == 2
     assert env.gate.holds == {}  # every hold released once its preemptor bound
+    counts = env.scheduler.preemptor.executor.counts()  # type: ignore[union-attr]
+    assert counts == {("reclaimWithinCohort", "team-b", "evicted"): 2}
 
 
 def test_the_quota_freed_is_held_for_the_preemptor_not_taken_back_by_the_borrower() -> None:
