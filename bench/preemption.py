@@ -7,7 +7,10 @@ Measured in the same run, so ratios are what to read (the machine is noisy):
   * beside nominations: filter of an ordinary pod while half the preemptors are nominated and not yet bound
     (their nodes' GPUs are held: checked on a copy);
   * arrival to bound: a preemptor's first filter, its evictions (in-process, as the snapshot evicts), its second
-    filter and its bind.
+    filter and its bind;
+  * reclaim (a second cluster of the same size): every running pod is team-a's, which borrows all of team-b's
+    nominal quota in their cohort; team-b's 8-pod job arrives: time from its first pod's filter to its last bind
+    (each pod reclaims one of team-a's), and a plain filter in the same cluster as the baseline.
 
     python bench/preemption.py                 # 500 nodes
     python bench/preemption.py --nodes 1000 --preemptors 20
@@ -99,6 +102,98 @@ def run(nodes: int, preemptors: int, baseline_pods: int) -> dict[str, list[float
     return timings
 
 
+RECLAIM_QUOTA = """
+apiVersion: kueue.x-k8s.io/v1beta1
+kind: ResourceFlavor
+metadata: {{name: a100}}
+---
+apiVersion: kueue.x-k8s.io/v1beta1
+kind: ClusterQueue
+metadata: {{name: team-a}}
+spec:
+  namespaceSelector: {{}}
+  cohort: ai
+  resourceGroups:
+  - coveredResources: [nvidia.com/gpu]
+    flavors: [{{name: a100, resources: [{{name: nvidia.com/gpu, nominalQuota: {half}}}]}}]
+---
+apiVersion: kueue.x-k8s.io/v1beta1
+kind: ClusterQueue
+metadata: {{name: team-b}}
+spec:
+  namespaceSelector: {{}}
+  cohort: ai
+  preemption: {{reclaimWithinCohort: Any}}
+  resourceGroups:
+  - coveredResources: [nvidia.com/gpu]
+    flavors: [{{name: a100, resources: [{{name: nvidia.com/gpu, nominalQuota: {half}}}]}}]
+---
+apiVersion: kueue.x-k8s.io/v1beta1
+kind: LocalQueue
+metadata: {{namespace: default, name: qa}}
+spec: {{clusterQueue: team-a}}
+---
+apiVersion: kueue.x-k8s.io/v1beta1
+kind: LocalQueue
+metadata: {{namespace: default, name: qb}}
+spec: {{clusterQueue: team-b}}
+"""
+
+
+def run_reclaim(nodes: int, job_pods: int, baseline_pods: int) -> dict[str, list[float]]:
+    import yaml
+
+    from kube_vgpu import protocol
+    from kube_vgpu.extender.quota.gate import QuotaGate
+
+    items = half_full_cluster(nodes)
+    running = sum(1 for i in items if i["kind"] == "Pod")
+    for item in items:  # every running pod is team-a's
+        if item["kind"] == "Pod":
+            item["metadata"].setdefault("labels", {})[protocol.LABEL_KUEUE_QUEUE_NAME] = "qa"
+    names = [i["metadata"]["name"] for i in items if i["kind"] == "Node"]
+    state = ClusterState(heartbeat_ttl_s=float("inf"))
+    # team-a's nominal is half of what it runs: the other half borrows team-b's nominal, all of it
+    text = RECLAIM_QUOTA.format(half=running // 2)
+    gate = QuotaGate(state, [("bench", doc) for doc in yaml.safe_load_all(text) if doc])
+    nominations = Nominations(clock=state.clock)
+    state.pod_listeners.append(nominations.on_pod)
+    cluster = SnapshotCluster(state, [dict(i) for i in items])
+    scheduler = Scheduler(state, cluster, gates=[gate], nominations=nominations)
+    evictor = SnapshotEvictor(cluster)
+    scheduler.enable_preemption(evictor, inline=True)
+    timings: dict[str, list[float]] = {"baseline filter": [], "reclaiming job, arrival to all bound": []}
+    for index in range(baseline_pods):
+        pod = make_pod(f"plain-{index}", gpus=1, memory_mib=2048, cores=5)  # no queue: admitted uncounted
+        cluster.remember_pod(pod)
+        started = time.perf_counter()
+        scheduler.filter(pod, names)
+        timings["baseline filter"].append(time.perf_counter() - started)
+    job = []
+    for index in range(job_pods):
+        pod = make_pod(f"b-{index}", gpus=1, memory_mib=2048, cores=5)
+        pod["metadata"]["labels"][protocol.LABEL_KUEUE_QUEUE_NAME] = "qb"
+        cluster.add_pod(pod)
+        job.append(pod)
+    started = time.perf_counter()
+    for _round in range(3):  # kube-scheduler's retries: the first filter preempts, the next one binds
+        for pod in job:
+            meta = pod["metadata"]
+            stored = cluster.get_pod(meta["namespace"], meta["name"])
+            if stored is not None and stored["spec"].get("nodeName"):
+                continue
+            outcome = scheduler.filter(pod, names)
+            if outcome.passed:
+                scheduler.bind(meta["namespace"], meta["name"], meta["uid"], outcome.passed[0])
+    bound = sum(1 for pod in job if (cluster.get_pod("default", pod["metadata"]["name"]) or {})
+                .get("spec", {}).get("nodeName"))
+    assert bound == job_pods, f"{bound} of {job_pods} reclaiming pods bound"
+    timings["reclaiming job, arrival to all bound"].append(time.perf_counter() - started)
+    print(f"# reclaim: evicted {evictor.evicted} of team-a's {running} pods for team-b's {job_pods}",
+          file=sys.stderr)
+    return timings
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, default=500)
@@ -110,6 +205,12 @@ def main() -> int:
     print(f"{args.nodes} nodes x 8 GPUs, {args.nodes * 8} running pods, {args.preemptors} preemptors")
     for name, samples in timings.items():
         print(f"  {name:28s} {ms(samples)}   p50 ratio to baseline filter {percentile(samples, 50) / base:6.1f}")
+    reclaim = run_reclaim(args.nodes, 8, args.baseline_pods)
+    base = percentile(reclaim["baseline filter"], 50)
+    print(f"reclaim: {args.nodes} nodes, {args.nodes * 8} pods of team-a (half of them borrowed), an 8-pod job of "
+          "team-b")
+    for name, samples in reclaim.items():
+        print(f"  {name:36s} {ms(samples)}   p50 ratio to baseline filter {percentile(samples, 50) / base:6.1f}")
     return 0
 
 
