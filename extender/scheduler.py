@@ -452,6 +452,13 @@ class Scheduler:
         gang.waiting = ""
         return ""
 
+    def _held(self, node: NodeState, uid: str, pod: Mapping[str, Any], request: PlacementRequest,
+              gpu_policy: Policy, node_policy: Policy) -> str | None:
+        """Why the node's GPUs are held against this pod for a nominated preemptor (None: they are not)."""
+        if self.preemptor is None or node.name not in self.nominations.by_node:
+            return None
+        return self.preemptor.held(node, uid, _priority(pod), request, gpu_policy, node_policy)
+
     def _plan_member(self, gang: Gang, uid: str, pod: Mapping[str, Any]) -> str:
         """Reserve the best node for one member (preferring nodes the gang already uses); "" or why it fits nowhere."""
         try:
@@ -496,6 +503,10 @@ class Scheduler:
                     node.fit_cache[key] = result
             if isinstance(result, FitFailure):
                 misses.add(_NO_ROOM, node.name, result.reason, node.name in used_nodes)
+                continue
+            held = self._held(node, uid, pod, placement_request, gpu_policy, node_policy)
+            if held:  # its GPUs are promised to a preemptor of higher or equal priority
+                misses.add(_NO_ROOM, node.name, held, node.name in used_nodes)
                 continue
             refused = next((r for r in (gate.check(pod, request, node) for gate in self.gates) if r), None)
             if refused:

@@ -369,3 +369,20 @@ def test_two_reclaiming_preemptors_take_different_borrowed_pods() -> None:
     for request in evictor.requests:
         env.cluster.delete_pod(request.namespace, request.name)
     assert all(isinstance(env.retry(p), str) for p in team_b)
+
+
+def test_a_gang_is_not_planned_on_gpus_held_for_a_preemptor() -> None:
+    env = Env(nodes=2)
+    env.run("low", "n0", GPU_MIB, priority=0)
+    env.run("busy", "n1", GPU_MIB, priority=5000)  # n1 is full and nobody may take it
+    urgent = env.make("urgent", GPU_MIB, priority=1000)
+    env.evictor.slow = True  # the victim's deletion is not seen yet: n0 still holds it
+    env.filter(urgent)
+    env.cluster.delete_pod("default", "low")  # now n0's GPU looks free, but it is promised to urgent
+    member = pod("g-0", memory_mib=GPU_MIB)
+    member["metadata"]["labels"][protocol.LABEL_KUEUE_POD_GROUP_NAME] = "g"
+    member["metadata"]["annotations"][protocol.ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT] = "1"
+    env.cluster.add_pod(member)
+    passed, reasons = env.filter(member)
+    assert passed == [] and "GPUs held for default/urgent" in reasons["n0"]
+    assert env.filter(urgent)[0] == ["n0"]
