@@ -171,3 +171,53 @@ def test_equal_priority_evicts_nothing(
     assert first is not None and not first["metadata"].get("deletionTimestamp")
     conditions = (first.get("status") or {}).get("conditions") or []
     assert all(c.get("type") != DISRUPTION_TARGET for c in conditions)
+
+
+def test_an_extender_killed_between_eviction_and_bind_neither_evicts_twice_nor_loses_the_preemptor(
+    dev_cluster: DevCluster, e2e_namespace: str, gpu_nodes: Callable[..., NodeSet],
+    priorities: Callable[[int], str],
+) -> None:
+    """The victim lingers terminating (a finalizer holds it, as a long grace period would); the extender dies and
+    comes back knowing nothing of its preemption. It must not evict the other candidate, and the preemptor lands
+    once the victim is gone."""
+    nodes = gpu_nodes(1, gpus=1)
+    low, lower, high = priorities(10), priorities(0), priorities(1000)
+    hold = "e2e.kube-vgpu.io/hold"
+    body = gpu_pod("victim", memory_mib=40960, labels={"app": "victim"}, node_selector=nodes.selector)
+    body["spec"]["priorityClassName"] = lower
+    body["metadata"]["finalizers"] = [hold]
+    dev_cluster.core.create_namespaced_pod(e2e_namespace, body, _preload_content=False)
+    _running_on(dev_cluster, e2e_namespace, "victim")
+    _create(dev_cluster, e2e_namespace, "bystander", 40960, nodes, low)
+    _running_on(dev_cluster, e2e_namespace, "bystander")
+    _create(dev_cluster, e2e_namespace, "urgent", 40960, nodes, high)
+
+    def victim_terminating() -> bool:
+        pod = _read(dev_cluster, e2e_namespace, "victim")
+        return bool(pod and pod["metadata"].get("deletionTimestamp"))
+
+    _wait("the victim evicted (terminating, held by its finalizer)", victim_terminating,
+          lambda: _describe(dev_cluster, e2e_namespace, "urgent"))
+    dev_cluster.restart_extender(crash=True)
+    try:
+        # the restarted extender sees the victim leaving: it waits for it and evicts nobody else
+        def nominated_again() -> bool:
+            pod = _read(dev_cluster, e2e_namespace, "urgent")
+            for condition in ((pod or {}).get("status") or {}).get("conditions") or []:
+                if condition.get("type") == "PodScheduled" and "terminating pod(s) to leave" in condition.get(
+                        "message", ""):
+                    return True
+            return False
+
+        _wait("the preemptor waiting for the terminating victim after the restart", nominated_again,
+              lambda: _describe(dev_cluster, e2e_namespace, "urgent"))
+        bystander = _read(dev_cluster, e2e_namespace, "bystander")
+        assert bystander is not None and not bystander["metadata"].get("deletionTimestamp")
+    finally:
+        dev_cluster.core.patch_namespaced_pod("victim", e2e_namespace, {"metadata": {"finalizers": None}},
+                                              _preload_content=False)
+    _gone(dev_cluster, e2e_namespace, "victim")
+    assert _running_on(dev_cluster, e2e_namespace, "urgent") == nodes.names[0]
+    bystander = _read(dev_cluster, e2e_namespace, "bystander")
+    assert bystander is not None and not bystander["metadata"].get("deletionTimestamp")
+    assert_no_overcommit(dev_cluster)
