@@ -221,3 +221,26 @@ def test_an_extender_killed_between_eviction_and_bind_neither_evicts_twice_nor_l
     bystander = _read(dev_cluster, e2e_namespace, "bystander")
     assert bystander is not None and not bystander["metadata"].get("deletionTimestamp")
     assert_no_overcommit(dev_cluster)
+
+
+def test_a_gang_victim_is_evicted_whole(
+    dev_cluster: DevCluster, e2e_namespace: str, gpu_nodes: Callable[..., NodeSet],
+    priorities: Callable[[int], str],
+) -> None:
+    from kube_vgpu import protocol
+
+    nodes = gpu_nodes(2, gpus=1)
+    low, high = priorities(0), priorities(1000)
+    for index in range(2):
+        body = gpu_pod(f"member-{index}", memory_mib=81920, labels={protocol.LABEL_KUEUE_POD_GROUP_NAME: "train"},
+                       annotations={protocol.ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT: "2"},
+                       node_selector=nodes.selector)
+        body["spec"]["priorityClassName"] = low
+        dev_cluster.core.create_namespaced_pod(e2e_namespace, body, _preload_content=False)
+    placed = {_running_on(dev_cluster, e2e_namespace, f"member-{index}") for index in range(2)}
+    assert placed == set(nodes.names)
+    _create(dev_cluster, e2e_namespace, "urgent", 81920, nodes, high)
+    _running_on(dev_cluster, e2e_namespace, "urgent")
+    for index in range(2):  # one member was in the way; both went
+        _gone(dev_cluster, e2e_namespace, f"member-{index}")
+    assert_no_overcommit(dev_cluster)
