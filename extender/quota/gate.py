@@ -81,6 +81,7 @@ class QuotaGate:
         *,
         unqueued: str = "admit",
         live: bool = False,
+        fair_sharing: bool = False,
     ) -> None:
         if unqueued not in UNQUEUED_POLICIES:
             raise ValueError(f"unqueued pods policy {unqueued!r} is not one of {', '.join(UNQUEUED_POLICIES)}")
@@ -90,6 +91,9 @@ class QuotaGate:
             raise ValueError("the quota gate must be built before the cluster state holds pods")
         self.state = state
         self.unqueued = unqueued
+        #: --fair-sharing: spec.fairSharing.weight orders admission in a cohort and drives preemption between
+        #: borrowing queues (fairsharing.py); off, everything is as without it
+        self.fair_sharing = fair_sharing
         self.file_documents = list(file_documents or [])
         #: kind -> {(namespace, name): object} listed from the cluster (live mode)
         self.cluster_documents: dict[str, dict[tuple[str, str], Mapping[str, Any]]] = {}
@@ -153,7 +157,7 @@ class QuotaGate:
         docs: list[tuple[str, Mapping[str, Any]]] = list(self.file_documents)
         for kind in sorted(self.cluster_documents):
             docs.extend(("cluster", doc) for doc in self.cluster_documents[kind].values())
-        config = build_config(docs)
+        config = build_config(docs, fair_sharing=self.fair_sharing)
         for error in config.errors:
             if error not in self.config.errors:
                 log.error("quota: ignoring invalid object: %s", error)
