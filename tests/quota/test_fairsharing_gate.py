@@ -63,3 +63,69 @@ def test_table_shows_infinite_share() -> None:
     doc = {"fairSharing": True, "clusterQueues": [{"name": "z", "pendingPods": 0, "flavors": [],
                                                    "fairSharing": {"weight": "0", "weightedShare": INFINITE_SHARE}}]}
     assert quota_cli.render(doc).splitlines()[1].endswith("0  inf (w0)")
+
+
+# a(4, weight 2), b(4) and c(4) in cohort ai: 12 A100 vGPUs the cohort can lend
+COHORT3 = (FLAVORS + gpu_queue("a", {"a100": 4}, cohort="ai", extra=weight("2"))
+           + gpu_queue("b", {"a100": 4}, cohort="ai") + gpu_queue("c", {"a100": 4}, cohort="ai")
+           + local_queue("team-a", "q", "a") + local_queue("team-b", "q", "b") + local_queue("team-c", "q", "c"))
+NODES = [a100_node(f"n{i}", gpus=8) for i in range(3)]
+
+
+def crowded(b_waits: int, *, fair_sharing: bool = True) -> tuple[Any, dict[str, Any]]:
+    """Every queue at its nominal 4; b's pod of `b_waits` waits for quota; then c's pod leaves (4 free)."""
+    env = make_env(COHORT3, NODES, fair_sharing=fair_sharing)
+    for namespace in ("team-a", "team-b"):
+        assert isinstance(env.submit(pod(namespace, 4)), str)
+    c_pod = pod("team-c", 4)
+    assert isinstance(env.submit(c_pod), str)
+    waiting = pod("team-b", b_waits, created="2026-01-01T00:01:00Z")
+    assert "available now" in reasons(env.submit(waiting))["n0"]
+    assert env.gate.pending[waiting["metadata"]["uid"]].needs == {("a100", "nvidia.com/gpu"): b_waits}
+    env.delete(c_pod)
+    return env, waiting
+
+
+def test_lower_share_after_admission_goes_first() -> None:
+    env, waiting = crowded(1)
+    # a's pod of 4 would borrow 4 of 12: 333, weight 2: 166; b's waiting pod would borrow 1: 83, and would no
+    # longer fit once a's is admitted (4 free - 4 = 0)
+    late = pod("team-a", 4, created="2026-01-01T00:00:00Z")  # older than b's: the share decides, not age
+    assert reasons(env.submit(late))["n0"] == (
+        "quota: ClusterQueue a (LocalQueue team-a/q): fairSharing: ClusterQueue b goes first: its pod "
+        f"team-b/{waiting['metadata']['name']} waits for the same quota, and its share after admission (83) is "
+        "below a's share after admitting this pod (166)")
+    assert env.retry(waiting) in ("n0", "n1", "n2")  # b's turn
+    assert "needs 4, used 4/12" in reasons(env.retry(late))["n0"]  # then a's pod waits for quota as usual
+    assert env.used("a", "a100") == 4 and env.used("b", "a100") == 5
+
+
+def test_higher_share_waiting_does_not_block() -> None:
+    env, waiting = crowded(3)
+    # b's waiting pod would borrow 3 of 12: 250; a's pod of 3: 250, weight 2: 125 < 250: a goes first
+    assert isinstance(env.submit(pod("team-a", 3)), str)
+    assert "available now" in reasons(env.retry(waiting))["n0"]
+
+
+def test_pods_that_do_not_compete_do_not_wait() -> None:
+    env, waiting = crowded(1)
+    # a's pod of 3 leaves 1 free: b's waiting pod of 1 still fits, so nothing is taken from it
+    assert isinstance(env.submit(pod("team-a", 3)), str)
+    assert isinstance(env.retry(waiting), str)
+
+
+def test_within_nominal_never_waits_for_shares() -> None:
+    env = make_env(COHORT3, NODES, fair_sharing=True)
+    assert isinstance(env.submit(pod("team-b", 4)), str)
+    assert isinstance(env.submit(pod("team-c", 4)), str)
+    waiting = pod("team-b", 3)
+    assert isinstance(env.submit(waiting), str)  # b borrows 3 of a's 4 (share 250)
+    blocked = pod("team-b", 2)
+    assert "available now" in reasons(env.submit(blocked))["n0"]
+    assert isinstance(env.submit(pod("team-a", 1)), str)  # a within its nominal: admitted, shares aside
+
+
+def test_off_admits_in_arrival_order() -> None:
+    env, waiting = crowded(1, fair_sharing=False)
+    assert isinstance(env.submit(pod("team-a", 4)), str)
+    assert "available now" in reasons(env.retry(waiting))["n0"]
