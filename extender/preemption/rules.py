@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kube_vgpu.extender.quota.accounting import CQ, FlavorResource, QuotaTree
+from kube_vgpu.extender.quota.accounting import CQ, FlavorResource, NodeKey, QuotaTree
 from kube_vgpu.extender.quota.objects import (
     ANY,
     LOWER_OR_NEWER_EQUAL_PRIORITY,
@@ -60,6 +60,11 @@ class QueueSnapshot:
     preemptor_within_nominal: bool = True
     #: what the preemptor needs, per (flavor, resource): reclaim only from queues borrowing one of these
     needs: Mapping[FlavorResource, int] = field(default_factory=dict)
+    #: --fair-sharing: between queues of a cohort, Kueue's fair-sharing strategies (preemption/fairsharing.py)
+    #: decide instead of the within-nominal / borrowWithinCohort test; may_preempt only names the candidates
+    fair_sharing: bool = False
+    #: (kind, name) -> fairSharing.weight in thousandths (read with fair_sharing)
+    weights: Mapping[NodeKey, int] = field(default_factory=dict)
 
 
 class QueueRules(Protocol):
@@ -114,6 +119,9 @@ def snapshot_queues(
     preemption: Mapping[str, Preemption],
     preemptor_queue: str | None,
     needs: Mapping[FlavorResource, int],
+    *,
+    fair_sharing: bool = False,
+    weights: Mapping[NodeKey, int] | None = None,
 ) -> QueueSnapshot:
     """The snapshot from the quota tree (usage as of now, the preemptor not yet counted)."""
     borrowed: dict[str, dict[FlavorResource, int]] = {}
@@ -134,6 +142,8 @@ def snapshot_queues(
         borrowed=borrowed,
         preemptor_within_nominal=within,
         needs=dict(needs),
+        fair_sharing=fair_sharing,
+        weights=dict(weights or {}),
     )
 
 
@@ -169,6 +179,8 @@ def _in_cohort(policy: Preemption, preemptor: PodFacts, candidate: PodFacts, que
     if not borrowed:
         return Verdict(False, f"cohort: {theirs} does not borrow what the preemptor needs")
     lower = candidate.priority < preemptor.priority
+    if queues.fair_sharing:
+        return _fair_candidate(policy, preemptor, candidate, borrowed)
     if queues.preemptor_within_nominal:
         reclaim = policy.reclaim_within_cohort
         if reclaim == ANY or (reclaim == LOWER_PRIORITY and lower):
@@ -185,6 +197,20 @@ def _in_cohort(policy: Preemption, preemptor: PodFacts, candidate: PodFacts, que
                               f"{threshold}")
     return Verdict(True, f"borrowWithinCohort: {theirs} borrows {_describe(borrowed)} above its nominal quota, "
                          f"priority {candidate.priority} < {preemptor.priority}")
+
+
+def _fair_candidate(policy: Preemption, preemptor: PodFacts, candidate: PodFacts,
+                    borrowed: Mapping[FlavorResource, int]) -> Verdict:
+    """With fair sharing, Kueue's candidates in the cohort: pods of queues borrowing what the preemptor needs, of
+    lower priority unless reclaimWithinCohort is Any (or below borrowWithinCohort's bound). Whether each goes is
+    the shares' decision (fairsharing.fair_quota_victims), not this one's."""
+    theirs = candidate.cluster_queue
+    lower = candidate.priority < preemptor.priority
+    if policy.reclaim_within_cohort == ANY or lower:
+        return Verdict(True, f"fairSharing: {theirs} borrows {_describe(borrowed)} above its nominal quota; "
+                             f"shares decide")
+    return Verdict(False, f"reclaimWithinCohort {policy.reclaim_within_cohort}: priority {candidate.priority} is "
+                          f"not lower than {preemptor.priority}")
 
 
 def reclaimable(preemptor: PodFacts, queues: QueueSnapshot) -> dict[str, dict[FlavorResource, int]]:

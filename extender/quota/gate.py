@@ -694,7 +694,8 @@ class _GateQueueRules:
         config = self.gate.config
         policies = {name: queue.preemption for name, queue in config.cluster_queues.items()}
         # without needs (preemption for GPU capacity, not quota) nothing is reclaimed from a cohort
-        return snapshot_queues(self.gate.tree, policies, preemptor_queue, needs=needs or {})
+        return snapshot_queues(self.gate.tree, policies, preemptor_queue, needs=needs or {},
+                               fair_sharing=self.gate.fair_sharing, weights=self.gate.weights)
 
     def needs_on(self, pod: Mapping[str, Any], request: PodGpuRequest,
                  node: NodeState) -> tuple[str, dict[FlavorResource, int]] | None:
