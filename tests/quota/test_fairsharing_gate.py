@@ -129,3 +129,23 @@ def test_off_admits_in_arrival_order() -> None:
     env, waiting = crowded(1, fair_sharing=False)
     assert isinstance(env.submit(pod("team-a", 4)), str)
     assert "available now" in reasons(env.retry(waiting))["n0"]
+
+
+def test_flag_reaches_the_gate_and_the_share_gauge(tmp_path: Any) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kube_vgpu.extender.cli import build, parse_args
+    from kube_vgpu.extender.quota.gate import QuotaGate
+
+    quota = tmp_path / "quota.yaml"
+    quota.write_text(QUOTA)
+    snapshot = tmp_path / "snapshot.json"
+    snapshot.write_text('{"apiVersion": "v1", "kind": "List", "items": []}')
+    for flags, expected in (([], False), (["--fair-sharing"], True), (["--no-fair-sharing"], False)):
+        extender = build(parse_args(["--snapshot", str(snapshot), "--quota-config", str(quota), *flags]))
+        [gate] = [g for g in extender.scheduler.gates if isinstance(g, QuotaGate)]
+        assert gate.fair_sharing is expected
+        registry = CollectorRegistry()
+        registry.register(gate.collector())
+        text = generate_latest(registry).decode()
+        assert ('kube_vgpu_quota_weighted_share{cluster_queue="a"} 0.0' in text) is expected
