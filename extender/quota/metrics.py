@@ -67,5 +67,4 @@ class QuotaCollector(Collector):
         yield waiting
         yield admitted
         yield errors
-        if view.get("fairSharing"):
-            yield shares
+        yield shares  # declared always (no samples without --fair-sharing), as every other family here
