@@ -66,6 +66,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "Cohorts' spec.fairSharing.weight order admission across a cohort by dominant "
                              "resource share, and preemption between borrowing queues uses Kueue's fair-sharing "
                              "strategies (docs/quota.md)")
+    parser.add_argument("--fair-sharing-preemption-strategies", type=_fair_strategies,
+                        default="LessThanOrEqualToFinalShare,LessThanInitialShare",
+                        help="with --fair-sharing: Kueue's fairSharing.preemptionStrategies, comma-separated: "
+                             "LessThanOrEqualToFinalShare,LessThanInitialShare (Kueue's default), "
+                             "LessThanOrEqualToFinalShare, or LessThanInitialShare")
     parser.add_argument("--require-admission-mark", action=argparse.BooleanOptionalAction, default=None,
                         help="refuse GPU pods without the webhook's kube-vgpu.io/admitted annotation (they skipped "
                              "the webhook, so no limiter is set up; default: on in live mode, off with --snapshot)")
@@ -94,6 +99,18 @@ class Extender:
     scheduler: Scheduler
     app: Any
     source: ClusterSource
+
+
+def _fair_strategies(value: str | tuple[str, ...]) -> tuple[str, ...]:
+    """argparse type (and the default's, which argparse passes as given when it is a string)."""
+    if isinstance(value, tuple):
+        return value
+    from kube_vgpu.extender.preemption.fairsharing import parse_strategies
+
+    try:
+        return parse_strategies(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -176,7 +193,8 @@ def build(args: argparse.Namespace) -> Extender:
         from kube_vgpu.extender.quota.factory import build_gate
 
         gate = build_gate(state, quota_config=quota_config, api_client=api_client, unqueued=args.quota_unqueued,
-                          fair_sharing=args.fair_sharing)
+                          fair_sharing=args.fair_sharing,
+                          fair_sharing_strategies=_fair_strategies(args.fair_sharing_preemption_strategies))
         if gate is not None:
             gates.append(gate)
     # preemption's facts of running pods (priority, start), listening before a snapshot's pods arrive

@@ -28,6 +28,21 @@ LESS_THAN_OR_EQUAL_TO_FINAL_SHARE = "LessThanOrEqualToFinalShare"
 LESS_THAN_INITIAL_SHARE = "LessThanInitialShare"
 #: Kueue's default fairSharing.preemptionStrategies
 DEFAULT_STRATEGIES = (LESS_THAN_OR_EQUAL_TO_FINAL_SHARE, LESS_THAN_INITIAL_SHARE)
+#: the lists Kueue's Configuration validation accepts (the second strategy, if any, is LessThanInitialShare)
+ALLOWED_STRATEGIES = (
+    DEFAULT_STRATEGIES,
+    (LESS_THAN_OR_EQUAL_TO_FINAL_SHARE,),
+    (LESS_THAN_INITIAL_SHARE,),
+)
+
+
+def parse_strategies(text: str) -> tuple[str, ...]:
+    """--fair-sharing-preemption-strategies: comma-separated, one of Kueue's accepted lists; ValueError otherwise."""
+    found = tuple(part.strip() for part in text.split(",") if part.strip())
+    if found not in ALLOWED_STRATEGIES:
+        allowed = "; ".join(",".join(s) for s in ALLOWED_STRATEGIES)
+        raise ValueError(f"fair-sharing preemption strategies {text!r} are not one of Kueue's lists: {allowed}")
+    return found
 
 Unit = tuple[QuotaCandidate, ...]
 
@@ -136,10 +151,15 @@ def fair_quota_victims(  # noqa: C901
             after = search.share_without(unit)
             below = borrow_below_priority is not None and max(c.priority for c in unit) < borrow_below_priority
             if below or strategy_allows(first, mine_after.value, before.value, after.value):
-                rule = (f"borrowWithinCohort: priority below {borrow_below_priority}, {queue} borrows above its "
-                        f"nominal quota" if below else
-                        f"fairSharing: {queue} share {after.describe()} without this pod >= {preemptor_queue} "
-                        f"share {mine_after.describe()} after admission ({first})")
+                if below:
+                    rule = (f"borrowWithinCohort: priority below {borrow_below_priority}, {queue} borrows above "
+                            f"its nominal quota")
+                elif first == LESS_THAN_INITIAL_SHARE:
+                    rule = (f"fairSharing: {queue} share {before.describe()} > {preemptor_queue} share "
+                            f"{mine_after.describe()} after admission ({first})")
+                else:
+                    rule = (f"fairSharing: {queue} share {after.describe()} without this pod >= {preemptor_queue} "
+                            f"share {mine_after.describe()} after admission ({first})")
                 fits = search.evict(unit, rule)
                 rest = units[index + 1:]
                 if rest and _borrows(search.work, queue, needs):

@@ -24,7 +24,7 @@ from kube_vgpu.extender.gangs import GangTracker
 from kube_vgpu.extender.gates import Gate
 from kube_vgpu.extender.preemption.evict import EvictionRequest
 from kube_vgpu.extender.preemption.executor import EvictionExecutor
-from kube_vgpu.extender.preemption.fairsharing import borrow_below, fair_quota_victims
+from kube_vgpu.extender.preemption.fairsharing import DEFAULT_STRATEGIES, borrow_below, fair_quota_victims
 from kube_vgpu.extender.preemption.nominations import Nomination, RunningPod, Victim, running_pod
 from kube_vgpu.extender.preemption.quota_victims import QuotaCandidate, find_quota_victims
 from kube_vgpu.extender.preemption.rules import PodFacts, QueueRules, QueueSnapshot, Verdict, may_preempt
@@ -211,7 +211,7 @@ class Preemptor:
         below = borrow_below(facts.priority, policy.borrow_within_cohort == LOWER_PRIORITY,
                              policy.max_priority_threshold)
         found = fair_quota_victims(tree, snapshot.weights, queue, needs, candidates, rules,
-                                   borrow_below_priority=below)
+                                   borrow_below_priority=below, strategies=snapshot.strategies or DEFAULT_STRATEGIES)
         if found is None:
             return None
         rules.update(found.rules)

@@ -65,6 +65,8 @@ class QueueSnapshot:
     fair_sharing: bool = False
     #: (kind, name) -> fairSharing.weight in thousandths (read with fair_sharing)
     weights: Mapping[NodeKey, int] = field(default_factory=dict)
+    #: Kueue's fairSharing.preemptionStrategies, in order (empty: its default pair)
+    strategies: tuple[str, ...] = ()
 
 
 class QueueRules(Protocol):
@@ -122,6 +124,7 @@ def snapshot_queues(
     *,
     fair_sharing: bool = False,
     weights: Mapping[NodeKey, int] | None = None,
+    strategies: tuple[str, ...] = (),
 ) -> QueueSnapshot:
     """The snapshot from the quota tree (usage as of now, the preemptor not yet counted)."""
     borrowed: dict[str, dict[FlavorResource, int]] = {}
@@ -144,6 +147,7 @@ def snapshot_queues(
         needs=dict(needs),
         fair_sharing=fair_sharing,
         weights=dict(weights or {}),
+        strategies=strategies,
     )
 
 

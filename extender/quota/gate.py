@@ -83,6 +83,7 @@ class QuotaGate:
         unqueued: str = "admit",
         live: bool = False,
         fair_sharing: bool = False,
+        fair_sharing_strategies: tuple[str, ...] = (),
     ) -> None:
         if unqueued not in UNQUEUED_POLICIES:
             raise ValueError(f"unqueued pods policy {unqueued!r} is not one of {', '.join(UNQUEUED_POLICIES)}")
@@ -95,6 +96,8 @@ class QuotaGate:
         #: --fair-sharing: spec.fairSharing.weight orders admission in a cohort and drives preemption between
         #: borrowing queues (fairsharing.py); off, everything is as without it
         self.fair_sharing = fair_sharing
+        #: Kueue's fairSharing.preemptionStrategies (empty: its default pair); checked by the flag's parser
+        self.fair_sharing_strategies = fair_sharing_strategies
         self.file_documents = list(file_documents or [])
         #: kind -> {(namespace, name): object} listed from the cluster (live mode)
         self.cluster_documents: dict[str, dict[tuple[str, str], Mapping[str, Any]]] = {}
@@ -695,7 +698,8 @@ class _GateQueueRules:
         policies = {name: queue.preemption for name, queue in config.cluster_queues.items()}
         # without needs (preemption for GPU capacity, not quota) nothing is reclaimed from a cohort
         return snapshot_queues(self.gate.tree, policies, preemptor_queue, needs=needs or {},
-                               fair_sharing=self.gate.fair_sharing, weights=self.gate.weights)
+                               fair_sharing=self.gate.fair_sharing, weights=self.gate.weights,
+                               strategies=self.gate.fair_sharing_strategies)
 
     def needs_on(self, pod: Mapping[str, Any], request: PodGpuRequest,
                  node: NodeState) -> tuple[str, dict[FlavorResource, int]] | None:

@@ -3,12 +3,13 @@ across a cohort (the lowest share after admission goes first)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from kube_vgpu.extender.quota import cli as quota_cli
 from kube_vgpu.extender.quota.fairsharing import INFINITE_SHARE
 from kube_vgpu.extender.scheduler import FilterOutcome
-from tests.quota.helpers import FLAVORS, a100_node, gpu_queue, local_queue, make_env, queued_pod
+from tests.quota.helpers import FLAVORS, Env, a100_node, gpu_queue, local_queue, make_env, queued_pod
 
 
 def reasons(result: str | FilterOutcome) -> dict[str, str]:
@@ -72,7 +73,7 @@ COHORT3 = (FLAVORS + gpu_queue("a", {"a100": 4}, cohort="ai", extra=weight("2"))
 NODES = [a100_node(f"n{i}", gpus=8) for i in range(3)]
 
 
-def crowded(b_waits: int, *, fair_sharing: bool = True) -> tuple[Any, dict[str, Any]]:
+def crowded(b_waits: int, *, fair_sharing: bool = True) -> tuple[Env, dict[str, Any]]:
     """Every queue at its nominal 4; b's pod of `b_waits` waits for quota; then c's pod leaves (4 free)."""
     env = make_env(COHORT3, NODES, fair_sharing=fair_sharing)
     for namespace in ("team-a", "team-b"):
@@ -131,7 +132,7 @@ def test_off_admits_in_arrival_order() -> None:
     assert "available now" in reasons(env.retry(waiting))["n0"]
 
 
-def test_flag_reaches_the_gate_and_the_share_gauge(tmp_path: Any) -> None:
+def test_flag_reaches_the_gate_and_the_share_gauge(tmp_path: Path) -> None:
     from prometheus_client import CollectorRegistry, generate_latest
 
     from kube_vgpu.extender.cli import build, parse_args

@@ -130,3 +130,28 @@ def test_may_preempt_names_fair_candidates() -> None:
     # off: the classic rule (b within nominal after admission? 4 + 2 > 4: no; borrowWithinCohort Never)
     classic = snapshot_queues(tree, policies, "b", {GPU: 2})
     assert not may_preempt(preemptor_b, PodFacts("x", 1, 0.0, "a"), classic).allowed
+
+
+def test_strategies_configurable_as_kueue_allows() -> None:
+    from kube_vgpu.extender.cli import parse_args
+    from kube_vgpu.extender.preemption.fairsharing import DEFAULT_STRATEGIES, parse_strategies
+
+    assert parse_strategies("LessThanOrEqualToFinalShare, LessThanInitialShare") == DEFAULT_STRATEGIES
+    assert parse_strategies("LessThanInitialShare") == (LESS_THAN_INITIAL_SHARE,)
+    for bad in ("LessThanInitialShare,LessThanOrEqualToFinalShare", "", "Always"):
+        with pytest.raises(ValueError, match="not one of Kueue's lists"):
+            parse_strategies(bad)
+    assert parse_args([]).fair_sharing_preemption_strategies == DEFAULT_STRATEGIES
+    assert parse_args(["--fair-sharing-preemption-strategies", "LessThanOrEqualToFinalShare"]
+                      ).fair_sharing_preemption_strategies == (LESS_THAN_OR_EQUAL_TO_FINAL_SHARE,)
+    with pytest.raises(SystemExit):
+        parse_args(["--fair-sharing-preemption-strategies", "Always"])
+    # the initial-share case above with the first strategy only: b (83 after) may not take a's pod (a: 0 after)
+    tree = tree_with({"a": 6, "b": 4, "c": 2})
+    only_final = fair_quota_victims(tree, {(CQ, "b"): 2000}, "b", {GPU: 2}, pods("a", 1, gpus=2), {},
+                                    strategies=(LESS_THAN_OR_EQUAL_TO_FINAL_SHARE,))
+    assert only_final is None
+    only_initial = fair_quota_victims(tree, {(CQ, "b"): 2000}, "b", {GPU: 2}, pods("a", 1, gpus=2), {},
+                                      strategies=(LESS_THAN_INITIAL_SHARE,))
+    assert only_initial is not None and [v.uid for v in only_initial.victims] == ["a0"]
+    assert only_initial.rules["a0"] == "fairSharing: a share 166 > b share 83 after admission (LessThanInitialShare)"
