@@ -9,6 +9,9 @@ Kueue's rules (pkg/scheduler/preemption), for a preemptor in ClusterQueue P and 
     priority; LowerPriority: strictly lower). Otherwise P would borrow: only borrowWithinCohort LowerPriority allows
     it, for strictly lower priority at or below maxPriorityThreshold.
   * C in another cohort (or no cohort): never by quota rules.
+  * With --fair-sharing (QueueSnapshot.fair_sharing), for C != P in one cohort tree the within-nominal and
+    borrowWithinCohort tests give way to Kueue's fair-sharing strategies (preemption/fairsharing.py): here only
+    the candidates are named (C borrows what P needs; reclaimWithinCohort Any, or LowerPriority and lower).
 Pods outside any queue (preemptor or candidate): plain priority, strictly lower, and a preemptor with
 preemptionPolicy Never preempts nothing (kube-scheduler's DefaultPreemption). Kueue ignores preemptionPolicy for
 its own quota preemption, and so do the queue rules here.
@@ -206,8 +209,8 @@ def _in_cohort(policy: Preemption, preemptor: PodFacts, candidate: PodFacts, que
 def _fair_candidate(policy: Preemption, preemptor: PodFacts, candidate: PodFacts,
                     borrowed: Mapping[FlavorResource, int]) -> Verdict:
     """With fair sharing, Kueue's candidates in the cohort: pods of queues borrowing what the preemptor needs, of
-    lower priority unless reclaimWithinCohort is Any (or below borrowWithinCohort's bound). Whether each goes is
-    the shares' decision (fairsharing.fair_quota_victims), not this one's."""
+    lower priority unless reclaimWithinCohort is Any. Whether each goes is the shares' decision
+    (fairsharing.fair_quota_victims, where borrowWithinCohort's priority bound also applies), not this one's."""
     theirs = candidate.cluster_queue
     lower = candidate.priority < preemptor.priority
     if policy.reclaim_within_cohort == ANY or lower:
