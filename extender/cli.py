@@ -61,6 +61,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quota-unqueued", choices=("admit", "default", "refuse"), default="admit",
                         help="pods without a kueue.x-k8s.io/queue-name label: admit them uncounted, use the "
                              "namespace's LocalQueue named 'default' (as Kueue), or refuse them")
+    parser.add_argument("--fair-sharing", action=argparse.BooleanOptionalAction, default=False,
+                        help="Kueue's fair sharing (its Configuration's fairSharing.enable): ClusterQueues and "
+                             "Cohorts' spec.fairSharing.weight order admission across a cohort by dominant "
+                             "resource share, and preemption between borrowing queues uses Kueue's fair-sharing "
+                             "strategies (docs/quota.md)")
+    parser.add_argument("--fair-sharing-preemption-strategies", type=_fair_strategies,
+                        default="LessThanOrEqualToFinalShare,LessThanInitialShare",
+                        help="with --fair-sharing: Kueue's fairSharing.preemptionStrategies, comma-separated: "
+                             "LessThanOrEqualToFinalShare,LessThanInitialShare (Kueue's default), "
+                             "LessThanOrEqualToFinalShare, or LessThanInitialShare")
     parser.add_argument("--require-admission-mark", action=argparse.BooleanOptionalAction, default=None,
                         help="refuse GPU pods without the webhook's kube-vgpu.io/admitted annotation (they skipped "
                              "the webhook, so no limiter is set up; default: on in live mode, off with --snapshot)")
@@ -89,6 +99,18 @@ class Extender:
     scheduler: Scheduler
     app: Any
     source: ClusterSource
+
+
+def _fair_strategies(value: str | tuple[str, ...]) -> tuple[str, ...]:
+    """argparse type (and the default's, which argparse passes as given when it is a string)."""
+    if isinstance(value, tuple):
+        return value
+    from kube_vgpu.extender.preemption.fairsharing import parse_strategies
+
+    try:
+        return parse_strategies(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -170,7 +192,9 @@ def build(args: argparse.Namespace) -> Extender:
     if quota_config or api_client is not None:
         from kube_vgpu.extender.quota.factory import build_gate
 
-        gate = build_gate(state, quota_config=quota_config, api_client=api_client, unqueued=args.quota_unqueued)
+        gate = build_gate(state, quota_config=quota_config, api_client=api_client, unqueued=args.quota_unqueued,
+                          fair_sharing=args.fair_sharing,
+                          fair_sharing_strategies=_fair_strategies(args.fair_sharing_preemption_strategies))
         if gate is not None:
             gates.append(gate)
     # preemption's facts of running pods (priority, start), listening before a snapshot's pods arrive

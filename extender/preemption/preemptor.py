@@ -24,10 +24,13 @@ from kube_vgpu.extender.gangs import GangTracker
 from kube_vgpu.extender.gates import Gate
 from kube_vgpu.extender.preemption.evict import EvictionRequest
 from kube_vgpu.extender.preemption.executor import EvictionExecutor
+from kube_vgpu.extender.preemption.fairsharing import DEFAULT_STRATEGIES, borrow_below, fair_quota_victims
 from kube_vgpu.extender.preemption.nominations import Nomination, RunningPod, Victim, running_pod
 from kube_vgpu.extender.preemption.quota_victims import QuotaCandidate, find_quota_victims
 from kube_vgpu.extender.preemption.rules import PodFacts, QueueRules, QueueSnapshot, Verdict, may_preempt
 from kube_vgpu.extender.preemption.victims import Candidate, GangMember, Victims, find_victims, pick_node
+from kube_vgpu.extender.quota.accounting import FlavorResource, QuotaTree
+from kube_vgpu.extender.quota.objects import LOWER_PRIORITY, Preemption
 from kube_vgpu.extender.state import ClusterState, usage_from_assignment
 
 log = logging.getLogger(__name__)
@@ -182,7 +185,10 @@ class Preemptor:
                                                  charge.created_s, allowed,
                                                  f"{running.namespace}/{gang}" if gang else None))
                 rules[charge.uid] = verdict.rule
-            victims = find_quota_victims(tree, queue, needs, candidates)
+            if snapshot.fair_sharing and tree.root_of(queue) is not None:
+                victims = self._fair_victims(tree, queue, needs, candidates, rules, facts, snapshot)
+            else:
+                victims = find_quota_victims(tree, queue, needs, candidates)
             if victims is None or (not victims and not leaving):
                 continue  # not enough to take; or it fits already (something else refused it)
             chosen = ({v.uid: rules[v.uid] for v in victims} if victims else
@@ -194,6 +200,22 @@ class Preemptor:
                                  f"{', '.join(sorted(set(chosen.values())))[:300]}")
             return True
         return False
+
+    @staticmethod
+    def _fair_victims(tree: QuotaTree, queue: str, needs: Mapping[FlavorResource, int],
+                      candidates: list[QuotaCandidate], rules: dict[str, str], facts: PodFacts,
+                      snapshot: QueueSnapshot) -> list[QuotaCandidate] | None:
+        """Kueue's fair-sharing strategies between the cohort's queues (preemption/fairsharing.py); each victim's
+        rule becomes the share comparison that chose it."""
+        policy = snapshot.preemption.get(queue, Preemption())
+        below = borrow_below(facts.priority, policy.borrow_within_cohort == LOWER_PRIORITY,
+                             policy.max_priority_threshold)
+        found = fair_quota_victims(tree, snapshot.weights, queue, needs, candidates, rules,
+                                   borrow_below_priority=below, strategies=snapshot.strategies or DEFAULT_STRATEGIES)
+        if found is None:
+            return None
+        rules.update(found.rules)
+        return found.victims
 
     def _victims_on(self, node: NodeState, preemptor: PodFacts, snapshot: QueueSnapshot,
                     request: PlacementRequest, gpu_policy: Policy,

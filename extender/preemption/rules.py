@@ -9,6 +9,9 @@ Kueue's rules (pkg/scheduler/preemption), for a preemptor in ClusterQueue P and 
     priority; LowerPriority: strictly lower). Otherwise P would borrow: only borrowWithinCohort LowerPriority allows
     it, for strictly lower priority at or below maxPriorityThreshold.
   * C in another cohort (or no cohort): never by quota rules.
+  * With --fair-sharing (QueueSnapshot.fair_sharing), for C != P in one cohort tree the within-nominal and
+    borrowWithinCohort tests give way to Kueue's fair-sharing strategies (preemption/fairsharing.py): here only
+    the candidates are named (C borrows what P needs; reclaimWithinCohort Any, or LowerPriority and lower).
 Pods outside any queue (preemptor or candidate): plain priority, strictly lower, and a preemptor with
 preemptionPolicy Never preempts nothing (kube-scheduler's DefaultPreemption). Kueue ignores preemptionPolicy for
 its own quota preemption, and so do the queue rules here.
@@ -20,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kube_vgpu.extender.quota.accounting import CQ, FlavorResource, QuotaTree
+from kube_vgpu.extender.quota.accounting import CQ, FlavorResource, NodeKey, QuotaTree
 from kube_vgpu.extender.quota.objects import (
     ANY,
     LOWER_OR_NEWER_EQUAL_PRIORITY,
@@ -60,6 +63,13 @@ class QueueSnapshot:
     preemptor_within_nominal: bool = True
     #: what the preemptor needs, per (flavor, resource): reclaim only from queues borrowing one of these
     needs: Mapping[FlavorResource, int] = field(default_factory=dict)
+    #: --fair-sharing: between queues of a cohort, Kueue's fair-sharing strategies (preemption/fairsharing.py)
+    #: decide instead of the within-nominal / borrowWithinCohort test; may_preempt only names the candidates
+    fair_sharing: bool = False
+    #: (kind, name) -> fairSharing.weight in thousandths (read with fair_sharing)
+    weights: Mapping[NodeKey, int] = field(default_factory=dict)
+    #: Kueue's fairSharing.preemptionStrategies, in order (empty: its default pair)
+    strategies: tuple[str, ...] = ()
 
 
 class QueueRules(Protocol):
@@ -114,6 +124,10 @@ def snapshot_queues(
     preemption: Mapping[str, Preemption],
     preemptor_queue: str | None,
     needs: Mapping[FlavorResource, int],
+    *,
+    fair_sharing: bool = False,
+    weights: Mapping[NodeKey, int] | None = None,
+    strategies: tuple[str, ...] = (),
 ) -> QueueSnapshot:
     """The snapshot from the quota tree (usage as of now, the preemptor not yet counted)."""
     borrowed: dict[str, dict[FlavorResource, int]] = {}
@@ -134,6 +148,9 @@ def snapshot_queues(
         borrowed=borrowed,
         preemptor_within_nominal=within,
         needs=dict(needs),
+        fair_sharing=fair_sharing,
+        weights=dict(weights or {}),
+        strategies=strategies,
     )
 
 
@@ -169,6 +186,8 @@ def _in_cohort(policy: Preemption, preemptor: PodFacts, candidate: PodFacts, que
     if not borrowed:
         return Verdict(False, f"cohort: {theirs} does not borrow what the preemptor needs")
     lower = candidate.priority < preemptor.priority
+    if queues.fair_sharing:
+        return _fair_candidate(policy, preemptor, candidate, borrowed)
     if queues.preemptor_within_nominal:
         reclaim = policy.reclaim_within_cohort
         if reclaim == ANY or (reclaim == LOWER_PRIORITY and lower):
@@ -185,6 +204,20 @@ def _in_cohort(policy: Preemption, preemptor: PodFacts, candidate: PodFacts, que
                               f"{threshold}")
     return Verdict(True, f"borrowWithinCohort: {theirs} borrows {_describe(borrowed)} above its nominal quota, "
                          f"priority {candidate.priority} < {preemptor.priority}")
+
+
+def _fair_candidate(policy: Preemption, preemptor: PodFacts, candidate: PodFacts,
+                    borrowed: Mapping[FlavorResource, int]) -> Verdict:
+    """With fair sharing, Kueue's candidates in the cohort: pods of queues borrowing what the preemptor needs, of
+    lower priority unless reclaimWithinCohort is Any. Whether each goes is the shares' decision
+    (fairsharing.fair_quota_victims, where borrowWithinCohort's priority bound also applies), not this one's."""
+    theirs = candidate.cluster_queue
+    lower = candidate.priority < preemptor.priority
+    if policy.reclaim_within_cohort == ANY or lower:
+        return Verdict(True, f"fairSharing: {theirs} borrows {_describe(borrowed)} above its nominal quota; "
+                             f"shares decide")
+    return Verdict(False, f"reclaimWithinCohort {policy.reclaim_within_cohort}: priority {candidate.priority} is "
+                          f"not lower than {preemptor.priority}")
 
 
 def reclaimable(preemptor: PodFacts, queues: QueueSnapshot) -> dict[str, dict[FlavorResource, int]]:

@@ -150,6 +150,10 @@ class QuotaTree:
         self._subtree[key] = result
         return result
 
+    def subtree_quotas(self, key: NodeKey) -> Mapping[FlavorResource, int]:
+        """Every (flavor, resource) of the node's subtree quota (read-only: it is memoised)."""
+        return self._subtree_quota(key)
+
     def subtree_quota(self, key: NodeKey, fr: FlavorResource) -> int:
         return self._subtree_quota(key).get(fr, 0)
 

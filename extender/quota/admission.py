@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kube_vgpu.extender.quota.accounting import FlavorResource
 from kube_vgpu.extender.quota.objects import ClusterQueue, LocalQueue, Toleration
 from kube_vgpu.extender.quota.usage import PodInfo
 from kube_vgpu.protocol import PodGpuRequest
@@ -50,3 +51,5 @@ class Refusal:
     reason: str
     #: the pod waits for quota (blocks pods behind it under StrictFIFO); False when waiting cannot help
     waiting: bool
+    #: what the pod asked of its queue where it was refused for quota (fair sharing compares shares with it)
+    needs: Mapping[FlavorResource, int] | None = None

@@ -12,6 +12,8 @@ from typing import Any
 
 COLUMNS = ("CLUSTERQUEUE", "FLAVOR", "RESOURCE", "NOMINAL", "BORROWED", "LENT", "USED", "LIMIT", "AVAILABLE",
            "PENDING")
+#: Kueue's math.MaxInt: a zero-weight queue that borrows (kept here: this module imports no extender code)
+INFINITE_SHARE = 2**63 - 1
 GANG_COLUMNS = ("GANG", "SIZE", "SEEN", "BOUND", "PLANNED", "WAITING")
 
 
@@ -53,9 +55,19 @@ def _gang_table(title: str, gangs: list[dict[str, Any]]) -> list[str]:
     return ["", title, *_table(GANG_COLUMNS, rows, {1, 2, 3, 4})]
 
 
+def _share(queue: dict[str, Any]) -> str:
+    """SHARE: the weighted share, with the weight when it is not 1 ("inf" for a zero-weight queue that borrows)."""
+    fair = queue.get("fairSharing") or {}
+    value = fair.get("weightedShare")
+    if value is None:
+        return "-"
+    text = "inf" if value >= INFINITE_SHARE else str(value)
+    return text if fair.get("weight") in (None, "1") else f"{text} (w{fair['weight']})"
+
+
 def render(doc: dict[str, Any]) -> str:
     """The /quota document as a fixed-width table, a table of gangs per queue that has any, then notes (inactive
-    queues, invalid objects)."""
+    queues, invalid objects). A SHARE column (Kueue's weighted share) when the extender runs with --fair-sharing."""
     rows: list[tuple[str, ...]] = []
     notes: list[str] = []
     for queue in doc.get("clusterQueues", []):
@@ -74,17 +86,22 @@ def render(doc: dict[str, Any]) -> str:
                     _cell(res["limit"]),
                     _cell(res["available"]),
                     _cell(queue["pendingPods"]) if first else "",
+                    _share(queue) if first else "",
                 ))
                 first = False
         if first:  # a queue without resource groups still gets a line
-            rows.append((queue["name"], "-", "-", "-", "-", "-", "-", "-", "-", _cell(queue["pendingPods"])))
+            rows.append((queue["name"], "-", "-", "-", "-", "-", "-", "-", "-", _cell(queue["pendingPods"]),
+                         _share(queue)))
         if queue.get("inactiveReason"):
             notes.append(f"ClusterQueue {queue['name']} is inactive: {queue['inactiveReason']}")
         if queue.get("waitingForQuota"):
             notes.append(f"ClusterQueue {queue['name']}: {queue['waitingForQuota']} pod(s) waiting for quota")
         for item in queue.get("uncountedPods", []):
             notes.append(f"ClusterQueue {queue['name']}: pod {item['pod']} not counted: {item['problem']}")
-    lines = _table(COLUMNS, rows, {3, 4, 5, 6, 7, 8, 9})
+    if doc.get("fairSharing"):
+        lines = _table((*COLUMNS, "SHARE"), rows, {3, 4, 5, 6, 7, 8, 9, 10})
+    else:  # the table as before: no column that would say nothing
+        lines = _table(COLUMNS, [row[:-1] for row in rows], {3, 4, 5, 6, 7, 8, 9})
     # gangs after the queues' table, one table per queue that has any: nothing at all when there are none
     for queue in doc.get("clusterQueues", []):
         if queue.get("gangs"):

@@ -20,6 +20,8 @@ def build_gate(
     quota_config: str | None = None,
     api_client: Any = None,
     unqueued: str = "admit",
+    fair_sharing: bool = False,
+    fair_sharing_strategies: tuple[str, ...] = (),
 ) -> QuotaGate | None:
     """The gate for `kube-vgpu extender`: objects from --quota-config and, in live mode, the cluster's Kueue
     objects (watched while their CRDs exist). None when there is neither a file nor a cluster."""
@@ -28,7 +30,8 @@ def build_gate(
     documents: list[tuple[str, Mapping[str, Any]]] = []
     if quota_config:
         documents = [(quota_config, doc) for doc in load_documents(quota_config)]
-    gate = QuotaGate(state, documents, unqueued=unqueued, live=api_client is not None)
+    gate = QuotaGate(state, documents, unqueued=unqueued, live=api_client is not None,
+                     fair_sharing=fair_sharing, fair_sharing_strategies=fair_sharing_strategies)
     if gate.config.errors:
         log.error("quota: %d invalid object(s) in %s were left out", len(gate.config.errors), quota_config)
     if api_client is not None:

@@ -27,6 +27,7 @@ from kube_vgpu import protocol
 from kube_vgpu.extender.engine.model import NodeState
 from kube_vgpu.extender.quota.accounting import FlavorResource, QuotaTree, Shortfall
 from kube_vgpu.extender.quota.admission import Admission, DecisionCache, Refusal
+from kube_vgpu.extender.quota.fairsharing import Share, queue_share, weights_of
 from kube_vgpu.extender.quota.metrics import QuotaCollector
 from kube_vgpu.extender.quota.objects import (
     RESOURCE_CPU,
@@ -81,6 +82,8 @@ class QuotaGate:
         *,
         unqueued: str = "admit",
         live: bool = False,
+        fair_sharing: bool = False,
+        fair_sharing_strategies: tuple[str, ...] = (),
     ) -> None:
         if unqueued not in UNQUEUED_POLICIES:
             raise ValueError(f"unqueued pods policy {unqueued!r} is not one of {', '.join(UNQUEUED_POLICIES)}")
@@ -90,6 +93,11 @@ class QuotaGate:
             raise ValueError("the quota gate must be built before the cluster state holds pods")
         self.state = state
         self.unqueued = unqueued
+        #: --fair-sharing: spec.fairSharing.weight orders admission in a cohort and drives preemption between
+        #: borrowing queues (fairsharing.py); off, everything is as without it
+        self.fair_sharing = fair_sharing
+        #: Kueue's fairSharing.preemptionStrategies (empty: its default pair); checked by the flag's parser
+        self.fair_sharing_strategies = fair_sharing_strategies
         self.file_documents = list(file_documents or [])
         #: kind -> {(namespace, name): object} listed from the cluster (live mode)
         self.cluster_documents: dict[str, dict[tuple[str, str], Mapping[str, Any]]] = {}
@@ -101,6 +109,7 @@ class QuotaGate:
         self.sources = ["file"] if self.file_documents else []
         self.watcher: Any = None  # live.KueueWatcher in live mode
         self.config = QuotaConfig()
+        self.weights: dict[tuple[str, str], int] = {}  # (kind, name) -> fairSharing.weight in thousandths
         self.tree = QuotaTree(())
         self.tree_queues: list[str] = []  # the ClusterQueues the tree was built from
         self.charges: dict[str, Charge] = {}
@@ -153,13 +162,14 @@ class QuotaGate:
         docs: list[tuple[str, Mapping[str, Any]]] = list(self.file_documents)
         for kind in sorted(self.cluster_documents):
             docs.extend(("cluster", doc) for doc in self.cluster_documents[kind].values())
-        config = build_config(docs)
+        config = build_config(docs, fair_sharing=self.fair_sharing)
         for error in config.errors:
             if error not in self.config.errors:
                 log.error("quota: ignoring invalid object: %s", error)
         self._document_namespaces = dict(config.namespaces)
         config.namespaces.update(self.cluster_namespaces)
         self.config = config
+        self.weights = weights_of(config)
         if not recount and set(config.cluster_queues) == set(self.tree_queues):
             for record in self.state.pods.values():
                 if record.uid not in self.charges:
@@ -513,13 +523,56 @@ class QuotaGate:
         flavors = self._flavors(cluster_queue, labels, needs, admission.tolerations)
         if isinstance(flavors, str):
             return Refusal(flavors, waiting=False)
-        shortfalls = self.tree.shortfalls(cluster_queue.name, {(flavors[r], r): v for r, v in needs.items()})
-        if not shortfalls:
-            return None
+        amounts = {(flavors[r], r): v for r, v in needs.items()}
+        shortfalls = self.tree.shortfalls(cluster_queue.name, amounts)
         where = f"ClusterQueue {cluster_queue.name} (LocalQueue {admission.local_queue.namespace}/" \
                 f"{admission.local_queue.name})"
+        if not shortfalls:
+            return self._fair_turn(admission, amounts, where) if self.fair_sharing else None
         text = "; ".join(self._shortfall_text(s) for s in shortfalls)
-        return Refusal(f"quota: {where}: {text}", waiting=not any(s.never_fits for s in shortfalls))
+        return Refusal(f"quota: {where}: {text}", waiting=not any(s.never_fits for s in shortfalls), needs=amounts)
+
+    def _fair_turn(self, admission: Admission, amounts: dict[FlavorResource, int], where: str) -> Refusal | None:
+        """Kueue's fair sharing orders admission across a cohort by share after admission, lowest first. A pod that
+        fits but would borrow waits while a pod of another queue of its cohort tree, waiting for quota, fits now,
+        would no longer fit once this one is admitted, and comes first: its queue's share after admitting it is
+        lower (equal: higher priority, then older, as Kueue breaks ties). Pods that do not compete for the same
+        quota do not wait for each other: Kueue skips a head that does not fit and admits the next."""
+        queue = admission.cluster_queue.name
+        root = self.tree.root_of(queue)
+        if root is None:
+            return None
+        mine = queue_share(self.tree, self.weights, queue, amounts)
+        if not mine.resource:
+            return None  # within its nominal quota: no share to compare
+        info = admission.info
+        my_order = (mine.value, -self._priority(info), info.created_s)
+        first: tuple[tuple[int, int, float], PendingPod, Share] | None = None
+        for other in self.pending.values():
+            if (not other.waiting_for_quota or not other.needs or other.cluster_queue == queue
+                    or other.uid == admission.uid or self.tree.root_of(other.cluster_queue) != root):
+                continue
+            theirs = queue_share(self.tree, self.weights, other.cluster_queue, other.needs)
+            order = (theirs.value, -other.priority, other.created_s)
+            if order >= my_order or (first is not None and order >= first[0]):
+                continue
+            if self.tree.shortfalls(other.cluster_queue, other.needs):
+                continue  # it does not fit anyway: not competing for what this pod takes
+            self.tree.add(queue, amounts)  # what is left to it once this pod is admitted (undone at once)
+            try:
+                competing = bool(self.tree.shortfalls(other.cluster_queue, other.needs))
+            finally:
+                self.tree.add(queue, amounts, -1)
+            if competing:
+                first = (order, other, theirs)
+        if first is None:
+            return None
+        _, other, theirs = first
+        tie = " (equal shares: that pod has higher priority or is older)" if theirs.value == mine.value else ""
+        return Refusal(f"quota: {where}: fairSharing: ClusterQueue {other.cluster_queue} goes first: its pod "
+                       f"{other.namespace}/{other.name} waits for the same quota, and its share after admission "
+                       f"({theirs.describe()}) is below {queue}'s share after admitting this pod "
+                       f"({mine.describe()}){tie}", waiting=True, needs=amounts)
 
     @staticmethod
     def _shortfall_text(s: Shortfall) -> str:
@@ -584,9 +637,11 @@ class QuotaGate:
                 reason = refusal.reason
             else:
                 reason = "no node fits its GPU request"
-            if waiting != entry.waiting_for_quota:
-                self._version += 1
+            needs = refusal.needs if waiting and refusal is not None else None
+            if waiting != entry.waiting_for_quota or (self.fair_sharing and needs != entry.needs):
+                self._version += 1  # what StrictFIFO and fair sharing's order read changed
             entry.waiting_for_quota = waiting
+            entry.needs = needs
             entry.reason = reason
 
     def _expire_pending(self, now: float) -> None:
@@ -642,7 +697,9 @@ class _GateQueueRules:
         config = self.gate.config
         policies = {name: queue.preemption for name, queue in config.cluster_queues.items()}
         # without needs (preemption for GPU capacity, not quota) nothing is reclaimed from a cohort
-        return snapshot_queues(self.gate.tree, policies, preemptor_queue, needs=needs or {})
+        return snapshot_queues(self.gate.tree, policies, preemptor_queue, needs=needs or {},
+                               fair_sharing=self.gate.fair_sharing, weights=self.gate.weights,
+                               strategies=self.gate.fair_sharing_strategies)
 
     def needs_on(self, pod: Mapping[str, Any], request: PodGpuRequest,
                  node: NodeState) -> tuple[str, dict[FlavorResource, int]] | None:

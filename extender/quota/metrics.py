@@ -44,6 +44,10 @@ class QuotaCollector(Collector):
         admitted = GaugeMetricFamily("kube_vgpu_quota_admitted_pods", "pods counted against the queue",
                                      labels=["cluster_queue"])
         errors = GaugeMetricFamily("kube_vgpu_quota_invalid_objects", "Kueue objects left out as invalid")
+        # Kueue's kueue_cluster_queue_weighted_share; only with --fair-sharing (the view has no share without it)
+        shares = GaugeMetricFamily("kube_vgpu_quota_weighted_share", "ClusterQueue fair-sharing weighted share "
+                                   "(thousandths of what its cohort can lend, divided by its weight)",
+                                   labels=["cluster_queue"])
         view: dict[str, Any] = quota_view(self.gate)
         for queue in view["clusterQueues"]:
             for flavor in queue["flavors"]:
@@ -55,9 +59,12 @@ class QuotaCollector(Collector):
             pending.add_metric([queue["name"]], queue["pendingPods"])
             waiting.add_metric([queue["name"]], queue["waitingForQuota"])
             admitted.add_metric([queue["name"]], queue["admittedPods"])
+            if "fairSharing" in queue:
+                shares.add_metric([queue["name"]], queue["fairSharing"]["weightedShare"])
         errors.add_metric([], len(view["errors"]))
         yield from families.values()
         yield pending
         yield waiting
         yield admitted
         yield errors
+        yield shares  # declared always (no samples without --fair-sharing), as every other family here

@@ -58,6 +58,8 @@ WITHIN_CLUSTER_QUEUE_POLICIES = (NEVER, LOWER_PRIORITY, LOWER_OR_NEWER_EQUAL_PRI
 RECLAIM_WITHIN_COHORT_POLICIES = (NEVER, LOWER_PRIORITY, ANY)
 BORROW_WITHIN_COHORT_POLICIES = (NEVER, LOWER_PRIORITY)
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+#: spec.fairSharing.weight when unset (Kueue's default: 1), in thousandths as Quantity.MilliValue() gives it
+DEFAULT_FAIR_WEIGHT_MILLI = 1000
 
 
 class QuotaConfigError(ValueError):
@@ -196,6 +198,13 @@ class ClusterQueue:
     queueing_strategy: str = BEST_EFFORT_FIFO
     stop_policy: str = "None"
     preemption: Preemption = Preemption()
+    #: spec.fairSharing.weight in thousandths; None when unset (weight 1). Read only with --fair-sharing.
+    fair_weight_milli: int | None = None
+
+    @property
+    def fair_weight(self) -> int:
+        """The weight in thousandths, defaulted (0 is allowed: the share is infinite while it borrows)."""
+        return DEFAULT_FAIR_WEIGHT_MILLI if self.fair_weight_milli is None else self.fair_weight_milli
 
     @property
     def covered_resources(self) -> frozenset[str]:
@@ -213,6 +222,12 @@ class Cohort:
     name: str
     parent: str | None = None
     resource_groups: tuple[ResourceGroup, ...] = ()
+    #: spec.fairSharing.weight in thousandths; None when unset (weight 1)
+    fair_weight_milli: int | None = None
+
+    @property
+    def fair_weight(self) -> int:
+        return DEFAULT_FAIR_WEIGHT_MILLI if self.fair_weight_milli is None else self.fair_weight_milli
 
     def quotas(self) -> dict[tuple[str, str], ResourceQuota]:
         return {(fq.name, r): q for group in self.resource_groups for fq in group.flavors for r, q in fq.resources}
@@ -443,6 +458,28 @@ def parse_preemption(value: Any, where: str) -> Preemption:
     return Preemption(within, reclaim, borrow, threshold)
 
 
+def parse_fair_sharing(value: Any, where: str) -> int | None:
+    """spec.fairSharing: its weight in thousandths (Quantity.MilliValue(), rounded up as Kueue reads it), or None
+    when unset. Kueue's CRD refuses a negative weight; 0 is allowed (the share is infinite while borrowing)."""
+    doc = _mapping(value, where)
+    raw = doc.get("weight")
+    if raw is None:
+        return None
+    if isinstance(raw, bool):
+        raise QuotaConfigError(f"{where}.weight: expected a quantity, got {raw!r}")
+    text = str(raw).strip()
+    try:
+        amount = kubeapi.parse_quantity(text)
+    except kubeapi.InvalidQuantity:
+        raise QuotaConfigError(f"{where}.weight: {text!r} is not a Kubernetes quantity") from None
+    if amount < 0:
+        raise QuotaConfigError(f"{where}.weight: {text!r} must be greater than or equal to 0")
+    milli = kubeapi.quantity_milli(text)
+    if milli > 2**62:  # a share divided by it is 0 anyway; refused rather than carried as a huge number
+        raise QuotaConfigError(f"{where}.weight: {text!r} is too large")
+    return milli
+
+
 def _check_version(api_version: str, kind: str, allowed: tuple[str, ...], where: str) -> str:
     group, _, version = api_version.partition("/")
     if group != protocol.KUEUE_API_GROUP or version not in allowed:
@@ -515,7 +552,8 @@ def parse_object(doc: Mapping[str, Any]) -> Any:
         groups = _parse_resource_groups(spec.get("resourceGroups"), f"{where}: spec.resourceGroups",
                                         has_parent=parent is not None, parent_word="parent",
                                         limit_lending_to_nominal=False)
-        return Cohort(name, parent, groups)
+        return Cohort(name, parent, groups,
+                      parse_fair_sharing(spec.get("fairSharing"), f"{where}: spec.fairSharing"))
     # ClusterQueue
     _reject_other_version_field(spec, version, "cohort", "cohortName", where)
     cohort = _string(spec.get("cohortName" if version == "v1beta2" else "cohort"),
@@ -532,12 +570,14 @@ def parse_object(doc: Mapping[str, Any]) -> Any:
                                 f"{where}: spec.queueingStrategy"),
         stop_policy=_enum(spec.get("stopPolicy"), STOP_POLICIES, "None", f"{where}: spec.stopPolicy"),
         preemption=parse_preemption(spec.get("preemption"), f"{where}: spec.preemption"),
+        fair_weight_milli=parse_fair_sharing(spec.get("fairSharing"), f"{where}: spec.fairSharing"),
     )
 
 
-def build_config(docs: Iterable[tuple[str, Mapping[str, Any]]]) -> QuotaConfig:
+def build_config(docs: Iterable[tuple[str, Mapping[str, Any]]], *, fair_sharing: bool = False) -> QuotaConfig:
     """(source, object) pairs -> QuotaConfig. A later object of the same kind and name replaces an earlier one
-    (callers list file objects first, then the cluster's: the API server is the source of truth)."""
+    (callers list file objects first, then the cluster's: the API server is the source of truth).
+    `fair_sharing`: the extender's --fair-sharing (without it a fairSharing.weight is read but not used: said)."""
     config = QuotaConfig()
     for source, doc in docs:
         if not isinstance(doc, Mapping):
@@ -556,12 +596,6 @@ def build_config(docs: Iterable[tuple[str, Mapping[str, Any]]]) -> QuotaConfig:
             config.flavors[parsed.name] = parsed
         elif isinstance(parsed, ClusterQueue):
             config.cluster_queues[parsed.name] = parsed
-            if parsed.preemption != Preemption():
-                # read and checked (extender/preemption/ decides with it), but no pod is evicted yet: said, so that
-                # nobody lends quota believing it comes back
-                config.warnings.append(f"ClusterQueue {parsed.name}: spec.preemption is not carried out yet: "
-                                       "kube-vgpu evicts no pod, so borrowed quota comes back only as pods finish "
-                                       "(docs/preemption.md)")
             for resource in parsed.covered_resources:
                 if resource == protocol.RESOURCE_GPU_MEMORY_PERCENTAGE:
                     config.warnings.append(f"ClusterQueue {parsed.name}: {resource} is never counted (usage is "
@@ -572,7 +606,20 @@ def build_config(docs: Iterable[tuple[str, Mapping[str, Any]]]) -> QuotaConfig:
             config.cohorts[parsed.name] = parsed
         elif isinstance(parsed, WorkloadPriorityClass):
             config.priority_classes[parsed.name] = parsed
+    if not fair_sharing:
+        _warn_unused_weights(config)
     return config
+
+
+def _warn_unused_weights(config: QuotaConfig) -> None:
+    """One warning per object whose fairSharing.weight nothing reads (after replacements: a file object
+    overridden by the cluster's is not named)."""
+    named = [("ClusterQueue", name, q.fair_weight_milli) for name, q in sorted(config.cluster_queues.items())]
+    named += [("Cohort", name, c.fair_weight_milli) for name, c in sorted(config.cohorts.items())]
+    for kind, name, weight in named:
+        if weight is not None:
+            config.warnings.append(f"{kind} {name}: spec.fairSharing.weight is read only with --fair-sharing "
+                                   "(the extender runs without it)")
 
 
 def load_documents(path: str | Path) -> list[dict[str, Any]]:

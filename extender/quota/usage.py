@@ -156,6 +156,8 @@ class PendingPod:
     last_seen_s: float
     waiting_for_quota: bool = False
     reason: str = ""
+    #: (flavor, resource) -> what it asked of its queue where quota refused it (fair sharing's admission order)
+    needs: Mapping[FlavorResource, int] | None = None
 
     @property
     def order(self) -> tuple[int, float, str, str]:

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kube_vgpu import protocol
+from kube_vgpu.extender.quota.fairsharing import dominant_resource_share, weights_of
 from kube_vgpu.extender.quota.objects import RESOURCE_CPU, RESOURCE_MEMORY, RESOURCE_PODS, RESOURCE_UNITS
 from kube_vgpu.extender.quota.usage import GPU_RESOURCES, pod_info, request_usage_fixed
 from kube_vgpu.protocol import InvalidGpuRequest
@@ -98,6 +99,19 @@ def gangs_by_queue(gate: QuotaGate, tracker: GangTracker) -> tuple[dict[str, lis
     return by_queue, unqueued
 
 
+def weight_text(weight_milli: int) -> str:
+    """A weight in thousandths as the quantity one would write ("1", "0.5", "2.25")."""
+    whole, milli = divmod(weight_milli, 1000)
+    return str(whole) if not milli else f"{whole}.{milli:03d}".rstrip("0")
+
+
+def _fair_sharing(gate: QuotaGate, kind: str, name: str, weights: Mapping[tuple[str, str], int]) -> dict[str, Any]:
+    """Kueue's status.fairSharing (weightedShare) and the weight it was divided by."""
+    weight = weights.get((kind, name), 1000)
+    share = dominant_resource_share(gate.tree, (kind, name), weight)
+    return {"weight": weight_text(weight), "weightedShare": share.value, "dominantResource": share.resource}
+
+
 def quota_view(gate: QuotaGate, gangs: GangTracker | None = None) -> dict[str, Any]:
     """JSON-ready view of the gate's queues (and of the tracker's gangs), taken under the state lock (a
     consistent moment: the gangs are the scheduler's, kept under the same lock)."""
@@ -105,7 +119,8 @@ def quota_view(gate: QuotaGate, gangs: GangTracker | None = None) -> dict[str, A
         gate.resolve_unresolved()
         config = gate.config
         queue_gangs, unqueued_gangs = gangs_by_queue(gate, gangs) if gangs is not None else ({}, [])
-        queues = []
+        queues: list[dict[str, Any]] = []
+        weights = weights_of(config) if gate.fair_sharing else {}
         for cluster_queue in sorted(config.cluster_queues.values(), key=lambda q: q.name):
             pending = sorted((p for p in gate.pending.values() if p.cluster_queue == cluster_queue.name),
                              key=lambda p: p.order)
@@ -146,7 +161,9 @@ def quota_view(gate: QuotaGate, gangs: GangTracker | None = None) -> dict[str, A
                             for p in pending[:100]],
                 "gangs": queue_gangs.get(cluster_queue.name, []),
             })
-        cohorts = []
+            if gate.fair_sharing:  # only then: without --fair-sharing no share decides anything
+                queues[-1]["fairSharing"] = _fair_sharing(gate, "ClusterQueue", cluster_queue.name, weights)
+        cohorts: list[dict[str, Any]] = []
         cohort_names = sorted({k[1] for k in gate.tree.parent if k[0] == "Cohort"})
         all_frs = sorted({fr for quotas in gate.tree.quotas.values() for fr in quotas})
         for name in cohort_names:
@@ -158,10 +175,13 @@ def quota_view(gate: QuotaGate, gangs: GangTracker | None = None) -> dict[str, A
             parent = gate.tree.parent.get(("Cohort", name))
             cohorts.append({"name": name, "parent": parent[1] if parent else None,
                             "inCycle": name in gate.tree.cyclic, "resources": totals})
+            if gate.fair_sharing:
+                cohorts[-1]["fairSharing"] = _fair_sharing(gate, "Cohort", name, weights)
         return {
             "synced": gate.synced,
             "sources": list(gate.sources),
             "unqueuedPods": gate.unqueued,
+            "fairSharing": gate.fair_sharing,
             "unqueuedGangs": unqueued_gangs,
             "errors": list(config.errors),
             "warnings": list(config.warnings),

@@ -120,10 +120,12 @@ class Env:
 
 
 def make_env(quota_yaml: str, nodes: list[dict[str, Any]], *, unqueued: str = "admit",
-             cluster_cls: type[SnapshotCluster] = SnapshotCluster, pods: list[dict[str, Any]] | None = None) -> Env:
+             cluster_cls: type[SnapshotCluster] = SnapshotCluster, pods: list[dict[str, Any]] | None = None,
+             fair_sharing: bool = False) -> Env:
     state = ClusterState()
     documents = [("test.yaml", doc) for doc in yaml.safe_load_all(quota_yaml) if doc]
-    gate = QuotaGate(state, documents, unqueued=unqueued)  # first: it learns the pods as the state receives them
+    # first: it learns the pods as the state receives them
+    gate = QuotaGate(state, documents, unqueued=unqueued, fair_sharing=fair_sharing)
     cluster = cluster_cls(state, [*nodes, *(pods or [])])
     scheduler = Scheduler(state, cluster, gates=[gate])
     return Env(state, cluster, scheduler, gate, [n["metadata"]["name"] for n in nodes])
