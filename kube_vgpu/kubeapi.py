@@ -11,6 +11,7 @@ component-helpers' `PodRequests`, quantities are added and compared exactly and 
 
 from __future__ import annotations
 
+import datetime as _dt
 import functools
 import math
 import re
@@ -476,3 +477,14 @@ def node_matches_pod(pod: Mapping[str, Any], labels: Mapping[str, str], node_nam
         return True
     terms = required.get("nodeSelectorTerms") or ()
     return any(_term_matches(term, labels, node_name) for term in terms)
+
+
+def timestamp_seconds(text: Any, default: float) -> float:
+    """An API object's RFC 3339 timestamp (creationTimestamp, status.startTime) as epoch seconds; `default` when it
+    is missing or unreadable."""
+    if not isinstance(text, str) or not text:
+        return default
+    try:
+        return _dt.datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        return default

@@ -15,12 +15,12 @@ are learnt from pod events (ClusterState.pod_listeners), like gangs.py learns ga
 
 from __future__ import annotations
 
-import datetime as dt
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from kube_vgpu import kubeapi
 from kube_vgpu.extender.engine.model import GpuUsage
 
 #: a nomination whose victims are all gone but whose preemptor has not bound within this long is dropped
@@ -82,27 +82,18 @@ class Nomination:
         return [v for v in self.victims.values() if v.state is not VictimState.GONE]
 
 
-def _seconds(text: Any, default: float) -> float:
-    if not isinstance(text, str) or not text:
-        return default
-    try:
-        return dt.datetime.fromisoformat(text).timestamp()
-    except ValueError:
-        return default
-
-
 def running_pod(pod: Mapping[str, Any]) -> RunningPod:
     metadata = pod.get("metadata") or {}
     spec = pod.get("spec") or {}
     status = pod.get("status") or {}
     priority = spec.get("priority")
-    created_s = _seconds(metadata.get("creationTimestamp"), 0.0)
+    created_s = kubeapi.timestamp_seconds(metadata.get("creationTimestamp"), 0.0)
     return RunningPod(
         namespace=str(metadata.get("namespace") or ""),
         name=str(metadata.get("name") or ""),
         priority=priority if isinstance(priority, int) and not isinstance(priority, bool) else 0,
         created_s=created_s,
-        started_s=_seconds(status.get("startTime"), created_s),
+        started_s=kubeapi.timestamp_seconds(status.get("startTime"), created_s),
         never_preempts=spec.get("preemptionPolicy") == "Never",
         terminating=bool(metadata.get("deletionTimestamp")),
     )

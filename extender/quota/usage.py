@@ -3,7 +3,6 @@ per-pod records the gate keeps (a counted charge; a pod waiting in its queue).""
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -34,15 +33,6 @@ class PodInfo:
     memory_bytes: int
 
 
-def _creation_seconds(text: Any, default: float) -> float:
-    if not isinstance(text, str) or not text:
-        return default
-    try:
-        return dt.datetime.fromisoformat(text).timestamp()
-    except ValueError:
-        return default
-
-
 def _host_requests(pod: Mapping[str, Any]) -> tuple[int, int]:
     """The pod's CPU (millicores) and memory (bytes) as Kueue and kube-scheduler count them (native sidecars with
     the app containers, init containers at their peak, overhead; kube_vgpu.kubeapi). A quantity the API server
@@ -70,7 +60,7 @@ def pod_info(pod: Mapping[str, Any], now_s: float) -> PodInfo:
     return PodInfo(
         spec_priority=priority if isinstance(priority, int) and not isinstance(priority, bool) else 0,
         priority_class=labels.get(protocol.LABEL_KUEUE_PRIORITY_CLASS) or None,
-        created_s=_creation_seconds(metadata.get("creationTimestamp"), now_s),
+        created_s=kubeapi.timestamp_seconds(metadata.get("creationTimestamp"), now_s),
         tolerations=tolerations,
         cpu_milli=cpu_milli,
         memory_bytes=memory_bytes,

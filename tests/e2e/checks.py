@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
+
+import orjson
+import pytest
+from kubernetes.client.rest import ApiException
 
 from kube_vgpu import protocol
 from kube_vgpu.dev.devcluster.cluster import DevCluster
@@ -78,3 +82,27 @@ def links_between(node: Mapping[str, Any]) -> dict[tuple[str, str], protocol.Gpu
         for link in gpu.links
         if link.peer_index in by_index
     }
+
+
+def read_pod(cluster: DevCluster, namespace: str, name: str) -> dict[str, Any] | None:
+    """The pod as the API server holds it now; None when it does not exist."""
+    try:
+        response = cluster.core.read_namespaced_pod(name, namespace, _preload_content=False)
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+    pod: dict[str, Any] = orjson.loads(response.data)
+    return pod
+
+
+def wait_until(what: str, check: Callable[[], Any], describe: Callable[[], str], timeout_s: float = 90.0) -> Any:
+    """Poll `check` until it returns something true (returned), or fail the test saying what did not happen."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() >= deadline:
+            pytest.fail(f"{what} not within {timeout_s:g} s: {describe()}", pytrace=False)
+        time.sleep(0.2)

@@ -6,7 +6,6 @@ evicts nothing (GONE)."""
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,6 +24,7 @@ from kube_vgpu.extender.preemption.evict import (
 )
 from kube_vgpu.extender.sources.apiclient import make_api_client
 from kube_vgpu.extender.sources.evictor import LiveEvictor
+from tests.e2e.checks import read_pod, wait_until
 from tests.e2e.conftest import NodeSet
 
 pytestmark = pytest.mark.e2e
@@ -42,37 +42,15 @@ def evictor(dev_cluster: DevCluster) -> Iterator[LiveEvictor]:
         api_client.close()
 
 
-def _read(cluster: DevCluster, namespace: str, name: str) -> dict[str, Any] | None:
-    try:
-        response = cluster.core.read_namespaced_pod(name, namespace, _preload_content=False)
-    except ApiException as exc:
-        if exc.status == 404:
-            return None
-        raise
-    pod: dict[str, Any] = orjson.loads(response.data)
-    return pod
-
-
-def _wait(what: str, check: Callable[[], Any], describe: Callable[[], str], timeout_s: float = TIMEOUT_S) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() >= deadline:
-            pytest.fail(f"{what} not within {timeout_s:g} s: {describe()}", pytrace=False)
-        time.sleep(0.2)
-
-
 def _running_pod(cluster: DevCluster, namespace: str, name: str, nodes: NodeSet) -> dict[str, Any]:
     body = gpu_pod(name, memory_mib=1024, labels={"app": name}, node_selector=nodes.selector)
     cluster.core.create_namespaced_pod(namespace, body, _preload_content=False)
 
     def running() -> dict[str, Any] | None:
-        pod = _read(cluster, namespace, name)
+        pod = read_pod(cluster, namespace, name)
         return pod if pod and (pod.get("status") or {}).get("phase") == "Running" else None
 
-    pod: dict[str, Any] = _wait(f"pod {name} Running", running, lambda: str(_read(cluster, namespace, name)))
+    pod: dict[str, Any] = wait_until(f"pod {name} Running", running, lambda: str(read_pod(cluster, namespace, name)))
     return pod
 
 
@@ -130,14 +108,15 @@ def test_a_pod_disruption_budget_blocks_the_eviction_and_the_pod_stays(
             and status.get("disruptionsAllowed") == 0
         )
 
-    _wait("the PodDisruptionBudget's status", pdb_counted, lambda: dev_cluster.log_tail("kube-controller-manager", 15))
+    wait_until("the PodDisruptionBudget's status", pdb_counted,
+               lambda: dev_cluster.log_tail("kube-controller-manager", 15))
 
     result = evictor.evict(_request(victim, preemptor))
 
     assert result.outcome is EvictionOutcome.BLOCKED, result
     # the API server's words, and which budget refused (the cause the Eviction API adds)
     assert "disruption budget" in result.detail and "keep-victim" in result.detail, result.detail
-    after = _read(dev_cluster, e2e_namespace, "victim")
+    after = read_pod(dev_cluster, e2e_namespace, "victim")
     assert after is not None and after["metadata"]["uid"] == victim["metadata"]["uid"]
     assert not after["metadata"].get("deletionTimestamp"), "a refused eviction deleted the pod"
     # marked before the eviction was asked for, as kube-scheduler does (the disruption controller clears a
@@ -176,14 +155,14 @@ def test_without_a_budget_the_victim_is_marked_evicted_and_both_events_are_recor
         if event["type"] == "DELETED":
             deleted = True
             break
-    assert deleted, f"the victim was not deleted: {_read(dev_cluster, e2e_namespace, 'victim')}"
+    assert deleted, f"the victim was not deleted: {read_pod(dev_cluster, e2e_namespace, 'victim')}"
     assert conditions, "the victim never had the DisruptionTarget condition"
     first = conditions[0]
     assert first["status"] == "True" and first["reason"] == PREEMPTION_BY_SCHEDULER, conditions
     assert first["message"] == (
         f"kube-vgpu-scheduler: preempting to accommodate a higher priority pod {e2e_namespace}/preemptor ({RULE})"
     )
-    assert _read(dev_cluster, e2e_namespace, "preemptor") is not None
+    assert read_pod(dev_cluster, e2e_namespace, "preemptor") is not None
 
     node = victim["spec"]["nodeName"]
     events = {(e["reason"], e["regarding"]["name"]): e for e in _events(dev_cluster, e2e_namespace)
@@ -207,7 +186,7 @@ def test_a_stale_uid_or_a_missing_pod_evicts_nothing(
 
     stale = evictor.evict(_request(victim, preemptor, uid="00000000-0000-0000-0000-000000000000"))
     assert stale.outcome is EvictionOutcome.GONE, stale
-    after = _read(dev_cluster, e2e_namespace, "victim")
+    after = read_pod(dev_cluster, e2e_namespace, "victim")
     assert after is not None and not after["metadata"].get("deletionTimestamp")
     assert _disruption_target(after) is None, "a pod of another UID was marked"
 
@@ -228,17 +207,18 @@ def test_an_evicted_pod_that_lingers_says_it_was_preempted(
     body["metadata"]["finalizers"] = [hold]
     dev_cluster.core.create_namespaced_pod(e2e_namespace, body, _preload_content=False)
     try:
-        victim = _wait(
+        victim = wait_until(
             "pod victim Running",
-            lambda: (p := _read(dev_cluster, e2e_namespace, "victim")) and p["status"].get("phase") == "Running" and p,
-            lambda: str(_read(dev_cluster, e2e_namespace, "victim")),
+            lambda: (p := read_pod(dev_cluster, e2e_namespace, "victim"))
+            and p["status"].get("phase") == "Running" and p,
+            lambda: str(read_pod(dev_cluster, e2e_namespace, "victim")),
         )
         preemptor = _running_pod(dev_cluster, e2e_namespace, "preemptor", nodes)
 
         result = evictor.evict(_request(victim, preemptor))
 
         assert result.outcome is EvictionOutcome.EVICTED, result
-        after = _read(dev_cluster, e2e_namespace, "victim")
+        after = read_pod(dev_cluster, e2e_namespace, "victim")
         assert after is not None and after["metadata"].get("deletionTimestamp"), after
         condition = _disruption_target(after)
         assert condition is not None and condition["reason"] == PREEMPTION_BY_SCHEDULER, after["status"]

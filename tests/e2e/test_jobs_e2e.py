@@ -20,6 +20,7 @@ from kube_vgpu import protocol
 from kube_vgpu.dev.devcluster.cluster import DevCluster
 from kube_vgpu.dev.devcluster.lifecycle import RUN_SECONDS_ANNOTATION, run_seconds_annotation
 from kube_vgpu.dev.devcluster.workload import PAUSE_IMAGE, assignment_of, list_pods
+from tests.e2e.checks import wait_until
 from tests.e2e.conftest import NodeSet
 
 pytestmark = pytest.mark.e2e
@@ -55,14 +56,7 @@ def _used_memory_mib(cluster: DevCluster, node_names: list[str]) -> int:
 
 
 def _wait(what: str, check: Callable[[], Any], timeout_s: float, describe: Callable[[], str]) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() >= deadline:
-            pytest.fail(f"{what} not within {timeout_s:g} s: {describe()}", pytrace=False)
-        time.sleep(0.25)
+    return wait_until(what, check, describe, timeout_s)
 
 
 def _phases(pods: list[dict[str, Any]]) -> dict[str, str]:

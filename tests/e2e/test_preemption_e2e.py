@@ -6,9 +6,7 @@ another victim."""
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import orjson
 import pytest
@@ -18,12 +16,10 @@ from kubernetes.client.rest import ApiException
 from kube_vgpu.dev.devcluster.cluster import DevCluster
 from kube_vgpu.dev.devcluster.workload import gpu_pod
 from kube_vgpu.extender.preemption.evict import DISRUPTION_TARGET
-from tests.e2e.checks import assert_no_overcommit
+from tests.e2e.checks import assert_no_overcommit, read_pod, wait_until
 from tests.e2e.conftest import NodeSet
 
 pytestmark = pytest.mark.e2e
-
-TIMEOUT_S = 90.0
 
 
 @pytest.fixture
@@ -45,28 +41,6 @@ def priorities(dev_cluster: DevCluster, e2e_namespace: str) -> Iterator[Callable
             api.delete_priority_class(name, _preload_content=False)
 
 
-def _read(cluster: DevCluster, namespace: str, name: str) -> dict[str, Any] | None:
-    try:
-        response = cluster.core.read_namespaced_pod(name, namespace, _preload_content=False)
-    except ApiException as exc:
-        if exc.status == 404:
-            return None
-        raise
-    pod: dict[str, Any] = orjson.loads(response.data)
-    return pod
-
-
-def _wait(what: str, check: Callable[[], Any], describe: Callable[[], str]) -> Any:
-    deadline = time.monotonic() + TIMEOUT_S
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() >= deadline:
-            pytest.fail(f"{what} not within {TIMEOUT_S:g} s: {describe()}", pytrace=False)
-        time.sleep(0.25)
-
-
 def _create(cluster: DevCluster, namespace: str, name: str, memory_mib: int, nodes: NodeSet, priority_class: str,
             labels: dict[str, str] | None = None) -> None:
     body = gpu_pod(name, memory_mib=memory_mib, labels={"app": name, **(labels or {})}, node_selector=nodes.selector)
@@ -76,21 +50,21 @@ def _create(cluster: DevCluster, namespace: str, name: str, memory_mib: int, nod
 
 def _running_on(cluster: DevCluster, namespace: str, name: str) -> str:
     def running() -> str | None:
-        pod = _read(cluster, namespace, name)
+        pod = read_pod(cluster, namespace, name)
         status = (pod or {}).get("status") or {}
         return str(pod["spec"]["nodeName"]) if pod and status.get("phase") == "Running" else None
 
-    node: str = _wait(f"pod {name} Running", running, lambda: _describe(cluster, namespace, name))
+    node: str = wait_until(f"pod {name} Running", running, lambda: _describe(cluster, namespace, name))
     return node
 
 
 def _gone(cluster: DevCluster, namespace: str, name: str) -> None:
-    _wait(f"pod {name} gone", lambda: _read(cluster, namespace, name) is None,
+    wait_until(f"pod {name} gone", lambda: read_pod(cluster, namespace, name) is None,
           lambda: _describe(cluster, namespace, name))
 
 
 def _describe(cluster: DevCluster, namespace: str, name: str) -> str:
-    pod = _read(cluster, namespace, name)
+    pod = read_pod(cluster, namespace, name)
     conditions = ((pod or {}).get("status") or {}).get("conditions")
     return f"{name}: {conditions}\n--- extender ---\n{cluster.log_tail('extender', 20)}"
 
@@ -139,11 +113,11 @@ def test_a_victim_protected_by_a_disruption_budget_stays_and_another_is_evicted(
         status = orjson.loads(response.data).get("status") or {}
         return bool(status.get("currentHealthy") == 1 and status.get("observedGeneration"))
 
-    _wait("the disruption controller counting the budget", budget_counted, lambda: "")
+    wait_until("the disruption controller counting the budget", budget_counted, lambda: "")
     _create(dev_cluster, e2e_namespace, "urgent", 40960, nodes, high)
     _running_on(dev_cluster, e2e_namespace, "urgent")
     _gone(dev_cluster, e2e_namespace, "other")
-    kept = _read(dev_cluster, e2e_namespace, "protected")
+    kept = read_pod(dev_cluster, e2e_namespace, "protected")
     assert kept is not None and not kept["metadata"].get("deletionTimestamp")
     assert_no_overcommit(dev_cluster)
 
@@ -159,15 +133,15 @@ def test_equal_priority_evicts_nothing(
     _create(dev_cluster, e2e_namespace, "second", 40960, nodes, same)
 
     def refused_with_our_reason() -> bool:
-        pod = _read(dev_cluster, e2e_namespace, "second")
+        pod = read_pod(dev_cluster, e2e_namespace, "second")
         for condition in ((pod or {}).get("status") or {}).get("conditions") or []:
             if condition.get("type") == "PodScheduled" and "no GPU with 40960 MiB free" in condition.get("message", ""):
                 return True
         return False
 
-    _wait("the second pod refused for GPU memory", refused_with_our_reason,
+    wait_until("the second pod refused for GPU memory", refused_with_our_reason,
           lambda: _describe(dev_cluster, e2e_namespace, "second"))
-    first = _read(dev_cluster, e2e_namespace, "first")
+    first = read_pod(dev_cluster, e2e_namespace, "first")
     assert first is not None and not first["metadata"].get("deletionTimestamp")
     conditions = (first.get("status") or {}).get("conditions") or []
     assert all(c.get("type") != DISRUPTION_TARGET for c in conditions)
@@ -193,32 +167,32 @@ def test_an_extender_killed_between_eviction_and_bind_neither_evicts_twice_nor_l
     _create(dev_cluster, e2e_namespace, "urgent", 40960, nodes, high)
 
     def victim_terminating() -> bool:
-        pod = _read(dev_cluster, e2e_namespace, "victim")
+        pod = read_pod(dev_cluster, e2e_namespace, "victim")
         return bool(pod and pod["metadata"].get("deletionTimestamp"))
 
-    _wait("the victim evicted (terminating, held by its finalizer)", victim_terminating,
+    wait_until("the victim evicted (terminating, held by its finalizer)", victim_terminating,
           lambda: _describe(dev_cluster, e2e_namespace, "urgent"))
     dev_cluster.restart_extender(crash=True)
     try:
         # the restarted extender sees the victim leaving: it waits for it and evicts nobody else
         def nominated_again() -> bool:
-            pod = _read(dev_cluster, e2e_namespace, "urgent")
+            pod = read_pod(dev_cluster, e2e_namespace, "urgent")
             for condition in ((pod or {}).get("status") or {}).get("conditions") or []:
                 if condition.get("type") == "PodScheduled" and "terminating pod(s) to leave" in condition.get(
                         "message", ""):
                     return True
             return False
 
-        _wait("the preemptor waiting for the terminating victim after the restart", nominated_again,
+        wait_until("the preemptor waiting for the terminating victim after the restart", nominated_again,
               lambda: _describe(dev_cluster, e2e_namespace, "urgent"))
-        bystander = _read(dev_cluster, e2e_namespace, "bystander")
+        bystander = read_pod(dev_cluster, e2e_namespace, "bystander")
         assert bystander is not None and not bystander["metadata"].get("deletionTimestamp")
     finally:
         dev_cluster.core.patch_namespaced_pod("victim", e2e_namespace, {"metadata": {"finalizers": None}},
                                               _preload_content=False)
     _gone(dev_cluster, e2e_namespace, "victim")
     assert _running_on(dev_cluster, e2e_namespace, "urgent") == nodes.names[0]
-    bystander = _read(dev_cluster, e2e_namespace, "bystander")
+    bystander = read_pod(dev_cluster, e2e_namespace, "bystander")
     assert bystander is not None and not bystander["metadata"].get("deletionTimestamp")
     assert_no_overcommit(dev_cluster)
 
