@@ -212,7 +212,9 @@ class QuotaGate:
             return  # not managed by any ClusterQueue
         self._admitted_to[uid] = cluster_queue.name
         info = self._pod_infos.get(uid)
-        held = assignment_usage(record.assignment)
+        node = self.state.nodes.get(record.node_name)
+        held = assignment_usage(record.assignment,
+                                {g.uuid: g.memory_mib for g in node.gpus} if node is not None else None)
         covered = cluster_queue.covered_resources
         resources = {r: v for r, v in held.items() if r in covered and v > 0}
         if info is not None:

