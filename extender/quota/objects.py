@@ -506,6 +506,17 @@ def _reject_other_version_field(spec: Mapping[str, Any], version: str, v1beta1_n
                                f"{protocol.KUEUE_API_GROUP}/{version} calls it spec.{v1beta1_name}")
 
 
+def _cohort_parent_field(spec: Mapping[str, Any], version: str, where: str) -> str:
+    """Kueue's Cohort names its parent `spec.parent` in v1alpha1 only; from v1beta1 (Kueue v0.13) on, and in
+    v1beta2, it is `spec.parentName`. The other spelling is refused with the right name (the API server would
+    prune it, leaving a root cohort that lends nothing to its parent's queues)."""
+    field_name, other = ("parent", "parentName") if version == "v1alpha1" else ("parentName", "parent")
+    if other in spec:
+        raise QuotaConfigError(f"{where}: spec.{other}: does not exist in {protocol.KUEUE_API_GROUP}/{version}; "
+                               f"it calls the parent spec.{field_name}")
+    return field_name
+
+
 def parse_object(doc: Mapping[str, Any]) -> Any:
     """One Kueue object (or a Namespace) -> its dataclass; raises QuotaConfigError naming object and field.
     Returns None for kinds the gate does not use."""
@@ -553,8 +564,7 @@ def parse_object(doc: Mapping[str, Any]) -> Any:
             _enum(spec.get("stopPolicy"), STOP_POLICIES, "None", f"{where}: spec.stopPolicy"),
         )
     if kind == "Cohort":
-        _reject_other_version_field(spec, version, "parent", "parentName", where)
-        parent_field = "parentName" if version == "v1beta2" else "parent"
+        parent_field = _cohort_parent_field(spec, version, where)
         parent = _string(spec.get(parent_field), f"{where}: spec.{parent_field}") or None
         groups = _parse_resource_groups(spec.get("resourceGroups"), f"{where}: spec.resourceGroups",
                                         has_parent=parent is not None, parent_word="parent",

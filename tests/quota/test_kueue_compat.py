@@ -5,8 +5,9 @@ warnings for fields the gate does not implement."""
 from __future__ import annotations
 
 import pytest
+import yaml
 
-from kube_vgpu.extender.quota.objects import TOTAL_GPU_CORES, TOTAL_GPU_MEMORY
+from kube_vgpu.extender.quota.objects import TOTAL_GPU_CORES, TOTAL_GPU_MEMORY, QuotaConfigError, parse_object
 from kube_vgpu.extender.quota.usage import assignment_usage, request_usage_fixed
 from kube_vgpu.protocol import (
     ContainerAssignment,
@@ -15,7 +16,7 @@ from kube_vgpu.protocol import (
     PodAssignment,
     PodGpuRequest,
 )
-from tests.quota.helpers import FLAVORS, GPU, a100_node, local_queue, make_env, queued_pod
+from tests.quota.helpers import FLAVORS, GPU, a100_node, gpu_queue, local_queue, make_env, queued_pod
 
 
 def hami_queue(gpus: int, total_gpumem: int, total_gpucores: int, version: str = "v1beta2") -> str:
@@ -82,3 +83,41 @@ def test_usage_functions_give_the_totals() -> None:
     held = assignment_usage(whole, {"g0": 81920, "g1": 81920})
     assert (held[TOTAL_GPU_MEMORY], held[TOTAL_GPU_CORES]) == (86016, 100)  # only g0 is a whole GPU
     assert assignment_usage(whole)[TOTAL_GPU_CORES] == 0  # GPU sizes unknown: the assigned cores
+
+
+# --- Cohort parents per API version -------------------------------------------------------------------------
+
+
+def cohort_doc(version: str, name: str, parent_field: str | None, parent: str | None, gpus: int = 0) -> str:
+    spec = f"  {parent_field}: {parent}\n" if parent_field and parent else ""
+    if gpus:
+        spec += ("  resourceGroups:\n  - coveredResources: [nvidia.com/gpu]\n    flavors:\n"
+                 f"    - {{name: a100, resources: [{{name: nvidia.com/gpu, nominalQuota: {gpus}}}]}}\n")
+    return f"""
+---
+apiVersion: kueue.x-k8s.io/{version}
+kind: Cohort
+metadata: {{name: {name}}}
+spec:
+{spec or "  {}"}
+"""
+
+
+@pytest.mark.parametrize(("version", "field"), [("v1alpha1", "parent"), ("v1beta1", "parentName"),
+                                                ("v1beta2", "parentName")])
+def test_queue_gets_quota_from_its_grandparent_cohort(version: str, field: str) -> None:
+    """org (20 vGPUs) <- ml (0) <- team-a queue (10 nominal): Kueue lets the queue reach 30."""
+    quota = (FLAVORS + gpu_queue("team-a", {"a100": 10}, cohort="ml") + local_queue("team-a", "q", "team-a")
+             + cohort_doc(version, "ml", field, "org") + cohort_doc(version, "org", None, None, gpus=20))
+    env = make_env(quota, [a100_node(f"a100-{i}", gpus=8) for i in range(5)])
+    assert not env.gate.config.errors
+    assert sum(isinstance(env.submit(queued_pod("q", gpus=1, memory_mib=1000)), str) for _ in range(32)) == 30
+
+
+@pytest.mark.parametrize(("version", "wrong", "right"), [("v1alpha1", "parentName", "parent"),
+                                                         ("v1beta1", "parent", "parentName"),
+                                                         ("v1beta2", "parent", "parentName")])
+def test_the_other_versions_parent_field_is_refused_by_name(version: str, wrong: str, right: str) -> None:
+    with pytest.raises(QuotaConfigError, match=rf"Cohort ml: spec.{wrong}: does not exist in "
+                                               rf"kueue.x-k8s.io/{version}; it calls the parent spec.{right}$"):
+        parse_object(yaml.safe_load(cohort_doc(version, "ml", wrong, "org").lstrip("-\n")))
