@@ -7,8 +7,11 @@ from __future__ import annotations
 import pytest
 import yaml
 
+from kube_vgpu.extender.quota import cli as quota_cli
+from kube_vgpu.extender.quota.accounting import CQ
 from kube_vgpu.extender.quota.objects import TOTAL_GPU_CORES, TOTAL_GPU_MEMORY, QuotaConfigError, parse_object
 from kube_vgpu.extender.quota.usage import assignment_usage, request_usage_fixed
+from kube_vgpu.extender.quota.views import quota_view
 from kube_vgpu.protocol import (
     ContainerAssignment,
     ContainerGpuRequest,
@@ -121,3 +124,21 @@ def test_the_other_versions_parent_field_is_refused_by_name(version: str, wrong:
     with pytest.raises(QuotaConfigError, match=rf"Cohort ml: spec.{wrong}: does not exist in "
                                                rf"kueue.x-k8s.io/{version}; it calls the parent spec.{right}$"):
         parse_object(yaml.safe_load(cohort_doc(version, "ml", wrong, "org").lstrip("-\n")))
+
+
+# --- available clamped to 0 ---------------------------------------------------------------------------------
+
+
+def test_available_of_an_over_admitted_queue_is_0_in_quota_and_status() -> None:
+    quota = FLAVORS + gpu_queue("team-a", {"a100": 4}) + local_queue("team-a", "q", "team-a")
+    env = make_env(quota, [a100_node("a100-0", gpus=8)])
+    for _ in range(4):
+        assert env.submit(queued_pod("q", gpus=1, memory_mib=1000)) == "a100-0"
+    lowered = yaml.safe_load(gpu_queue("team-a", {"a100": 1}).lstrip("-\n"))
+    env.gate.set_cluster_objects("ClusterQueue", {("", "team-a"): lowered})  # the quota is cut under it
+    view = quota_view(env.gate)
+    [queue] = view["clusterQueues"]
+    [resource] = queue["flavors"][0]["resources"]
+    assert (resource["used"], resource["nominal"], resource["available"]) == (4, 1, 0)
+    assert env.gate.tree.available((CQ, "team-a"), ("a100", GPU)) == -3  # the arithmetic keeps the debt
+    assert " -3 " not in quota_cli.render(view)
