@@ -42,6 +42,9 @@ from kube_vgpu.extender.quota.objects import (
     build_config,
 )
 from kube_vgpu.extender.quota.usage import (
+    BLOCK_UNDECLARED,
+    DECLARED_BY,
+    QUOTA_CHECK_STRATEGIES,
     Charge,
     PendingPod,
     PodInfo,
@@ -49,6 +52,7 @@ from kube_vgpu.extender.quota.usage import (
     pod_info,
     request_usage_fixed,
     request_usage_on,
+    undeclared_gpu_resources,
 )
 from kube_vgpu.extender.quota.views import quota_view
 from kube_vgpu.extender.state import FINISHED_PHASES, ClusterState, PodRecord
@@ -84,7 +88,11 @@ class QuotaGate:
         live: bool = False,
         fair_sharing: bool = False,
         fair_sharing_strategies: tuple[str, ...] = (),
+        quota_check_strategy: str = BLOCK_UNDECLARED,
     ) -> None:
+        if quota_check_strategy not in QUOTA_CHECK_STRATEGIES:
+            raise ValueError(f"quota check strategy {quota_check_strategy!r} is not one of "
+                             f"{', '.join(QUOTA_CHECK_STRATEGIES)}")
         if unqueued not in UNQUEUED_POLICIES:
             raise ValueError(f"unqueued pods policy {unqueued!r} is not one of {', '.join(UNQUEUED_POLICIES)}")
         if state.pods:
@@ -98,6 +106,9 @@ class QuotaGate:
         self.fair_sharing = fair_sharing
         #: Kueue's fairSharing.preemptionStrategies (empty: its default pair); checked by the flag's parser
         self.fair_sharing_strategies = fair_sharing_strategies
+        #: Kueue's resources.quotaCheckStrategy (--quota-check-strategy): BlockUndeclared refuses a pod naming a
+        #: GPU resource its queue does not cover; IgnoreUndeclared lets it through uncounted for that resource
+        self.quota_check_strategy = quota_check_strategy
         self.file_documents = list(file_documents or [])
         #: kind -> {(namespace, name): object} listed from the cluster (live mode)
         self.cluster_documents: dict[str, dict[tuple[str, str], Mapping[str, Any]]] = {}
@@ -466,7 +477,24 @@ class QuotaGate:
         cache.fast = {}
         fixed = request_usage_fixed(request)
         cache.fixed_needs = None if fixed is None else self._covered_needs(admission, fixed)
+        cache.undeclared = self._undeclared(admission, request)
         cache.plain = request.selectors.empty
+
+    def _undeclared(self, admission: Admission, request: PodGpuRequest) -> Refusal | None:
+        """Kueue's BlockUndeclared: a resource the pod requests that its ClusterQueue does not cover gets no
+        quota at all (Kueue: "resource ... unavailable in ClusterQueue"), rather than unlimited."""
+        if self.quota_check_strategy != BLOCK_UNDECLARED:
+            return None
+        missing = undeclared_gpu_resources(request, admission.covered)
+        if not missing:
+            return None
+        queue = admission.cluster_queue.name
+        forms = "; ".join(f"{r}: {' or '.join(DECLARED_BY[r])}" for r in missing)
+        return Refusal(f"quota: ClusterQueue {queue} (LocalQueue {admission.local_queue.namespace}/"
+                       f"{admission.local_queue.name}) does not cover {', '.join(missing)}, which the pod requests: "
+                       f"resource unavailable in ClusterQueue (Kueue's default quotaCheckStrategy BlockUndeclared). "
+                       f"Add it to a resource group's coveredResources ({forms}), or run the extender with "
+                       f"--quota-check-strategy IgnoreUndeclared", waiting=False)
 
     def _signature(self, node: NodeState) -> int:
         """An id for the (model, MiB, cores) set of the node's usable GPUs: what request_usage_on reads when the
@@ -510,6 +538,8 @@ class QuotaGate:
              node: NodeState) -> Refusal | None:
         if cache.request is not request:
             self._prepare(cache, admission, request)
+        if cache.undeclared is not None:
+            return cache.undeclared
         key = self._node_key(cache, node)
         if key in cache.fast:
             return cache.fast[key]
@@ -712,6 +742,8 @@ class _GateQueueRules:
             return None
         if cache.request is not request:
             gate._prepare(cache, admission, request)
+        if cache.undeclared is not None:
+            return None  # no quota at all for it: preempting frees nothing it could use
         needs = dict(gate._needs_on(cache, admission, request, node))
         flavors = gate._flavors(admission.cluster_queue, node.labels, needs, admission.tolerations)
         if isinstance(flavors, str):

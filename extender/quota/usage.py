@@ -149,6 +149,43 @@ def request_usage_on(request: PodGpuRequest, node: NodeState) -> dict[str, int]:
     return totals
 
 
+#: Kueue's Configuration resources.quotaCheckStrategy: BlockUndeclared (its default) admits nothing of a resource
+#: the workload requests and its ClusterQueue does not cover; IgnoreUndeclared checks covered resources only.
+BLOCK_UNDECLARED = "BlockUndeclared"
+IGNORE_UNDECLARED = "IgnoreUndeclared"
+QUOTA_CHECK_STRATEGIES = (BLOCK_UNDECLARED, IGNORE_UNDECLARED)
+
+#: a GPU resource a pod names -> the resources a ClusterQueue may budget it with: the resource itself, or the
+#: output of the HAMi guide's transformation (Replace removes the input from Kueue's accounting). The gate counts
+#: a gpumem-percentage in MiB, so a queue budgeting MiB declares it too.
+DECLARED_BY = {
+    protocol.RESOURCE_GPU: (protocol.RESOURCE_GPU,),
+    protocol.RESOURCE_GPU_MEMORY: (protocol.RESOURCE_GPU_MEMORY, TOTAL_GPU_MEMORY),
+    protocol.RESOURCE_GPU_MEMORY_PERCENTAGE: (protocol.RESOURCE_GPU_MEMORY_PERCENTAGE, protocol.RESOURCE_GPU_MEMORY,
+                                              TOTAL_GPU_MEMORY),
+    protocol.RESOURCE_GPU_CORES: (protocol.RESOURCE_GPU_CORES, TOTAL_GPU_CORES),
+}
+
+
+def named_gpu_resources(request: PodGpuRequest) -> list[str]:
+    """The GPU resources the pod's containers name (what Kueue reads from the pod spec), in DECLARED_BY order."""
+    containers = [c for c in request.containers if c.count > 0]
+    named = {
+        protocol.RESOURCE_GPU: bool(containers),
+        protocol.RESOURCE_GPU_MEMORY: any(c.memory_mib is not None for c in containers),
+        protocol.RESOURCE_GPU_MEMORY_PERCENTAGE: any(c.memory_percent is not None for c in containers),
+        protocol.RESOURCE_GPU_CORES: any(c.cores > 0 for c in containers),
+    }
+    return [resource for resource in DECLARED_BY if named[resource]]
+
+
+def undeclared_gpu_resources(request: PodGpuRequest, covered: frozenset[str]) -> list[str]:
+    """BlockUndeclared: the GPU resources the pod names that no resource group of its queue covers in any form.
+    Only the GPU resources are checked: the gate does not see every resource a pod requests (CPU and memory
+    are counted when covered, as with IgnoreUndeclared; docs/quota.md)."""
+    return [r for r in named_gpu_resources(request) if not any(form in covered for form in DECLARED_BY[r])]
+
+
 @dataclass(slots=True)
 class Charge:
     """One pod's counted usage. Kept per pod, with priority, so a preemptor can pick victims later."""

@@ -142,3 +142,72 @@ def test_available_of_an_over_admitted_queue_is_0_in_quota_and_status() -> None:
     assert (resource["used"], resource["nominal"], resource["available"]) == (4, 1, 0)
     assert env.gate.tree.available((CQ, "team-a"), ("a100", GPU)) == -3  # the arithmetic keeps the debt
     assert " -3 " not in quota_cli.render(view)
+
+
+# --- BlockUndeclared (Kueue's default resources.quotaCheckStrategy) and its opt-out ---------------------------
+
+
+def queue_covering(*resources: str) -> str:
+    quotas = ", ".join(f"{{name: {r}, nominalQuota: 100000}}" for r in resources)
+    return FLAVORS + f"""
+---
+apiVersion: kueue.x-k8s.io/v1beta2
+kind: ClusterQueue
+metadata: {{name: team-a}}
+spec:
+  namespaceSelector: {{}}
+  resourceGroups:
+  - coveredResources: [{", ".join(resources)}]
+    flavors:
+    - {{name: a100, resources: [{quotas}]}}
+""" + local_queue("team-a", "q", "team-a")
+
+
+MEM, CORES = "nvidia.com/gpumem", "nvidia.com/gpucores"
+
+
+# covered resources x pod request -> the undeclared resources named in the refusal ("" = admitted)
+@pytest.mark.parametrize(("covered", "request_", "undeclared"), [
+    (("cpu",), {"gpus": 1, "memory_mib": 1000}, "nvidia.com/gpu, nvidia.com/gpumem"),
+    ((GPU,), {"gpus": 1, "memory_mib": 1000}, "nvidia.com/gpumem"),
+    ((GPU,), {"gpus": 1, "memory_percent": 50}, "nvidia.com/gpumem-percentage"),
+    ((GPU, MEM), {"gpus": 1, "memory_mib": 1000, "cores": 50}, "nvidia.com/gpucores"),
+    ((GPU,), {"gpus": 1}, ""),  # a whole GPU names nvidia.com/gpu only
+    ((GPU, MEM, CORES), {"gpus": 1, "memory_mib": 1000, "cores": 50}, ""),
+    # the HAMi guide's transformation outputs declare the per-vGPU inputs (Replace)
+    ((GPU, TOTAL_GPU_MEMORY, TOTAL_GPU_CORES), {"gpus": 1, "memory_mib": 1000, "cores": 50}, ""),
+    ((GPU, MEM), {"gpus": 1, "memory_percent": 50}, ""),  # a percentage is counted in MiB
+])
+def test_block_undeclared(covered: tuple[str, ...], request_: dict[str, int], undeclared: str) -> None:
+    env = make_env(queue_covering(*covered), [a100_node("a100-0")], quota_check_strategy="BlockUndeclared")
+    outcome = env.submit(queued_pod("q", **request_))
+    if not undeclared:
+        assert outcome == "a100-0"
+        return
+    assert not isinstance(outcome, str)
+    reason = outcome.failed["a100-0"]
+    assert reason.startswith(f"quota: ClusterQueue team-a (LocalQueue team-a/q) does not cover {undeclared}, "
+                             "which the pod requests: resource unavailable in ClusterQueue (Kueue's default "
+                             "quotaCheckStrategy BlockUndeclared). Add it to a resource group's coveredResources (")
+    assert reason.endswith("or run the extender with --quota-check-strategy IgnoreUndeclared")
+
+
+def test_block_undeclared_is_the_default_and_ignore_undeclared_opts_out() -> None:
+    pod_request = {"gpus": 1, "memory_mib": 1000}
+    default_gate = make_env(queue_covering(GPU), [a100_node("a100-0")], quota_check_strategy="BlockUndeclared")
+    assert default_gate.gate.quota_check_strategy == "BlockUndeclared"
+    from kube_vgpu.extender.quota.gate import QuotaGate
+    from kube_vgpu.extender.state import ClusterState
+    assert QuotaGate(ClusterState()).quota_check_strategy == "BlockUndeclared"
+    assert not isinstance(default_gate.submit(queued_pod("q", **pod_request)), str)
+    ignoring = make_env(queue_covering(GPU), [a100_node("a100-0")], quota_check_strategy="IgnoreUndeclared")
+    assert ignoring.submit(queued_pod("q", **pod_request)) == "a100-0"
+    assert ignoring.used("team-a", "a100") == 1  # the covered resource is still counted
+    with pytest.raises(ValueError, match="quota check strategy 'Block' is not one of"):
+        make_env(queue_covering(GPU), [], quota_check_strategy="Block")
+
+
+def test_the_flag_reaches_the_gate() -> None:
+    from kube_vgpu.extender.cli import parse_args
+    assert parse_args([]).quota_check_strategy == "BlockUndeclared"
+    assert parse_args(["--quota-check-strategy", "IgnoreUndeclared"]).quota_check_strategy == "IgnoreUndeclared"
