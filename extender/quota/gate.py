@@ -177,6 +177,9 @@ class QuotaGate:
         for error in config.errors:
             if error not in self.config.errors:
                 log.error("quota: ignoring invalid object: %s", error)
+        for warning in config.warnings:
+            if warning not in self.config.warnings:  # once: a reload repeats only what is new
+                log.warning("quota: %s", warning)
         self._document_namespaces = dict(config.namespaces)
         config.namespaces.update(self.cluster_namespaces)
         self.config = config

@@ -591,6 +591,62 @@ def parse_object(doc: Mapping[str, Any]) -> Any:
     )
 
 
+#: spec fields of Kueue's objects (v0.19) the gate reads and carries out
+IMPLEMENTED_SPEC_FIELDS = {
+    "ClusterQueue": frozenset({"resourceGroups", "cohort", "cohortName", "namespaceSelector", "queueingStrategy",
+                               "stopPolicy", "preemption", "fairSharing"}),
+    "Cohort": frozenset({"parent", "parentName", "resourceGroups", "fairSharing"}),
+    "ResourceFlavor": frozenset({"nodeLabels", "nodeTaints", "tolerations"}),
+    "LocalQueue": frozenset({"clusterQueue", "stopPolicy"}),
+}
+#: spec fields Kueue has that the gate does not carry out -> what that means (said once per object, never silent)
+UNIMPLEMENTED_SPEC_FIELDS = {
+    "ClusterQueue": {
+        "admissionChecks": "no AdmissionCheck is run: pods are admitted on quota alone",
+        "admissionChecksStrategy": "no AdmissionCheck is run: pods are admitted on quota alone",
+        "flavorFungibility": "the node's labels pick the flavor, the first in list order that fits (docs/quota.md)",
+        "admissionScope": "Admission Fair Sharing (usage history per LocalQueue) is not implemented",
+        "concurrentAdmissionPolicy": "concurrent admission of workload variants is not implemented",
+    },
+    "Cohort": {},
+    "ResourceFlavor": {
+        "topologyName": "Topology Aware Scheduling is not implemented: pods are placed by the extender's policy",
+    },
+    "LocalQueue": {
+        "fairSharing": "Admission Fair Sharing (usage history per LocalQueue) is not implemented",
+    },
+}
+
+
+def spec_warnings(doc: Mapping[str, Any]) -> list[str]:
+    """One warning per spec field of a Kueue object the gate does not carry out: Kueue's fields it does not
+    implement (what that means), and fields Kueue does not have (a typo, or a newer Kueue: either way ignored)."""
+    kind = str(doc.get("kind"))
+    spec = doc.get("spec")
+    if kind not in IMPLEMENTED_SPEC_FIELDS or not isinstance(spec, Mapping):
+        return []
+    name = (doc.get("metadata") or {}).get("name")
+    if kind == "LocalQueue":
+        name = f"{(doc.get('metadata') or {}).get('namespace') or 'default'}/{name}"
+    unimplemented = UNIMPLEMENTED_SPEC_FIELDS[kind]
+    warnings = []
+    for key in spec:
+        if key in IMPLEMENTED_SPEC_FIELDS[kind] or spec[key] is None:
+            continue
+        if key in unimplemented:
+            warnings.append(f"{kind} {name}: spec.{key} is not implemented by the quota gate and is ignored "
+                            f"({unimplemented[key]})")
+        else:
+            warnings.append(f"{kind} {name}: spec.{key} is not a field of Kueue's {kind} that the quota gate "
+                            "knows; it is ignored")
+    return warnings
+
+
+def _add_once(warnings: list[str], new: Iterable[str]) -> None:
+    """A file object replaced by the cluster's is said once."""
+    warnings.extend(w for w in new if w not in warnings)
+
+
 def build_config(docs: Iterable[tuple[str, Mapping[str, Any]]], *, fair_sharing: bool = False) -> QuotaConfig:
     """(source, object) pairs -> QuotaConfig. A later object of the same kind and name replaces an earlier one
     (callers list file objects first, then the cluster's: the API server is the source of truth).
@@ -607,6 +663,7 @@ def build_config(docs: Iterable[tuple[str, Mapping[str, Any]]], *, fair_sharing:
             continue
         if parsed is None:
             continue
+        _add_once(config.warnings, spec_warnings(doc))
         if isinstance(parsed, tuple):  # a Namespace
             config.namespaces[parsed[1]] = parsed[2]
         elif isinstance(parsed, ResourceFlavor):

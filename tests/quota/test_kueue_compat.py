@@ -211,3 +211,72 @@ def test_the_flag_reaches_the_gate() -> None:
     from kube_vgpu.extender.cli import parse_args
     assert parse_args([]).quota_check_strategy == "BlockUndeclared"
     assert parse_args(["--quota-check-strategy", "IgnoreUndeclared"]).quota_check_strategy == "IgnoreUndeclared"
+
+
+# --- warnings for what the gate does not carry out ------------------------------------------------------------
+
+
+CQ_WITH = """
+---
+apiVersion: kueue.x-k8s.io/{version}
+kind: ClusterQueue
+metadata: {{name: team-a}}
+spec:
+  namespaceSelector: {{}}
+  {field}: {value}
+  resourceGroups:
+  - coveredResources: [nvidia.com/gpu]
+    flavors: [{{name: a100, resources: [{{name: nvidia.com/gpu, nominalQuota: 4}}]}}]
+"""
+NOT_IMPLEMENTED = "is not implemented by the quota gate and is ignored"
+UNKNOWN = "is not a field of Kueue's {kind} that the quota gate knows; it is ignored"
+
+
+@pytest.mark.parametrize(("kind", "field", "value", "expected"), [
+    ("ClusterQueue", "admissionChecks", "[prov]", f"ClusterQueue team-a: spec.admissionChecks {NOT_IMPLEMENTED} "
+                                                  "(no AdmissionCheck is run: pods are admitted on quota alone)"),
+    ("ClusterQueue", "admissionChecksStrategy", "{admissionChecks: [{name: prov}]}",
+     f"ClusterQueue team-a: spec.admissionChecksStrategy {NOT_IMPLEMENTED}"),
+    ("ClusterQueue", "flavorFungibility", "{whenCanBorrow: TryNextFlavor}",
+     f"ClusterQueue team-a: spec.flavorFungibility {NOT_IMPLEMENTED}"),
+    ("ClusterQueue", "admissionScope", "{admissionMode: UsageBasedAdmissionFairSharing}",
+     f"ClusterQueue team-a: spec.admissionScope {NOT_IMPLEMENTED}"),
+    ("ClusterQueue", "concurrentAdmissionPolicy", "{migration: {mode: Never}}",
+     f"ClusterQueue team-a: spec.concurrentAdmissionPolicy {NOT_IMPLEMENTED}"),
+    ("ClusterQueue", "resourceGroup", "[]", "ClusterQueue team-a: spec.resourceGroup "
+                                            + UNKNOWN.format(kind="ClusterQueue")),
+    ("ResourceFlavor", "topologyName", "default", f"ResourceFlavor tas: spec.topologyName {NOT_IMPLEMENTED}"),
+    ("ResourceFlavor", "nodeLabel", "{a: b}", "ResourceFlavor tas: spec.nodeLabel "
+                                              + UNKNOWN.format(kind="ResourceFlavor")),
+    ("LocalQueue", "fairSharing", "{weight: 2}", f"LocalQueue team-a/q: spec.fairSharing {NOT_IMPLEMENTED}"),
+    ("Cohort", "parentname", "org", "Cohort ml: spec.parentname " + UNKNOWN.format(kind="Cohort")),
+    # implemented: no warning (fairSharing warns only without --fair-sharing, tested with it)
+    ("ClusterQueue", "preemption", "{withinClusterQueue: LowerPriority}", None),
+    ("ClusterQueue", "stopPolicy", "None", None),
+    ("ResourceFlavor", "tolerations", "[{key: k, operator: Exists}]", None),
+])
+def test_warnings_for_fields_the_gate_does_not_carry_out(kind: str, field: str, value: str, expected: str | None,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    extra = {
+        "ClusterQueue": FLAVORS + CQ_WITH.format(version="v1beta2", field=field, value=value),
+        "ResourceFlavor": (FLAVORS + gpu_queue("team-a", {"a100": 4}) + "\n---\napiVersion: kueue.x-k8s.io/v1beta2\n"
+                           f"kind: ResourceFlavor\nmetadata: {{name: tas}}\nspec: {{{field}: {value}}}\n"),
+        "LocalQueue": (FLAVORS + gpu_queue("team-a", {"a100": 4}) + "\n---\napiVersion: kueue.x-k8s.io/v1beta1\n"
+                       "kind: LocalQueue\nmetadata: {namespace: team-a, name: q}\n"
+                       f"spec: {{clusterQueue: team-a, {field}: {value}}}\n"),
+        "Cohort": (FLAVORS + gpu_queue("team-a", {"a100": 4}) + "\n---\napiVersion: kueue.x-k8s.io/v1beta1\n"
+                   f"kind: Cohort\nmetadata: {{name: ml}}\nspec: {{{field}: {value}}}\n"),
+    }[kind]
+    with caplog.at_level("WARNING", logger="kube_vgpu.extender.quota.gate"):
+        env = make_env(extra + local_queue("other", "q", "team-a"), [a100_node("a100-0")], fair_sharing=True)
+    warnings = env.gate.config.warnings
+    if expected is None:
+        assert warnings == []
+        return
+    assert len(warnings) == 1 and warnings[0].startswith(expected)
+    view = quota_view(env.gate)
+    assert view["warnings"] == warnings  # /quota
+    assert f"warning: {warnings[0]}" in quota_cli.render(view)  # kube-vgpu quota status
+    assert [r.getMessage() for r in caplog.records] == [f"quota: {warnings[0]}"]  # the log, once
+    env.gate.set_cluster_objects("LocalQueue", {})  # a reload does not say it again
+    assert len(caplog.records) == 1
