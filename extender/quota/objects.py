@@ -149,8 +149,10 @@ class ResourceFlavor:
         return all(labels.get(k) == v for k, v in self.node_labels)
 
     def tolerated_by(self, tolerations: Iterable[Toleration]) -> bool:
-        """Kueue skips a flavor whose nodeTaints the workload does not tolerate."""
-        tolerations = tuple(tolerations)
+        """Kueue skips a flavor whose NoSchedule/NoExecute nodeTaints the workload does not tolerate, counting the
+        flavor's own spec.tolerations with the pod's (Kueue's flavor assigner: podSpec.Tolerations + flavor's,
+        which Kueue then adds to the admitted pods)."""
+        tolerations = (*tolerations, *self.tolerations)
         return all(any(t.tolerates(taint) for t in tolerations) for taint in self.node_taints
                    if taint.effect in ("NoSchedule", "NoExecute"))
 

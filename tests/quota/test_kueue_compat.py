@@ -280,3 +280,52 @@ def test_warnings_for_fields_the_gate_does_not_carry_out(kind: str, field: str, 
     assert [r.getMessage() for r in caplog.records] == [f"quota: {warnings[0]}"]  # the log, once
     env.gate.set_cluster_objects("LocalQueue", {})  # a reload does not say it again
     assert len(caplog.records) == 1
+
+
+# --- ResourceFlavor tolerations -------------------------------------------------------------------------------
+
+
+SPOT = """
+apiVersion: kueue.x-k8s.io/v1beta1
+kind: ResourceFlavor
+metadata: {{name: spot}}
+spec:
+  nodeLabels: {{nvidia.com/gpu.product: NVIDIA-A100-SXM4-80GB}}
+  nodeTaints: [{{key: spot, value: "true", effect: NoSchedule}}]
+{tolerations}
+---
+apiVersion: kueue.x-k8s.io/v1beta1
+kind: ResourceFlavor
+metadata: {{name: ondemand}}
+spec:
+  nodeLabels: {{nvidia.com/gpu.product: NVIDIA-A100-SXM4-80GB}}
+---
+apiVersion: kueue.x-k8s.io/v1beta1
+kind: ClusterQueue
+metadata: {{name: team-a}}
+spec:
+  namespaceSelector: {{}}
+  resourceGroups:
+  - coveredResources: [nvidia.com/gpu]
+    flavors:
+    - {{name: spot, resources: [{{name: nvidia.com/gpu, nominalQuota: 1}}]}}
+    - {{name: ondemand, resources: [{{name: nvidia.com/gpu, nominalQuota: 1}}]}}
+"""
+
+
+# the flavor's nodeTaints are checked against the pod's tolerations plus the flavor's own (Kueue's flavor assigner)
+@pytest.mark.parametrize(("flavor_tolerations", "pod_tolerations", "first_flavor"), [
+    ("", [], "ondemand"),  # untolerated: the spot flavor is skipped
+    ("", [{"key": "spot", "operator": "Exists"}], "spot"),
+    ('  tolerations: [{key: spot, operator: Equal, value: "true", effect: NoSchedule}]', [], "spot"),
+    ("  tolerations: [{key: other, operator: Exists}]", [], "ondemand"),
+    ('  tolerations: [{key: spot, operator: Equal, value: "false"}]', [], "ondemand"),
+])
+def test_flavor_tolerations_count_with_the_pods(flavor_tolerations: str, pod_tolerations: list[dict[str, str]],
+                                                first_flavor: str) -> None:
+    quota = SPOT.format(tolerations=flavor_tolerations) + local_queue("team-a", "q", "team-a")
+    env = make_env(quota, [a100_node("a100-0")])
+    p = queued_pod("q", gpus=1)
+    p["spec"]["tolerations"] = pod_tolerations
+    assert env.submit(p) == "a100-0"
+    assert env.used("team-a", first_flavor) == 1
