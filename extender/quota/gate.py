@@ -35,6 +35,7 @@ from kube_vgpu.extender.quota.objects import (
     RESOURCE_PODS,
     RESOURCE_UNITS,
     STRICT_FIFO,
+    TOTAL_GPU_CORES,
     ClusterQueue,
     LocalQueue,
     QuotaConfig,
@@ -226,11 +227,8 @@ class QuotaGate:
             return  # not managed by any ClusterQueue
         self._admitted_to[uid] = cluster_queue.name
         info = self._pod_infos.get(uid)
-        node = self.state.nodes.get(record.node_name)
-        held = assignment_usage(record.assignment,
-                                {g.uuid: g.memory_mib for g in node.gpus} if node is not None else None)
         covered = cluster_queue.covered_resources
-        resources = {r: v for r, v in held.items() if r in covered and v > 0}
+        resources = self._gpu_held(record, covered)
         if info is not None:
             for resource, value in ((RESOURCE_CPU, info.cpu_milli), (RESOURCE_MEMORY, info.memory_bytes)):
                 if resource in covered and value > 0:
@@ -251,6 +249,16 @@ class QuotaGate:
         self._count(charge, info)
         self._version += 1
 
+    def _gpu_held(self, record: PodRecord, covered: frozenset[str]) -> dict[str, int]:
+        """The GPU resources the queue covers that the pod's assignment holds. total-gpucores needs its node's
+        GPU sizes (a whole-GPU vGPU is charged 100): read only when the queue covers it."""
+        sizes = None
+        if TOTAL_GPU_CORES in covered:
+            node = self.state.nodes.get(record.node_name)
+            sizes = {g.uuid: g.memory_mib for g in node.gpus} if node is not None else None
+        held = assignment_usage(record.assignment, sizes)
+        return {r: v for r, v in held.items() if r in covered and v > 0}
+
     def _count(self, charge: Charge, info: PodInfo | None) -> None:
         """Put the charge in the tree under the flavors of its node (or remember to retry)."""
         cluster_queue = self.config.cluster_queues.get(charge.cluster_queue)
@@ -261,6 +269,10 @@ class QuotaGate:
             charge.problem = f"node {charge.node_name} not known yet"
             self._unresolved.add(charge.uid)
             return
+        record = self.state.pods.get(charge.uid)
+        if charge.problem and record is not None and TOTAL_GPU_CORES in cluster_queue.covered_resources:
+            # counted late (its node was not known): whole GPUs are told by the node's GPU sizes, known now
+            charge.resources.update(self._gpu_held(record, cluster_queue.covered_resources))
         flavors = self._flavors(cluster_queue, node.labels, charge.resources, info.tolerations if info else None)
         if isinstance(flavors, str):
             charge.problem = flavors  # admitted outside this queue's flavors (e.g. the queue changed since)

@@ -329,3 +329,19 @@ def test_flavor_tolerations_count_with_the_pods(flavor_tolerations: str, pod_tol
     p["spec"]["tolerations"] = pod_tolerations
     assert env.submit(p) == "a100-0"
     assert env.used("team-a", first_flavor) == 1
+
+
+def test_a_whole_gpu_pod_counted_before_its_node_is_known_is_charged_100_cores() -> None:
+    quota = hami_queue(20, 10**7, 10**4)
+    env = make_env(quota, [a100_node("a100-0")])
+    p = queued_pod("q", gpus=1)
+    assert env.submit(p) == "a100-0"
+    assert env.used("hami-queue", "a100", TOTAL_GPU_CORES) == 100
+    stored = env.cluster.get_pod("team-a", p["metadata"]["name"])
+    assert stored is not None
+    late = make_env(quota, [], pods=[stored])  # live mode: the pod watch may run ahead of the node watch
+    late.state.upsert_node(a100_node("a100-0"))
+    late.node_names = ["a100-0"]
+    late.filter(queued_pod("q", gpus=1, memory_mib=1000))  # any decision resolves it first
+    assert late.used("hami-queue", "a100", TOTAL_GPU_CORES) == 100
+    assert late.used("hami-queue", "a100", TOTAL_GPU_MEMORY) == 81920
