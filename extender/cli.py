@@ -61,6 +61,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quota-unqueued", choices=("admit", "default", "refuse"), default="admit",
                         help="pods without a kueue.x-k8s.io/queue-name label: admit them uncounted, use the "
                              "namespace's LocalQueue named 'default' (as Kueue), or refuse them")
+    parser.add_argument("--quota-check-strategy", choices=("BlockUndeclared", "IgnoreUndeclared"),
+                        default="BlockUndeclared",
+                        help="Kueue's resources.quotaCheckStrategy: BlockUndeclared (Kueue's default) admits no pod "
+                             "naming a GPU resource its ClusterQueue does not cover; IgnoreUndeclared checks only "
+                             "the covered ones")
     parser.add_argument("--fair-sharing", action=argparse.BooleanOptionalAction, default=False,
                         help="Kueue's fair sharing (its Configuration's fairSharing.enable): ClusterQueues and "
                              "Cohorts' spec.fairSharing.weight order admission across a cohort by dominant "
@@ -193,7 +198,7 @@ def build(args: argparse.Namespace) -> Extender:
         from kube_vgpu.extender.quota.factory import build_gate
 
         gate = build_gate(state, quota_config=quota_config, api_client=api_client, unqueued=args.quota_unqueued,
-                          fair_sharing=args.fair_sharing,
+                          fair_sharing=args.fair_sharing, quota_check_strategy=args.quota_check_strategy,
                           fair_sharing_strategies=_fair_strategies(args.fair_sharing_preemption_strategies))
         if gate is not None:
             gates.append(gate)

@@ -243,7 +243,9 @@ class QuotaTree:
             used=used,
             borrowed=max(0, used - quota.nominal),
             lent=lent,
-            available=self.available(key, fr),
+            # reported as Kueue reports it: never below 0 (an over-admitted queue, e.g. after its quota was
+            # lowered, has nothing available, not a debt; the arithmetic above keeps the negative value)
+            available=max(0, self.available(key, fr)),
             potential=self.potential_available(key, fr),
         )
 

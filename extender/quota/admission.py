@@ -40,6 +40,7 @@ class DecisionCache:
     label_keys: tuple[str, ...] = ()
     single_key: str | None = None  # the one label key, when the flavors select on exactly one (the usual case)
     fixed_needs: tuple[tuple[str, int], ...] | None = None  # when the needs do not depend on the node
+    undeclared: Refusal | None = None  # BlockUndeclared: a GPU resource its queue does not cover (every node)
     plain: bool = True  # no GPU type / UUID selectors: GPU eligibility depends on GPU sizes only
     needs_by_signature: dict[Any, tuple[tuple[str, int], ...]] = field(default_factory=dict)
     fits: dict[Any, Refusal | None] = field(default_factory=dict)  # (label values, needs) -> answer

@@ -35,6 +35,7 @@ from kube_vgpu.extender.quota.objects import (
     RESOURCE_PODS,
     RESOURCE_UNITS,
     STRICT_FIFO,
+    TOTAL_GPU_CORES,
     ClusterQueue,
     LocalQueue,
     QuotaConfig,
@@ -42,6 +43,9 @@ from kube_vgpu.extender.quota.objects import (
     build_config,
 )
 from kube_vgpu.extender.quota.usage import (
+    BLOCK_UNDECLARED,
+    DECLARED_BY,
+    QUOTA_CHECK_STRATEGIES,
     Charge,
     PendingPod,
     PodInfo,
@@ -49,6 +53,7 @@ from kube_vgpu.extender.quota.usage import (
     pod_info,
     request_usage_fixed,
     request_usage_on,
+    undeclared_gpu_resources,
 )
 from kube_vgpu.extender.quota.views import quota_view
 from kube_vgpu.extender.state import FINISHED_PHASES, ClusterState, PodRecord
@@ -84,7 +89,11 @@ class QuotaGate:
         live: bool = False,
         fair_sharing: bool = False,
         fair_sharing_strategies: tuple[str, ...] = (),
+        quota_check_strategy: str = BLOCK_UNDECLARED,
     ) -> None:
+        if quota_check_strategy not in QUOTA_CHECK_STRATEGIES:
+            raise ValueError(f"quota check strategy {quota_check_strategy!r} is not one of "
+                             f"{', '.join(QUOTA_CHECK_STRATEGIES)}")
         if unqueued not in UNQUEUED_POLICIES:
             raise ValueError(f"unqueued pods policy {unqueued!r} is not one of {', '.join(UNQUEUED_POLICIES)}")
         if state.pods:
@@ -98,6 +107,9 @@ class QuotaGate:
         self.fair_sharing = fair_sharing
         #: Kueue's fairSharing.preemptionStrategies (empty: its default pair); checked by the flag's parser
         self.fair_sharing_strategies = fair_sharing_strategies
+        #: Kueue's resources.quotaCheckStrategy (--quota-check-strategy): BlockUndeclared refuses a pod naming a
+        #: GPU resource its queue does not cover; IgnoreUndeclared lets it through uncounted for that resource
+        self.quota_check_strategy = quota_check_strategy
         self.file_documents = list(file_documents or [])
         #: kind -> {(namespace, name): object} listed from the cluster (live mode)
         self.cluster_documents: dict[str, dict[tuple[str, str], Mapping[str, Any]]] = {}
@@ -166,6 +178,9 @@ class QuotaGate:
         for error in config.errors:
             if error not in self.config.errors:
                 log.error("quota: ignoring invalid object: %s", error)
+        for warning in config.warnings:
+            if warning not in self.config.warnings:  # once: a reload repeats only what is new
+                log.warning("quota: %s", warning)
         self._document_namespaces = dict(config.namespaces)
         config.namespaces.update(self.cluster_namespaces)
         self.config = config
@@ -212,9 +227,8 @@ class QuotaGate:
             return  # not managed by any ClusterQueue
         self._admitted_to[uid] = cluster_queue.name
         info = self._pod_infos.get(uid)
-        held = assignment_usage(record.assignment)
         covered = cluster_queue.covered_resources
-        resources = {r: v for r, v in held.items() if r in covered and v > 0}
+        resources = self._gpu_held(record, covered)
         if info is not None:
             for resource, value in ((RESOURCE_CPU, info.cpu_milli), (RESOURCE_MEMORY, info.memory_bytes)):
                 if resource in covered and value > 0:
@@ -235,6 +249,16 @@ class QuotaGate:
         self._count(charge, info)
         self._version += 1
 
+    def _gpu_held(self, record: PodRecord, covered: frozenset[str]) -> dict[str, int]:
+        """The GPU resources the queue covers that the pod's assignment holds. total-gpucores needs its node's
+        GPU sizes (a whole-GPU vGPU is charged 100): read only when the queue covers it."""
+        sizes = None
+        if TOTAL_GPU_CORES in covered:
+            node = self.state.nodes.get(record.node_name)
+            sizes = {g.uuid: g.memory_mib for g in node.gpus} if node is not None else None
+        held = assignment_usage(record.assignment, sizes)
+        return {r: v for r, v in held.items() if r in covered and v > 0}
+
     def _count(self, charge: Charge, info: PodInfo | None) -> None:
         """Put the charge in the tree under the flavors of its node (or remember to retry)."""
         cluster_queue = self.config.cluster_queues.get(charge.cluster_queue)
@@ -245,6 +269,10 @@ class QuotaGate:
             charge.problem = f"node {charge.node_name} not known yet"
             self._unresolved.add(charge.uid)
             return
+        record = self.state.pods.get(charge.uid)
+        if charge.problem and record is not None and TOTAL_GPU_CORES in cluster_queue.covered_resources:
+            # counted late (its node was not known): whole GPUs are told by the node's GPU sizes, known now
+            charge.resources.update(self._gpu_held(record, cluster_queue.covered_resources))
         flavors = self._flavors(cluster_queue, node.labels, charge.resources, info.tolerations if info else None)
         if isinstance(flavors, str):
             charge.problem = flavors  # admitted outside this queue's flavors (e.g. the queue changed since)
@@ -464,7 +492,24 @@ class QuotaGate:
         cache.fast = {}
         fixed = request_usage_fixed(request)
         cache.fixed_needs = None if fixed is None else self._covered_needs(admission, fixed)
+        cache.undeclared = self._undeclared(admission, request)
         cache.plain = request.selectors.empty
+
+    def _undeclared(self, admission: Admission, request: PodGpuRequest) -> Refusal | None:
+        """Kueue's BlockUndeclared: a resource the pod requests that its ClusterQueue does not cover gets no
+        quota at all (Kueue: "resource ... unavailable in ClusterQueue"), rather than unlimited."""
+        if self.quota_check_strategy != BLOCK_UNDECLARED:
+            return None
+        missing = undeclared_gpu_resources(request, admission.covered)
+        if not missing:
+            return None
+        queue = admission.cluster_queue.name
+        forms = "; ".join(f"{r}: {' or '.join(DECLARED_BY[r])}" for r in missing)
+        return Refusal(f"quota: ClusterQueue {queue} (LocalQueue {admission.local_queue.namespace}/"
+                       f"{admission.local_queue.name}) does not cover {', '.join(missing)}, which the pod requests: "
+                       f"resource unavailable in ClusterQueue (Kueue's default quotaCheckStrategy BlockUndeclared). "
+                       f"Add it to a resource group's coveredResources ({forms}), or run the extender with "
+                       f"--quota-check-strategy IgnoreUndeclared", waiting=False)
 
     def _signature(self, node: NodeState) -> int:
         """An id for the (model, MiB, cores) set of the node's usable GPUs: what request_usage_on reads when the
@@ -508,6 +553,8 @@ class QuotaGate:
              node: NodeState) -> Refusal | None:
         if cache.request is not request:
             self._prepare(cache, admission, request)
+        if cache.undeclared is not None:
+            return cache.undeclared
         key = self._node_key(cache, node)
         if key in cache.fast:
             return cache.fast[key]
@@ -710,6 +757,8 @@ class _GateQueueRules:
             return None
         if cache.request is not request:
             gate._prepare(cache, admission, request)
+        if cache.undeclared is not None:
+            return None  # no quota at all for it: preempting frees nothing it could use
         needs = dict(gate._needs_on(cache, admission, request, node))
         flavors = gate._flavors(admission.cluster_queue, node.labels, needs, admission.tolerations)
         if isinstance(flavors, str):

@@ -29,18 +29,25 @@ KUEUE_KINDS = ("ResourceFlavor", "ClusterQueue", "LocalQueue", "Cohort", "Worklo
 RESOURCE_CPU = "cpu"
 RESOURCE_MEMORY = "memory"
 RESOURCE_PODS = "pods"
+#: Kueue's HAMi guide budgets memory and compute with a Kueue Configuration `resources.transformations` (input
+#: nvidia.com/gpumem or gpucores, multiplyBy nvidia.com/gpu, output 1 each): per-vGPU amount times the vGPU count.
+#: Counted by the gate as if that transformation were configured (extender/quota/usage.py).
+TOTAL_GPU_MEMORY = "nvidia.com/total-gpumem"
+TOTAL_GPU_CORES = "nvidia.com/total-gpucores"
 #: How each countable resource is measured (for reports and docs).
 RESOURCE_UNITS = {
     protocol.RESOURCE_GPU: "vGPUs",
     protocol.RESOURCE_GPU_MEMORY: "MiB",
     protocol.RESOURCE_GPU_CORES: "percent of a GPU",  # no "%": reasons reach events as format strings
+    TOTAL_GPU_MEMORY: "MiB",
+    TOTAL_GPU_CORES: "percent of a GPU",
     RESOURCE_CPU: "millicores",
     RESOURCE_MEMORY: "bytes",
     RESOURCE_PODS: "pods",
 }
 #: Resources counted in the pod API's own whole-number units: a suffix ("80Gi") would silently mean something else.
 PLAIN_COUNT_RESOURCES = frozenset({protocol.RESOURCE_GPU, protocol.RESOURCE_GPU_MEMORY, protocol.RESOURCE_GPU_CORES,
-                                   RESOURCE_PODS})
+                                   TOTAL_GPU_MEMORY, TOTAL_GPU_CORES, RESOURCE_PODS})
 
 STRICT_FIFO = "StrictFIFO"
 BEST_EFFORT_FIFO = "BestEffortFIFO"
@@ -142,8 +149,10 @@ class ResourceFlavor:
         return all(labels.get(k) == v for k, v in self.node_labels)
 
     def tolerated_by(self, tolerations: Iterable[Toleration]) -> bool:
-        """Kueue skips a flavor whose nodeTaints the workload does not tolerate."""
-        tolerations = tuple(tolerations)
+        """Kueue skips a flavor whose NoSchedule/NoExecute nodeTaints the workload does not tolerate, counting the
+        flavor's own spec.tolerations with the pod's (Kueue's flavor assigner: podSpec.Tolerations + flavor's,
+        which Kueue then adds to the admitted pods)."""
+        tolerations = (*tolerations, *self.tolerations)
         return all(any(t.tolerates(taint) for t in tolerations) for taint in self.node_taints
                    if taint.effect in ("NoSchedule", "NoExecute"))
 
@@ -499,6 +508,17 @@ def _reject_other_version_field(spec: Mapping[str, Any], version: str, v1beta1_n
                                f"{protocol.KUEUE_API_GROUP}/{version} calls it spec.{v1beta1_name}")
 
 
+def _cohort_parent_field(spec: Mapping[str, Any], version: str, where: str) -> str:
+    """Kueue's Cohort names its parent `spec.parent` in v1alpha1 only; from v1beta1 (Kueue v0.13) on, and in
+    v1beta2, it is `spec.parentName`. The other spelling is refused with the right name (the API server would
+    prune it, leaving a root cohort that lends nothing to its parent's queues)."""
+    field_name, other = ("parent", "parentName") if version == "v1alpha1" else ("parentName", "parent")
+    if other in spec:
+        raise QuotaConfigError(f"{where}: spec.{other}: does not exist in {protocol.KUEUE_API_GROUP}/{version}; "
+                               f"it calls the parent spec.{field_name}")
+    return field_name
+
+
 def parse_object(doc: Mapping[str, Any]) -> Any:
     """One Kueue object (or a Namespace) -> its dataclass; raises QuotaConfigError naming object and field.
     Returns None for kinds the gate does not use."""
@@ -546,8 +566,7 @@ def parse_object(doc: Mapping[str, Any]) -> Any:
             _enum(spec.get("stopPolicy"), STOP_POLICIES, "None", f"{where}: spec.stopPolicy"),
         )
     if kind == "Cohort":
-        _reject_other_version_field(spec, version, "parent", "parentName", where)
-        parent_field = "parentName" if version == "v1beta2" else "parent"
+        parent_field = _cohort_parent_field(spec, version, where)
         parent = _string(spec.get(parent_field), f"{where}: spec.{parent_field}") or None
         groups = _parse_resource_groups(spec.get("resourceGroups"), f"{where}: spec.resourceGroups",
                                         has_parent=parent is not None, parent_word="parent",
@@ -574,6 +593,62 @@ def parse_object(doc: Mapping[str, Any]) -> Any:
     )
 
 
+#: spec fields of Kueue's objects (v0.19) the gate reads and carries out
+IMPLEMENTED_SPEC_FIELDS = {
+    "ClusterQueue": frozenset({"resourceGroups", "cohort", "cohortName", "namespaceSelector", "queueingStrategy",
+                               "stopPolicy", "preemption", "fairSharing"}),
+    "Cohort": frozenset({"parent", "parentName", "resourceGroups", "fairSharing"}),
+    "ResourceFlavor": frozenset({"nodeLabels", "nodeTaints", "tolerations"}),
+    "LocalQueue": frozenset({"clusterQueue", "stopPolicy"}),
+}
+#: spec fields Kueue has that the gate does not carry out -> what that means (said once per object, never silent)
+UNIMPLEMENTED_SPEC_FIELDS = {
+    "ClusterQueue": {
+        "admissionChecks": "no AdmissionCheck is run: pods are admitted on quota alone",
+        "admissionChecksStrategy": "no AdmissionCheck is run: pods are admitted on quota alone",
+        "flavorFungibility": "the node's labels pick the flavor, the first in list order that fits (docs/quota.md)",
+        "admissionScope": "Admission Fair Sharing (usage history per LocalQueue) is not implemented",
+        "concurrentAdmissionPolicy": "concurrent admission of workload variants is not implemented",
+    },
+    "Cohort": {},
+    "ResourceFlavor": {
+        "topologyName": "Topology Aware Scheduling is not implemented: pods are placed by the extender's policy",
+    },
+    "LocalQueue": {
+        "fairSharing": "Admission Fair Sharing (usage history per LocalQueue) is not implemented",
+    },
+}
+
+
+def spec_warnings(doc: Mapping[str, Any]) -> list[str]:
+    """One warning per spec field of a Kueue object the gate does not carry out: Kueue's fields it does not
+    implement (what that means), and fields Kueue does not have (a typo, or a newer Kueue: either way ignored)."""
+    kind = str(doc.get("kind"))
+    spec = doc.get("spec")
+    if kind not in IMPLEMENTED_SPEC_FIELDS or not isinstance(spec, Mapping):
+        return []
+    name = (doc.get("metadata") or {}).get("name")
+    if kind == "LocalQueue":
+        name = f"{(doc.get('metadata') or {}).get('namespace') or 'default'}/{name}"
+    unimplemented = UNIMPLEMENTED_SPEC_FIELDS[kind]
+    warnings = []
+    for key in spec:
+        if key in IMPLEMENTED_SPEC_FIELDS[kind] or spec[key] is None:
+            continue
+        if key in unimplemented:
+            warnings.append(f"{kind} {name}: spec.{key} is not implemented by the quota gate and is ignored "
+                            f"({unimplemented[key]})")
+        else:
+            warnings.append(f"{kind} {name}: spec.{key} is not a field of Kueue's {kind} that the quota gate "
+                            "knows; it is ignored")
+    return warnings
+
+
+def _add_once(warnings: list[str], new: Iterable[str]) -> None:
+    """A file object replaced by the cluster's is said once."""
+    warnings.extend(w for w in new if w not in warnings)
+
+
 def build_config(docs: Iterable[tuple[str, Mapping[str, Any]]], *, fair_sharing: bool = False) -> QuotaConfig:
     """(source, object) pairs -> QuotaConfig. A later object of the same kind and name replaces an earlier one
     (callers list file objects first, then the cluster's: the API server is the source of truth).
@@ -590,6 +665,7 @@ def build_config(docs: Iterable[tuple[str, Mapping[str, Any]]], *, fair_sharing:
             continue
         if parsed is None:
             continue
+        _add_once(config.warnings, spec_warnings(doc))
         if isinstance(parsed, tuple):  # a Namespace
             config.namespaces[parsed[1]] = parsed[2]
         elif isinstance(parsed, ResourceFlavor):

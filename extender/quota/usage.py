@@ -12,13 +12,28 @@ from kube_vgpu import kubeapi, protocol
 from kube_vgpu.extender.engine.fit import gpu_eligible
 from kube_vgpu.extender.engine.model import NodeState
 from kube_vgpu.extender.quota.accounting import FlavorResource
-from kube_vgpu.extender.quota.objects import Toleration, parse_tolerations
-from kube_vgpu.protocol import PodAssignment, PodGpuRequest
+from kube_vgpu.extender.quota.objects import TOTAL_GPU_CORES, TOTAL_GPU_MEMORY, Toleration, parse_tolerations
+from kube_vgpu.protocol import ContainerGpuRequest, PodAssignment, PodGpuRequest
 
 log = logging.getLogger(__name__)
 
-#: the GPU resources a ClusterQueue may budget, in the order usage tuples list them
-GPU_RESOURCES = (protocol.RESOURCE_GPU, protocol.RESOURCE_GPU_MEMORY, protocol.RESOURCE_GPU_CORES)
+#: the GPU resources a ClusterQueue may budget, in the order usage tuples list them (_moment)
+GPU_RESOURCES = (protocol.RESOURCE_GPU, protocol.RESOURCE_GPU_MEMORY, protocol.RESOURCE_GPU_CORES,
+                 TOTAL_GPU_MEMORY, TOTAL_GPU_CORES)
+
+
+def _moment(vgpus: int, memory_mib: int, cores: int, charged_cores: int) -> tuple[int, int, int, int, int]:
+    """One moment's usage in GPU_RESOURCES order. nvidia.com/gpumem and gpucores are already counted summed over
+    the vGPUs (MiB and percent), which is exactly what the total-* outputs of Kueue's transformation are; only
+    total-gpucores differs: a whole-GPU vGPU (no gpumem, no gpucores) is charged 100, as HAMi >= 2.7 with Kueue
+    charges it (its webhook writes gpucores 100 on such pods), where nvidia.com/gpucores counts what was asked."""
+    return (vgpus, memory_mib, cores, memory_mib, charged_cores)
+
+
+def _max_into(totals: dict[str, int], values: tuple[int, ...]) -> None:
+    """Per resource, the largest moment (Kueue's pod-request rule: the peak of init containers vs app containers)."""
+    for resource, value in zip(GPU_RESOURCES, values, strict=True):
+        totals[resource] = max(totals[resource], value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,17 +82,26 @@ def pod_info(pod: Mapping[str, Any], now_s: float) -> PodInfo:
     )
 
 
-def assignment_usage(assignment: PodAssignment) -> dict[str, int]:
+def assignment_usage(assignment: PodAssignment, gpu_memory_mib: Mapping[str, int] | None = None) -> dict[str, int]:
     """vGPUs, MiB and cores % a written assignment holds at its peak: the largest, per resource, of the moments
     that hold devices at once (protocol.container_phases: each init container beside the sidecars started before
-    it, then the app containers beside every sidecar), as Kueue's pod-request rule counts them."""
+    it, then the app containers beside every sidecar), as Kueue's pod-request rule counts them.
+    `gpu_memory_mib`: uuid -> the GPU's MiB (the node's inventory), to tell a whole-GPU vGPU (all the memory, no
+    cores asked) for total-gpucores; a GPU not in it counts its assigned cores."""
+    sizes = gpu_memory_mib or {}
     totals = {r: 0 for r in GPU_RESOURCES}
     for phase in assignment.phases:
         devices = [d for c in phase for d in c.devices]
-        values = (len(devices), sum(d.memory_mib for d in devices), sum(d.cores for d in devices))
-        for resource, value in zip(GPU_RESOURCES, values, strict=True):
-            totals[resource] = max(totals[resource], value)
+        charged = sum(protocol.CORES_PER_GPU if d.cores == 0 and d.memory_mib >= sizes.get(d.uuid, d.memory_mib + 1)
+                      else d.cores for d in devices)
+        _max_into(totals, _moment(len(devices), sum(d.memory_mib for d in devices), sum(d.cores for d in devices),
+                                  charged))
     return totals
+
+
+def _whole_gpu(container: ContainerGpuRequest) -> bool:
+    """A vGPU asked with neither memory nor compute: HAMi gives it the whole GPU."""
+    return container.memory_mib is None and container.memory_percent in (None, 100) and container.cores == 0
 
 
 def request_usage_fixed(request: PodGpuRequest) -> dict[str, int] | None:
@@ -88,10 +112,9 @@ def request_usage_fixed(request: PodGpuRequest) -> dict[str, int] | None:
         return None
     totals = {r: 0 for r in GPU_RESOURCES}
     for phase in request.phases:
-        values = (sum(c.count for c in phase), sum(c.count * (c.memory_mib or 0) for c in phase),
-                  sum(c.count * c.cores for c in phase))
-        for resource, value in zip(GPU_RESOURCES, values, strict=True):
-            totals[resource] = max(totals[resource], value)
+        cores = sum(c.count * c.cores for c in phase)
+        _max_into(totals, _moment(sum(c.count for c in phase), sum(c.count * (c.memory_mib or 0) for c in phase),
+                                  cores, cores))  # memory named: never a whole-GPU vGPU
     return totals
 
 
@@ -102,7 +125,7 @@ def request_usage_on(request: PodGpuRequest, node: NodeState) -> dict[str, int]:
     eligible = [g for g in node.gpus if g.schedulable and gpu_eligible(g, request.selectors, ())]
     totals = {r: 0 for r in GPU_RESOURCES}
     for phase in request.phases:
-        count = memory_mib = cores = 0
+        count = memory_mib = cores = charged_cores = 0
         for container in phase:
             per_memory = container.memory_mib if container.memory_mib is not None else max(
                 (container.memory_on(g.memory_mib) for g in eligible), default=0)
@@ -111,9 +134,46 @@ def request_usage_on(request: PodGpuRequest, node: NodeState) -> dict[str, int]:
             count += container.count
             memory_mib += container.count * per_memory
             cores += container.count * per_cores
-        for resource, value in zip(GPU_RESOURCES, (count, memory_mib, cores), strict=True):
-            totals[resource] = max(totals[resource], value)
+            charged_cores += container.count * (protocol.CORES_PER_GPU if _whole_gpu(container) else per_cores)
+        _max_into(totals, _moment(count, memory_mib, cores, charged_cores))
     return totals
+
+
+#: Kueue's Configuration resources.quotaCheckStrategy: BlockUndeclared (its default) admits nothing of a resource
+#: the workload requests and its ClusterQueue does not cover; IgnoreUndeclared checks covered resources only.
+BLOCK_UNDECLARED = "BlockUndeclared"
+IGNORE_UNDECLARED = "IgnoreUndeclared"
+QUOTA_CHECK_STRATEGIES = (BLOCK_UNDECLARED, IGNORE_UNDECLARED)
+
+#: a GPU resource a pod names -> the resources a ClusterQueue may budget it with: the resource itself, or the
+#: output of the HAMi guide's transformation (Replace removes the input from Kueue's accounting). The gate counts
+#: a gpumem-percentage in MiB, so a queue budgeting MiB declares it too.
+DECLARED_BY = {
+    protocol.RESOURCE_GPU: (protocol.RESOURCE_GPU,),
+    protocol.RESOURCE_GPU_MEMORY: (protocol.RESOURCE_GPU_MEMORY, TOTAL_GPU_MEMORY),
+    protocol.RESOURCE_GPU_MEMORY_PERCENTAGE: (protocol.RESOURCE_GPU_MEMORY_PERCENTAGE, protocol.RESOURCE_GPU_MEMORY,
+                                              TOTAL_GPU_MEMORY),
+    protocol.RESOURCE_GPU_CORES: (protocol.RESOURCE_GPU_CORES, TOTAL_GPU_CORES),
+}
+
+
+def named_gpu_resources(request: PodGpuRequest) -> list[str]:
+    """The GPU resources the pod's containers name (what Kueue reads from the pod spec), in DECLARED_BY order."""
+    containers = [c for c in request.containers if c.count > 0]
+    named = {
+        protocol.RESOURCE_GPU: bool(containers),
+        protocol.RESOURCE_GPU_MEMORY: any(c.memory_mib is not None for c in containers),
+        protocol.RESOURCE_GPU_MEMORY_PERCENTAGE: any(c.memory_percent is not None for c in containers),
+        protocol.RESOURCE_GPU_CORES: any(c.cores > 0 for c in containers),
+    }
+    return [resource for resource in DECLARED_BY if named[resource]]
+
+
+def undeclared_gpu_resources(request: PodGpuRequest, covered: frozenset[str]) -> list[str]:
+    """BlockUndeclared: the GPU resources the pod names that no resource group of its queue covers in any form.
+    Only the GPU resources are checked: the gate does not see every resource a pod requests (CPU and memory
+    are counted when covered, as with IgnoreUndeclared; docs/quota.md)."""
+    return [r for r in named_gpu_resources(request) if not any(form in covered for form in DECLARED_BY[r])]
 
 
 @dataclass(slots=True)

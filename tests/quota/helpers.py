@@ -10,6 +10,7 @@ import yaml
 from kube_vgpu import protocol
 from kube_vgpu.extender.quota.accounting import CQ
 from kube_vgpu.extender.quota.gate import QuotaGate
+from kube_vgpu.extender.quota.usage import IGNORE_UNDECLARED
 from kube_vgpu.extender.scheduler import FilterOutcome, Scheduler
 from kube_vgpu.extender.sources.snapshot import SnapshotCluster
 from kube_vgpu.extender.state import ClusterState
@@ -121,11 +122,15 @@ class Env:
 
 def make_env(quota_yaml: str, nodes: list[dict[str, Any]], *, unqueued: str = "admit",
              cluster_cls: type[SnapshotCluster] = SnapshotCluster, pods: list[dict[str, Any]] | None = None,
-             fair_sharing: bool = False) -> Env:
+             fair_sharing: bool = False, quota_check_strategy: str = IGNORE_UNDECLARED) -> Env:
+    """`quota_check_strategy`: IgnoreUndeclared by default here: these tests budget vGPUs only (gpu_queue) while
+    their pods name nvidia.com/gpumem, which Kueue's default BlockUndeclared refuses (the gate's default;
+    tests/quota/test_kueue_compat.py tests it)."""
     state = ClusterState()
     documents = [("test.yaml", doc) for doc in yaml.safe_load_all(quota_yaml) if doc]
     # first: it learns the pods as the state receives them
-    gate = QuotaGate(state, documents, unqueued=unqueued, fair_sharing=fair_sharing)
+    gate = QuotaGate(state, documents, unqueued=unqueued, fair_sharing=fair_sharing,
+                     quota_check_strategy=quota_check_strategy)
     cluster = cluster_cls(state, [*nodes, *(pods or [])])
     scheduler = Scheduler(state, cluster, gates=[gate])
     return Env(state, cluster, scheduler, gate, [n["metadata"]["name"] for n in nodes])

@@ -17,6 +17,7 @@ from kubernetes import client
 
 from kube_vgpu.extender.quota.gate import QuotaGate
 from kube_vgpu.extender.quota.live import KueueWatcher
+from kube_vgpu.extender.quota.usage import IGNORE_UNDECLARED
 from kube_vgpu.extender.scheduler import FilterOutcome, Scheduler
 from kube_vgpu.extender.sources.live import wait_until
 from kube_vgpu.extender.sources.snapshot import SnapshotCluster
@@ -102,7 +103,7 @@ def test_gate_follows_the_clusters_kueue_objects(fake: tuple[FakeApiServer, clie
     server, api_client = fake
     state = ClusterState()
     cluster = SnapshotCluster(state, [a100_node("a100-0")])
-    gate = QuotaGate(state, [], live=True)
+    gate = QuotaGate(state, [], live=True, quota_check_strategy=IGNORE_UNDECLARED)  # vGPU-only queues
     gate.watcher = KueueWatcher(gate, api_client, absent_retry_s=0.05)
     env = Env(state, cluster, Scheduler(state, cluster, gates=[gate]), gate, ["a100-0"])
 
@@ -155,7 +156,7 @@ def test_without_kueue_crds_the_file_alone_counts(fake: tuple[FakeApiServer, cli
     cluster = SnapshotCluster(state, [a100_node("a100-0")])
     documents = [("file", dict(cluster_queue(1), metadata={"name": "team-a"})), ("file", LOCAL_QUEUE),
                  ("file", {"apiVersion": V1, "kind": "ResourceFlavor", "metadata": {"name": "a100"}})]
-    gate = QuotaGate(state, documents, live=True)
+    gate = QuotaGate(state, documents, live=True, quota_check_strategy=IGNORE_UNDECLARED)
     gate.watcher = KueueWatcher(gate, api_client, absent_retry_s=0.05)
     gate.start()
     try:

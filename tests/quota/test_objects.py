@@ -79,9 +79,11 @@ def test_cohort_field_names_per_version() -> None:
         parse_object(yaml.safe_load(cluster_queue("v1beta1", "  cohortName: ai\n" + GROUPS)))
     parent_v2 = parse_object({"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "Cohort",
                               "metadata": {"name": "ml"}, "spec": {"parentName": "org"}})
+    parent_v1beta1 = parse_object({"apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "Cohort",
+                                   "metadata": {"name": "ml"}, "spec": {"parentName": "org"}})
     parent_v1 = parse_object({"apiVersion": "kueue.x-k8s.io/v1alpha1", "kind": "Cohort",
                               "metadata": {"name": "ml"}, "spec": {"parent": "org"}})
-    assert parent_v1 == parent_v2 and parent_v2.parent == "org"
+    assert parent_v1 == parent_v2 == parent_v1beta1 and parent_v2.parent == "org"
 
 
 def test_defaults_and_selectors() -> None:

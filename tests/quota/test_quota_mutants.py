@@ -14,7 +14,7 @@ import pytest
 from kube_vgpu import protocol
 from kube_vgpu.extender.engine.model import NodeState
 from kube_vgpu.extender.quota.accounting import CQ, QuotaTree, Shortfall
-from kube_vgpu.extender.quota.objects import ResourceQuota, parse_tolerations
+from kube_vgpu.extender.quota.objects import TOTAL_GPU_CORES, TOTAL_GPU_MEMORY, ResourceQuota, parse_tolerations
 from kube_vgpu.extender.quota.usage import (
     Charge,
     PendingPod,
@@ -83,15 +83,17 @@ def test_an_unreadable_quantity_is_charged_0_and_logged(caplog: pytest.LogCaptur
 
 
 def test_an_empty_assignment_holds_nothing() -> None:
-    assert assignment_usage(PodAssignment("n", ())) == {GPU: 0, GPUMEM: 0, GPUCORES: 0}
-    assert request_usage_fixed(protocol.PodGpuRequest(())) == {GPU: 0, GPUMEM: 0, GPUCORES: 0}
+    nothing = {GPU: 0, GPUMEM: 0, GPUCORES: 0, TOTAL_GPU_MEMORY: 0, TOTAL_GPU_CORES: 0}
+    assert assignment_usage(PodAssignment("n", ())) == nothing
+    assert request_usage_fixed(protocol.PodGpuRequest(())) == nothing
 
 
 def test_assignment_usage_adds_a_phases_devices() -> None:
     both = (DeviceShare("GPU-0", 1000, 10), DeviceShare("GPU-1", 2000, 20))
     one = (DeviceShare("GPU-0", 500, 5),)
     assignment = PodAssignment("n", (ContainerAssignment("a", both), ContainerAssignment("b", one)))
-    assert assignment_usage(assignment) == {GPU: 3, GPUMEM: 3500, GPUCORES: 35}
+    assert assignment_usage(assignment) == {GPU: 3, GPUMEM: 3500, GPUCORES: 35, TOTAL_GPU_MEMORY: 3500,
+                                            TOTAL_GPU_CORES: 35}
 
 
 def node_of(*gpus: GpuInfo) -> NodeState:
@@ -107,11 +109,13 @@ def test_request_usage_on_adds_containers_and_skips_unschedulable_gpus() -> None
     node = node_of(a_gpu(0, 16000), a_gpu(1, 80000, healthy=False))
     request = protocol.PodGpuRequest((ContainerGpuRequest("a", 2, memory_percent=50, cores=30),
                                       ContainerGpuRequest("b", 1, memory_mib=1000, cores=100)))
-    assert request_usage_on(request, node) == {GPU: 3, GPUMEM: 2 * 8000 + 1000, GPUCORES: 2 * 30 + 100}
+    assert request_usage_on(request, node) == {GPU: 3, GPUMEM: 2 * 8000 + 1000, GPUCORES: 2 * 30 + 100,
+                                               TOTAL_GPU_MEMORY: 2 * 8000 + 1000, TOTAL_GPU_CORES: 2 * 30 + 100}
     # no eligible GPU: a percentage is of nothing
     assert request_usage_on(protocol.PodGpuRequest((ContainerGpuRequest("a", 1, memory_percent=50),)),
-                            node_of()) == {GPU: 1, GPUMEM: 0, GPUCORES: 0}
-    assert request_usage_on(protocol.PodGpuRequest(()), node) == {GPU: 0, GPUMEM: 0, GPUCORES: 0}
+                            node_of()) == {GPU: 1, GPUMEM: 0, GPUCORES: 0, TOTAL_GPU_MEMORY: 0, TOTAL_GPU_CORES: 0}
+    assert request_usage_on(protocol.PodGpuRequest(()), node) == {GPU: 0, GPUMEM: 0, GPUCORES: 0,
+                                                                  TOTAL_GPU_MEMORY: 0, TOTAL_GPU_CORES: 0}
 
 
 def test_records_start_empty() -> None:

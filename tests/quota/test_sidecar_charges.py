@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from kube_vgpu import protocol
+from kube_vgpu.extender.quota.objects import TOTAL_GPU_CORES, TOTAL_GPU_MEMORY
 from kube_vgpu.extender.quota.usage import assignment_usage, pod_info, request_usage_fixed
 from tests.quota.helpers import FLAVORS, GPUMEM, a100_node, local_queue, make_env, queued_pod
 
@@ -64,7 +65,8 @@ def test_a_sidecars_gpu_memory_is_charged_with_the_app_containers() -> None:
     env = make_env(CPU_QUOTA, [a100_node("a100-0")])
     pod = with_sidecar(queued_pod("q", gpus=1, memory_mib=40960), cpu="100m", gpu_memory_mib=20480)
     request = protocol.parse_pod_gpu_request(pod)
-    assert request_usage_fixed(request) == {protocol.RESOURCE_GPU: 2, GPUMEM: 61440, protocol.RESOURCE_GPU_CORES: 0}
+    assert request_usage_fixed(request) == {protocol.RESOURCE_GPU: 2, GPUMEM: 61440, protocol.RESOURCE_GPU_CORES: 0,
+                                            TOTAL_GPU_MEMORY: 61440, TOTAL_GPU_CORES: 0}
     assert env.submit(pod) == "a100-0"
     assert env.used("team-a", "a100", GPUMEM) == 61440
     record = env.state.pods[pod["metadata"]["uid"]]
