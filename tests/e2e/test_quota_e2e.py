@@ -86,9 +86,12 @@ def team_budget(dev_cluster: DevCluster, kueue_crds: None, e2e_namespace: str, g
         "apiVersion": f"{GROUP}/v1beta1", "kind": "ClusterQueue", "metadata": {"name": name},
         "spec": {
             "namespaceSelector": {"matchLabels": {protocol.LABEL_NAMESPACE_NAME: e2e_namespace}},
+            # Kueue's default (BlockUndeclared): a queue must cover every GPU resource its pods ask for
             "resourceGroups": [{
-                "coveredResources": [protocol.RESOURCE_GPU],
-                "flavors": [{"name": name, "resources": [{"name": protocol.RESOURCE_GPU, "nominalQuota": 2}]}],
+                "coveredResources": [protocol.RESOURCE_GPU, protocol.RESOURCE_GPU_MEMORY],
+                "flavors": [{"name": name, "resources": [{"name": protocol.RESOURCE_GPU, "nominalQuota": 2},
+                                                         {"name": protocol.RESOURCE_GPU_MEMORY,
+                                                          "nominalQuota": 1_000_000}]}],
             }],
         },
     }
@@ -181,8 +184,10 @@ def cohort_of_two(dev_cluster: DevCluster, kueue_crds: None, e2e_namespace: str,
                 "cohort": f"{name}-cohort", "preemption": preemption,
                 "namespaceSelector": {"matchLabels": {protocol.LABEL_NAMESPACE_NAME: e2e_namespace}},
                 "resourceGroups": [{
-                    "coveredResources": [protocol.RESOURCE_GPU],
-                    "flavors": [{"name": name, "resources": [{"name": protocol.RESOURCE_GPU, "nominalQuota": 2}]}],
+                    "coveredResources": [protocol.RESOURCE_GPU, protocol.RESOURCE_GPU_MEMORY],
+                    "flavors": [{"name": name, "resources": [
+                        {"name": protocol.RESOURCE_GPU, "nominalQuota": 2},
+                        {"name": protocol.RESOURCE_GPU_MEMORY, "nominalQuota": 1_000_000}]}],
                 }],
             },
         }
@@ -225,7 +230,8 @@ def test_a_team_within_its_nominal_quota_takes_back_what_another_borrows(
     # timestamps (second resolution) may tie; that exactly two stay is what reclaim promises
     assert len({"a-0", "a-1", "a-2", "a-3"} & names) == 2, names
     quota = httpx.get(f"{dev_cluster.extender_url}/quota").json()
-    used = {q["name"]: sum(r["used"] for f in q["flavors"] for r in f["resources"])
+    used = {q["name"]: sum(r["used"] for f in q["flavors"] for r in f["resources"]
+                           if r["resource"] == protocol.RESOURCE_GPU)
             for q in quota["clusterQueues"] if q["name"].startswith(e2e_namespace)}
     assert used == {f"{e2e_namespace}-a": 2, f"{e2e_namespace}-b": 2}, used
     assert_no_overcommit(dev_cluster)
