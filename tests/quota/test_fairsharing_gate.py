@@ -70,12 +70,14 @@ def test_table_shows_infinite_share() -> None:
 COHORT3 = (FLAVORS + gpu_queue("a", {"a100": 4}, cohort="ai", extra=weight("2"))
            + gpu_queue("b", {"a100": 4}, cohort="ai") + gpu_queue("c", {"a100": 4}, cohort="ai")
            + local_queue("team-a", "q", "a") + local_queue("team-b", "q", "b") + local_queue("team-c", "q", "c"))
-NODES = [a100_node(f"n{i}", gpus=8) for i in range(3)]
+def nodes() -> list[dict[str, Any]]:
+    """Made per test: a node's heartbeat is the moment it is made, and must not age while other tests run."""
+    return [a100_node(f"n{i}", gpus=8) for i in range(3)]
 
 
 def crowded(b_waits: int, *, fair_sharing: bool = True) -> tuple[Env, dict[str, Any]]:
     """Every queue at its nominal 4; b's pod of `b_waits` waits for quota; then c's pod leaves (4 free)."""
-    env = make_env(COHORT3, NODES, fair_sharing=fair_sharing)
+    env = make_env(COHORT3, nodes(), fair_sharing=fair_sharing)
     for namespace in ("team-a", "team-b"):
         assert isinstance(env.submit(pod(namespace, 4)), str)
     c_pod = pod("team-c", 4)
@@ -116,7 +118,7 @@ def test_pods_that_do_not_compete_do_not_wait() -> None:
 
 
 def test_within_nominal_never_waits_for_shares() -> None:
-    env = make_env(COHORT3, NODES, fair_sharing=True)
+    env = make_env(COHORT3, nodes(), fair_sharing=True)
     assert isinstance(env.submit(pod("team-b", 4)), str)
     assert isinstance(env.submit(pod("team-c", 4)), str)
     waiting = pod("team-b", 3)
