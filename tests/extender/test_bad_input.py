@@ -19,10 +19,28 @@ from kube_vgpu.extender.cli import Extender, build, parse_args
 from kube_vgpu.extender.scheduler import FilterOutcome
 from kube_vgpu.extender.server import MAX_BODY_BYTES
 from tests.helpers import gpu_node, pod
-from tests.quota.helpers import A100, FLAVORS, gpu_queue, local_queue
+from tests.quota.helpers import A100, FLAVORS, local_queue
 from tests.servers import serve
 
 NAMES = ["a100-0", "a100-1"]
+
+
+COVERING_QUEUE = """
+---
+apiVersion: kueue.x-k8s.io/v1beta1
+kind: ClusterQueue
+metadata: {name: team-a}
+spec:
+  namespaceSelector: {}
+  resourceGroups:
+  - coveredResources: [nvidia.com/gpu, nvidia.com/gpumem, nvidia.com/gpucores]
+    flavors:
+    - name: a100
+      resources:
+      - {name: nvidia.com/gpu, nominalQuota: 8}
+      - {name: nvidia.com/gpumem, nominalQuota: 655360}
+      - {name: nvidia.com/gpucores, nominalQuota: 800}
+"""
 
 
 @pytest.fixture()
@@ -32,7 +50,8 @@ def extender(tmp_path: Path) -> Extender:
     nodes = [gpu_node(name, model=A100) for name in NAMES]
     snapshot.write_bytes(orjson.dumps({"apiVersion": "v1", "kind": "List", "items": nodes}))
     quota = tmp_path / "quota.yaml"
-    quota.write_text(FLAVORS + gpu_queue("team-a", {"a100": 8}) + local_queue("default", "q", "team-a"))
+    # the queue covers every GPU resource the pods ask for (Kueue's BlockUndeclared refuses the others)
+    quota.write_text(FLAVORS + COVERING_QUEUE + local_queue("default", "q", "team-a"))
     args = parse_args([f"--snapshot={snapshot}", "--policy=binpack", "--gpu-policy=topology",
                        f"--quota-config={quota}"])
     return build(args)
