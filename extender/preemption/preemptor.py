@@ -18,9 +18,9 @@ from typing import Any
 
 from kube_vgpu import protocol
 from kube_vgpu.extender.engine.fit import place
-from kube_vgpu.extender.engine.model import NodeState, Placement, PlacementRequest, assignment_from_placement
+from kube_vgpu.extender.engine.model import NodeState, Placement, PlacementRequest
 from kube_vgpu.extender.engine.policies.base import Policy
-from kube_vgpu.extender.gangs import GangTracker
+from kube_vgpu.extender.gangs import GangKey, GangTracker
 from kube_vgpu.extender.gates import Gate
 from kube_vgpu.extender.preemption.evict import EvictionRequest
 from kube_vgpu.extender.preemption.executor import EvictionExecutor
@@ -31,7 +31,7 @@ from kube_vgpu.extender.preemption.rules import PodFacts, QueueRules, QueueSnaps
 from kube_vgpu.extender.preemption.victims import Candidate, GangMember, Victims, find_victims, pick_node
 from kube_vgpu.extender.quota.accounting import FlavorResource, QuotaTree
 from kube_vgpu.extender.quota.objects import LOWER_PRIORITY, Preemption
-from kube_vgpu.extender.state import ClusterState, usage_from_assignment
+from kube_vgpu.extender.state import ClusterState
 
 log = logging.getLogger(__name__)
 
@@ -266,21 +266,19 @@ class Preemptor:
     def _gang_elsewhere(self, gang_key: str, node_name: str, preemptor: PodFacts, snapshot: QueueSnapshot,
                         rules: dict[str, str]) -> list[GangMember]:
         namespace, _, name = gang_key.partition("/")
+        gang = self.gangs.gangs.get(GangKey(namespace, name))
         members = []
-        for gang in self.gangs.gangs.values():
-            if gang.key.namespace != namespace or gang.key.name != name:
+        for member in gang.members.values() if gang is not None else ():
+            if not member.bound_to or member.bound_to == node_name:
                 continue
-            for member in gang.members.values():
-                if not member.bound_to or member.bound_to == node_name:
-                    continue
-                record = self.state.pods.get(member.uid)
-                facts = self.nominations.facts.get(member.uid)
-                if record is None or facts is None:
-                    continue
-                verdict = self._verdict(preemptor, member.uid, record.labels, facts, snapshot)
-                rules[member.uid] = verdict.rule
-                members.append(GangMember(member.uid, facts.priority, facts.started_s,
-                                          verdict.allowed and not self.nominations.protected(member.uid)))
+            record = self.state.pods.get(member.uid)
+            facts = self.nominations.facts.get(member.uid)
+            if record is None or facts is None:
+                continue
+            verdict = self._verdict(preemptor, member.uid, record.labels, facts, snapshot)
+            rules[member.uid] = verdict.rule
+            members.append(GangMember(member.uid, facts.priority, facts.started_s,
+                                      verdict.allowed and not self.nominations.protected(member.uid)))
         return members
 
     def _verdict(self, preemptor: PodFacts, uid: str, labels: Mapping[str, str], facts: RunningPod,
@@ -301,7 +299,6 @@ class Preemptor:
                   chosen: Mapping[str, str], queue: str | None = None) -> Nomination:
         """Nominate the preemptor to the node (its planned usage held there) and evict the victims (uid -> the
         rule that allowed it; the uid "" stands for "none, waiting": its rule is the nomination's)."""
-        usage, _missing = usage_from_assignment(node, assignment_from_placement(node, placement))
         victims: dict[str, Victim] = {}
         requests: list[EvictionRequest] = []
         for victim_uid, victim_rule in chosen.items():
@@ -312,8 +309,8 @@ class Preemptor:
             requests.append(EvictionRequest(record.namespace, record.name, victim_uid, preemptor.namespace,
                                             preemptor.name, uid, victim_rule, record.node_name, queue or ""))
         rule = "; ".join(sorted(set(chosen.values())))
-        nomination = Nomination(uid, preemptor.namespace, preemptor.name, preemptor.priority, node.name, usage,
-                                rule, self.state.clock(), victims)
+        nomination = Nomination(uid, preemptor.namespace, preemptor.name, preemptor.priority, node.name,
+                                placement.usage, rule, self.state.clock(), victims)
         self.nominations.add(nomination)
         log.info("preemption: %s/%s nominated to %s, evicting %s (%s)", preemptor.namespace, preemptor.name,
                  node.name, ", ".join(f"{r.namespace}/{r.name}" for r in requests) or "nobody", rule)
