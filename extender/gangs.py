@@ -208,19 +208,26 @@ class GangTracker:
         return found
 
 
+def gang_summary(gang: Gang) -> dict[str, Any]:
+    """The counts every view of a gang shows (/state, /quota): size, members seen and bound, and why it waits."""
+    return {
+        "name": str(gang.key),
+        "size": gang.size,
+        "membersSeen": len(gang.members),
+        "bound": gang.bound(),
+        "waiting": gang.waiting if not gang.complete() else "",
+    }
+
+
 def gangs_view(tracker: GangTracker) -> list[dict[str, Any]]:
     """JSON-ready gangs for GET /state (caller holds the state lock): members seen, bound, planned, and why waiting."""
     view = []
     for key in sorted(tracker.gangs):
         gang = tracker.gangs[key]
         view.append({
-            "name": str(key),
-            "size": gang.size,
+            **gang_summary(gang),
             "timeoutSeconds": tracker.timeout_of(gang),
-            "membersSeen": len(gang.members),
-            "bound": gang.bound(),
             "planned": {gang.members[uid].name: node for uid, node in sorted(gang.plan.items())
                         if uid in gang.members},
-            "waiting": gang.waiting if not gang.complete() else "",
         })
     return view

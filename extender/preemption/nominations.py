@@ -122,6 +122,7 @@ class Nominations:
     def on_pod(self, uid: str, pod: Mapping[str, Any] | None) -> None:
         if pod is None or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
             self.facts.pop(uid, None)
+            self.protected_until_s.pop(uid, None)
             self._victim_left(uid)
             self.drop(uid, "")  # a deleted preemptor's nomination goes with it
             self.last_outcome.pop(uid, None)

@@ -8,7 +8,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kube_vgpu import protocol
-from kube_vgpu.extender.quota.fairsharing import dominant_resource_share, weights_of
+from kube_vgpu.extender.gangs import gang_summary
+from kube_vgpu.extender.quota.fairsharing import dominant_resource_share
 from kube_vgpu.extender.quota.objects import RESOURCE_CPU, RESOURCE_MEMORY, RESOURCE_PODS, RESOURCE_UNITS
 from kube_vgpu.extender.quota.usage import GPU_RESOURCES, pod_info, request_usage_fixed
 from kube_vgpu.protocol import InvalidGpuRequest
@@ -63,14 +64,7 @@ def _gang_quota(gate: QuotaGate, cluster_queue: ClusterQueue, members: list[Memb
 
 
 def _gang_entry(gang: Gang) -> dict[str, Any]:
-    return {
-        "name": str(gang.key),
-        "size": gang.size,
-        "membersSeen": len(gang.members),
-        "bound": gang.bound(),
-        "planned": sum(1 for uid in gang.plan if uid in gang.members),
-        "waiting": gang.waiting if not gang.complete() else "",
-    }
+    return {**gang_summary(gang), "planned": sum(1 for uid in gang.plan if uid in gang.members)}
 
 
 def gangs_by_queue(gate: QuotaGate, tracker: GangTracker) -> tuple[dict[str, list[dict[str, Any]]],
@@ -120,7 +114,7 @@ def quota_view(gate: QuotaGate, gangs: GangTracker | None = None) -> dict[str, A
         config = gate.config
         queue_gangs, unqueued_gangs = gangs_by_queue(gate, gangs) if gangs is not None else ({}, [])
         queues: list[dict[str, Any]] = []
-        weights = weights_of(config) if gate.fair_sharing else {}
+        weights = gate.weights if gate.fair_sharing else {}  # read from the config at its last reload
         for cluster_queue in sorted(config.cluster_queues.values(), key=lambda q: q.name):
             pending = sorted((p for p in gate.pending.values() if p.cluster_queue == cluster_queue.name),
                              key=lambda p: p.order)
