@@ -148,39 +148,42 @@ class OwnerResolver:
         )
         self._lock = threading.Lock()
 
-    def _read(self, group: str, kind: str, namespace: str, name: str) -> Mapping[str, Any] | None:
-        version, plural = SUPPORTED_OWNERS[(group, kind)]
+    def _cached(self, resource: tuple[str, str, str], namespace: str, name: str, what: str, *,
+                not_served: bool = True, cache_missing: bool = True) -> Mapping[str, Any] | None:
+        """The object, read at most once per TTL: None when it does not exist, _NOT_SERVED when its API is not
+        served (with `not_served`; otherwise that is a read failure like any other). Raises OwnerLookupError naming
+        `what`, so the pod is refused and its controller retries."""
+        group, version, plural = resource
         key = (group, plural, namespace, name)
         with self._lock:
             if key in self._cache:
                 return self._cache[key]
         try:
             obj = self.fetch(group, version, plural, namespace, name)
+        except NotServed as exc:
+            if not not_served:
+                raise OwnerLookupError(self._unreadable(what, exc)) from None
+            obj = _NOT_SERVED
         except Exception as exc:
-            raise OwnerLookupError(f"cannot read the pod's owner {kind} {namespace}/{name} to find its queue "
-                                   f"({exc}); the pod is refused so that its controller retries") from None
-        with self._lock:
-            self._cache[key] = obj
+            raise OwnerLookupError(self._unreadable(what, exc)) from None
+        if obj is not None or cache_missing:
+            with self._lock:
+                self._cache[key] = obj
         return obj
+
+    @staticmethod
+    def _unreadable(what: str, exc: Exception) -> str:
+        return f"cannot read {what} ({exc}); the pod is refused so that its controller retries"
+
+    def _read(self, group: str, kind: str, namespace: str, name: str) -> Mapping[str, Any] | None:
+        version, plural = SUPPORTED_OWNERS[(group, kind)]
+        return self._cached((group, version, plural), namespace, name,
+                            f"the pod's owner {kind} {namespace}/{name} to find its queue", not_served=False)
 
     def local_queue_exists(self, namespace: str, name: str) -> bool | None:
         """Whether LocalQueue namespace/name exists; None when LocalQueues are not served (quota from a file, or no
         Kueue objects at all: the extender then judges the queue). Raises OwnerLookupError."""
-        group, version, plural = LOCAL_QUEUES
-        key = (group, plural, namespace, name)
-        with self._lock:
-            if key in self._cache:
-                cached = self._cache[key]
-                return None if cached is _NOT_SERVED else cached is not None
-        try:
-            obj: Mapping[str, Any] | None = self.fetch(group, version, plural, namespace, name)
-        except NotServed:
-            obj = _NOT_SERVED
-        except Exception as exc:
-            raise OwnerLookupError(f"cannot read LocalQueue {namespace}/{name} ({exc}); the pod is refused so that "
-                                   "its controller retries") from None
-        with self._lock:
-            self._cache[key] = obj
+        obj = self._cached(LOCAL_QUEUES, namespace, name, f"LocalQueue {namespace}/{name}")
         return None if obj is _NOT_SERVED else obj is not None
 
     def pod_group(self, namespace: str, labels: Mapping[str, str]) -> DeclaredGang | None:
@@ -221,25 +224,11 @@ class OwnerResolver:
         self, resource: tuple[str, str, str], namespace: str, name: str, where: str, named_by: str, fix: str
     ) -> Mapping[str, Any]:
         """The object declaring a gang (cached like owners). Raises GangRefused when it does not exist."""
-        group, version, plural = resource
-        key = (group, plural, namespace, name)
-        with self._lock:
-            obj = self._cache.get(key)
-        if obj is None:
-            try:
-                obj = self.fetch(group, version, plural, namespace, name)
-            except NotServed:
-                obj = _NOT_SERVED
-            except Exception as exc:
-                raise OwnerLookupError(f"cannot read {where} named by {named_by} ({exc}); the pod is refused so that "
-                                       "its controller retries") from None
-            if obj is not None:
-                # a group found (or its API not served) is cached; one missing is not, so that a retry after its
-                # creation sees it at once
-                with self._lock:
-                    self._cache[key] = obj
+        # a group found (or its API not served) is cached; one missing is not, so that a retry after its creation
+        # sees it at once
+        obj = self._cached(resource, namespace, name, f"{where} named by {named_by}", cache_missing=False)
         if obj is _NOT_SERVED:
-            raise NotServed(f"{group}/{version} {plural}")
+            raise NotServed(f"{resource[0]}/{resource[1]} {resource[2]}")
         if obj is None:
             # Refused, not warned: a typo must not quietly turn an all-or-nothing job into pods placed one by one.
             # Controllers that use PodGroups (training-operator, scheduler-plugins' own examples, the Job controller
