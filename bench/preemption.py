@@ -25,24 +25,12 @@ from typing import Any
 
 from bench.extender_latency import half_full_cluster, percentile
 from kube_vgpu.dev.fixtures import scheduled_pod as make_pod
-from kube_vgpu.extender.preemption.evict import EvictionOutcome, EvictionRequest, EvictionResult
 from kube_vgpu.extender.preemption.nominations import Nominations
 from kube_vgpu.extender.scheduler import Scheduler
 from kube_vgpu.extender.sources.snapshot import SnapshotCluster
 from kube_vgpu.extender.state import ClusterState
 
 WHOLE_GPU_MIB = 81920
-
-
-class SnapshotEvictor:
-    def __init__(self, cluster: SnapshotCluster) -> None:
-        self.cluster = cluster
-        self.evicted = 0
-
-    def evict(self, request: EvictionRequest) -> EvictionResult:
-        self.cluster.delete_pod(request.namespace, request.name)
-        self.evicted += 1
-        return EvictionResult(EvictionOutcome.EVICTED)
 
 
 def ms(samples: list[float]) -> str:
@@ -63,8 +51,7 @@ def run(nodes: int, preemptors: int, baseline_pods: int) -> dict[str, list[float
     state.pod_listeners.append(nominations.on_pod)
     cluster = SnapshotCluster(state, [dict(i) for i in items])
     scheduler = Scheduler(state, cluster, nominations=nominations)
-    evictor = SnapshotEvictor(cluster)
-    scheduler.enable_preemption(evictor, inline=True)
+    scheduler.enable_preemption(cluster, inline=True)  # the snapshot evicts from itself, as in snapshot mode
     timings: dict[str, list[float]] = {"baseline filter": [], "deciding filter": [], "filter beside nominations": [],
                                        "arrival to bound": []}
 
@@ -98,7 +85,7 @@ def run(nodes: int, preemptors: int, baseline_pods: int) -> dict[str, list[float
         started = time.perf_counter()
         scheduler.filter(pod, names)
         timings["filter beside nominations"].append(time.perf_counter() - started)
-    print(f"# evicted {evictor.evicted} pods for {preemptors} preemptors", file=sys.stderr)
+    print(f"# evicted {len(cluster.eviction_requests)} pods for {preemptors} preemptors", file=sys.stderr)
     return timings
 
 
@@ -162,8 +149,7 @@ def run_reclaim(nodes: int, job_pods: int, baseline_pods: int) -> dict[str, list
     state.pod_listeners.append(nominations.on_pod)
     cluster = SnapshotCluster(state, [dict(i) for i in items])
     scheduler = Scheduler(state, cluster, gates=[gate], nominations=nominations)
-    evictor = SnapshotEvictor(cluster)
-    scheduler.enable_preemption(evictor, inline=True)
+    scheduler.enable_preemption(cluster, inline=True)  # the snapshot evicts from itself, as in snapshot mode
     timings: dict[str, list[float]] = {"baseline filter": [], "reclaiming job, arrival to all bound": []}
     for index in range(baseline_pods):
         pod = make_pod(f"plain-{index}", gpus=1, memory_mib=2048, cores=5)  # no queue: admitted uncounted
@@ -191,7 +177,7 @@ def run_reclaim(nodes: int, job_pods: int, baseline_pods: int) -> dict[str, list
                 .get("spec", {}).get("nodeName"))
     assert bound == job_pods, f"{bound} of {job_pods} reclaiming pods bound"
     timings["reclaiming job, arrival to all bound"].append(time.perf_counter() - started)
-    print(f"# reclaim: evicted {evictor.evicted} of team-a's {running} pods for team-b's {job_pods}",
+    print(f"# reclaim: evicted {len(cluster.eviction_requests)} of team-a's {running} pods for team-b's {job_pods}",
           file=sys.stderr)
     return timings
 
