@@ -23,6 +23,7 @@ import orjson
 from kube_vgpu.kubeapi import InvalidObject, check_pod
 from kube_vgpu.protocol import (
     ADMISSION_MARK_VALUE,
+    ANNOTATION_GANG_TIMEOUT_SECONDS,
     ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT,
     ENV_LD_PRELOAD,
     ENV_MEMORY_LIMIT_PREFIX,
@@ -301,7 +302,24 @@ def admit_create(
             return _deny(403, str(exc))
         if refusal:
             return _deny(403, refusal)
+    decision.warnings.extend(_unread_gang_timeout(pod, decision))
     return decision
+
+
+def _unread_gang_timeout(pod: dict[str, Any], decision: Decision) -> list[str]:
+    """A gang timeout on a pod that is in no gang (neither itself nor through the labels this review stamps on it)
+    would be ignored: said."""
+    if ANNOTATION_GANG_TIMEOUT_SECONDS not in (pod["metadata"].get("annotations") or {}):
+        return []
+    if LABEL_KUEUE_POD_GROUP_NAME in (pod["metadata"].get("labels") or {}):
+        return []
+    stamped = _pointer("metadata", "labels", LABEL_KUEUE_POD_GROUP_NAME)
+    if any(op.get("path") == stamped or (op.get("path") == "/metadata/labels"
+                                         and LABEL_KUEUE_POD_GROUP_NAME in (op.get("value") or {}))
+           for op in decision.patch):
+        return []
+    return [f"annotation {ANNOTATION_GANG_TIMEOUT_SECONDS} is read only on a gang's pods, and this pod is in none: "
+            f"{_GANG_HINT}"]
 
 
 def _patch_inherited_labels(

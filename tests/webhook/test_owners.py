@@ -293,3 +293,21 @@ def test_gang_declarations_kube_vgpu_does_not_read_are_warned_about(edit: Any, w
         "this pod is placed on its own, not all or nothing; declare the gang with the label "
         "kueue.x-k8s.io/pod-group-name and the annotation kueue.x-k8s.io/pod-group-total-count (docs/user-guide.md, "
         "Gangs)")
+
+
+TIMEOUT = "gang.kube-vgpu.io/timeout-seconds"
+
+
+@pytest.mark.parametrize(("case", "job", "labels", "warned"), [
+    ("no-gang", gang_job("train", 4, None), {QUEUE: "q"}, True),
+    ("own-kueue-group", gang_job("train", 4, None), {QUEUE: "q", GROUP: "g"}, False),
+    ("gang-job", gang_job("train", 4), {QUEUE: "q"}, False),  # the webhook stamps the group itself
+])
+def test_a_gang_timeout_on_a_pod_in_no_gang_is_said(case: str, job: dict[str, Any], labels: dict[str, str],
+                                                     warned: bool) -> None:
+    sent = gpu_pod_owned_by(ref("Job", "train"), labels=labels)
+    sent["metadata"]["annotations"] = {TIMEOUT: "600", **({COUNT: "4"} if GROUP in labels else {})}
+    outcome, response = run_review(sent, WebhookConfig(), owners=OwnerResolver(Api({("jobs", "train"): job})))
+    assert outcome.result is Result.MUTATED
+    said = [w for w in response.get("warnings") or [] if TIMEOUT in w]
+    assert bool(said) is warned, response.get("warnings")
