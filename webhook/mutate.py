@@ -390,6 +390,9 @@ def _pod_group_gang(
         return {}, {}
     if gang is None:
         return {}, {}
+    if gang.unread:
+        decision.warnings.append(f"{gang.source}: {', '.join(gang.unread)} not read by kube-vgpu (a gang's own timeout "
+                                 f"is the pod annotation {ANNOTATION_GANG_TIMEOUT_SECONDS})")
     if kueue_group:
         count = str((metadata.get("annotations") or {}).get(ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT, ""))
         if count != str(gang.size):

@@ -80,6 +80,9 @@ class NotServed(Exception):
 LOCAL_QUEUES = ("kueue.x-k8s.io", "v1beta1", "localqueues")
 
 
+#: a coscheduling PodGroup's fields kube-vgpu does not carry out: a gang's own timeout is the pod annotation
+#: gang.kube-vgpu.io/timeout-seconds, and the quota gate (not minResources) decides whether its resources are there
+UNREAD_POD_GROUP_FIELDS = ("scheduleTimeoutSeconds", "minResources")
 #: a label value's limit (the Kueue pod-group name is a label)
 MAX_LABEL_VALUE_CHARS = 63
 
@@ -97,6 +100,8 @@ class DeclaredGang:
     size: int
     source: str  # e.g. "PodGroup team-a/train"
     size_field: str = "minMember"  # the source's word for the size
+    #: fields of the declaring object that kube-vgpu does not carry out (said to the pod's creator)
+    unread: tuple[str, ...] = ()
 
 
 def _gang_size(value: Any, said: str) -> int:
@@ -200,7 +205,8 @@ class OwnerResolver:
             named_by, "label")
         min_member = (obj.get("spec") or {}).get("minMember")
         size = _gang_size(min_member, f"{where} (label {LABEL_COSCHEDULING_POD_GROUP} on the pod) has spec.minMember")
-        return DeclaredGang(derived_gang_name(POD_GROUP_GANG_PREFIX, name), size, where)
+        unread = tuple(f"spec.{field}" for field in UNREAD_POD_GROUP_FIELDS if (obj.get("spec") or {}).get(field))
+        return DeclaredGang(derived_gang_name(POD_GROUP_GANG_PREFIX, name), size, where, unread=unread)
 
     def scheduling_group(self, namespace: str, spec: Mapping[str, Any]) -> DeclaredGang | None:
         """The gang of a pod whose spec.schedulingGroup.podGroupName names a Kubernetes PodGroup (Workload API,

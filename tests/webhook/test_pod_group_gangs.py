@@ -244,3 +244,15 @@ def test_a_pods_own_kueue_pod_group_wins_over_its_kubernetes_pod_group() -> None
     assert response["warnings"] == [
         "the pod declares Kueue pod group mine of 2 members and PodGroup team-a/workers-0 (scheduling.k8s.io) of "
         "minCount 4: the Kueue declaration wins"]
+
+
+def test_pod_group_fields_kube_vgpu_does_not_read_are_said() -> None:
+    group = pod_group("pg", 2)
+    group["spec"].update({"scheduleTimeoutSeconds": 60, "minResources": {"nvidia.com/gpu": "2"}})
+    sent = member()
+    outcome, response = run_review(sent, WebhookConfig(), owners=OwnerResolver(Api({("podgroups", "pg"): group})))
+    assert outcome.result is Result.MUTATED
+    assert response["warnings"] == [
+        "PodGroup team-a/pg: spec.scheduleTimeoutSeconds, spec.minResources not read by kube-vgpu (a gang's own "
+        "timeout is the pod annotation gang.kube-vgpu.io/timeout-seconds)"]
+    assert apply_response(sent, response)["metadata"]["annotations"][COUNT] == "2"
