@@ -57,6 +57,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=120.0,
         help="inventory older than this makes a node unschedulable for GPU pods",
     )
+    parser.add_argument("--quota-mode", choices=("auto", "enforce", "kueue", "off"), default="auto",
+                        help="who admits pods against Kueue's queues: enforce (our gate, with Kueue's objects and no "
+                             "Kueue controller), kueue (Kueue's controller admits Workloads; we place the pods of "
+                             "admitted ones and report what landed), off, or auto (kueue when Kueue's controller is "
+                             "installed, else enforce); docs/quota.md#quota-modes")
+    parser.add_argument("--force-quota-mode", action="store_true",
+                        help="run --quota-mode=enforce even though Kueue's controller is installed (two admission "
+                             "layers; refused without this)")
     parser.add_argument("--quota-config", metavar="FILE", help="Kueue ClusterQueue / LocalQueue / ResourceFlavor YAML")
     parser.add_argument("--quota-unqueued", choices=("admit", "default", "refuse"), default="admit",
                         help="pods without a kueue.x-k8s.io/queue-name label: admit them uncounted, use the "
@@ -171,6 +179,19 @@ def _build_fence(
     return fence, watcher.start
 
 
+def _quota_mode(args: argparse.Namespace, api_client: Any) -> str:
+    """--quota-mode resolved (auto looks for Kueue's controller in a live cluster); QuotaModeError if refused."""
+    from kube_vgpu.extender.quota.factory import read_kueue_evidence, resolve_quota_mode
+
+    requested: str = args.quota_mode
+    evidence = read_kueue_evidence(api_client) if api_client is not None and requested in ("auto", "enforce") else None
+    mode = resolve_quota_mode(requested, live=api_client is not None, evidence=evidence,
+                              force=args.force_quota_mode)
+    if requested == "auto" or evidence:
+        log.info("quota mode %s%s", mode, f" ({evidence})" if evidence else "")
+    return mode
+
+
 def build(args: argparse.Namespace) -> Extender:
     """Everything but the HTTP listener; tests and the dev cluster build in-process through this."""
     from kube_vgpu.extender.server import create_app
@@ -194,7 +215,15 @@ def build(args: argparse.Namespace) -> Extender:
         api_client = make_api_client(args.kubeconfig)
     # the gate before the source: it learns each pod (CPU, memory, priority) as the state receives it, and a
     # snapshot's pods arrive when the source is built
-    if quota_config or api_client is not None:
+    quota_mode = _quota_mode(args, api_client)
+    if quota_mode == "kueue":
+        from kube_vgpu.extender.quota.factory import build_kueue_mode_gate
+
+        assert api_client is not None  # resolve_quota_mode refuses kueue without a cluster
+        if quota_config:
+            log.warning("quota mode kueue: --quota-config %s is not read (Kueue's controller admits)", quota_config)
+        gates.append(build_kueue_mode_gate(state, api_client))
+    elif quota_mode == "enforce" and (quota_config or api_client is not None):
         from kube_vgpu.extender.quota.factory import build_gate
 
         gate = build_gate(state, quota_config=quota_config, api_client=api_client, unqueued=args.quota_unqueued,

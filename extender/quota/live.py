@@ -29,6 +29,12 @@ KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "Cohort": ("cohorts", ("v1beta2", "v1beta1", "v1alpha1")),
     "WorkloadPriorityClass": ("workloadpriorityclasses", ("v1beta2", "v1beta1")),
 }
+#: What quota mode kueue watches: Kueue's controller admits, the extender reads its decisions and its queues.
+KUEUE_MODE_KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "Workload": ("workloads", ("v1beta2", "v1beta1")),
+    "ClusterQueue": KINDS["ClusterQueue"],
+    "LocalQueue": KINDS["LocalQueue"],
+}
 NAMESPACE = "Namespace"
 
 
@@ -38,8 +44,14 @@ def _key(obj: Mapping[str, Any]) -> tuple[str, str]:
 
 
 class KueueWatcher:
-    def __init__(self, gate: Any, api_client: client.ApiClient, *, absent_retry_s: float = 60.0) -> None:
+    """Feeds `gate` (set_cluster_objects, set_namespaces, mark_synced) with the cluster's objects of `kinds`, and
+    Namespaces unless `namespaces` is False."""
+
+    def __init__(self, gate: Any, api_client: client.ApiClient, *, absent_retry_s: float = 60.0,
+                 kinds: Mapping[str, tuple[str, tuple[str, ...]]] = KINDS, namespaces: bool = True) -> None:
         self.gate = gate
+        self.kinds = dict(kinds)
+        self.watched = [*self.kinds, *((NAMESPACE,) if namespaces else ())]
         self.custom = client.CustomObjectsApi(api_client)
         self.core = client.CoreV1Api(api_client)
         self.absent_retry_s = absent_retry_s
@@ -53,7 +65,7 @@ class KueueWatcher:
     def start(self) -> None:
         if self._threads:
             return
-        for kind in [*KINDS, NAMESPACE]:
+        for kind in self.watched:
             thread = threading.Thread(target=self._run, args=(kind,), name=f"watch-kueue-{kind}", daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -64,19 +76,19 @@ class KueueWatcher:
     def _mark_listed(self, kind: str) -> None:
         with self._listed_lock:
             self._listed.add(kind)
-            done = len(self._listed) == len(KINDS) + 1
+            done = len(self._listed) == len(self.watched)
         if done:
             self.gate.mark_synced()
 
     def _list_call(self, kind: str, version: str) -> Callable[..., Any]:
         if kind == NAMESPACE:
             return self.core.list_namespace
-        plural = KINDS[kind][0]
+        plural = self.kinds[kind][0]
         return functools.partial(self.custom.list_cluster_custom_object, protocol.KUEUE_API_GROUP, version, plural)
 
     def _first_list(self, kind: str) -> tuple[str | None, list[dict[str, Any]], str]:
         """(version, items, resourceVersion); version None when no version of the kind is served."""
-        versions = ("v1",) if kind == NAMESPACE else KINDS[kind][1]
+        versions = ("v1",) if kind == NAMESPACE else self.kinds[kind][1]
         for version in versions:
             try:
                 items, resource_version = list_all(self._list_call(kind, version))

@@ -19,6 +19,7 @@ from kube_vgpu.dev.devcluster import binaries
 from kube_vgpu.dev.devcluster.binaries import (
     BINARY_NAMES,
     CORE_BINARY_NAMES,
+    DEFAULT_BINARY_NAMES,
     ETCD_VERSION,
     KUBERNETES_VERSION,
     KWOK_VERSION,
@@ -80,8 +81,9 @@ def test_kwok_has_its_own_versioned_cache_dir(no_go_env: Path, tmp_path: Path) -
 def test_build_keys_name_versions_of_every_binary() -> None:
     keys = binaries.build_keys()
     assert set(keys) == set(BINARY_NAMES) == {
-        "etcd", "kube-apiserver", "kube-scheduler", "kubectl", "kube-controller-manager", "kwok"
+        "etcd", "kube-apiserver", "kube-scheduler", "kubectl", "kube-controller-manager", "kwok", "kueue"
     }
+    assert set(DEFAULT_BINARY_NAMES) == set(BINARY_NAMES) - {"kueue"}  # Kueue is opt-in
     assert ETCD_VERSION in keys["etcd"]
     for name in ("kube-apiserver", "kube-scheduler", "kubectl", "kube-controller-manager"):
         assert f"k8s.io/kubernetes@{KUBERNETES_VERSION}" in keys[name]
@@ -91,7 +93,7 @@ def test_build_keys_name_versions_of_every_binary() -> None:
 def test_cached_binaries_are_returned_without_go(cached: Path) -> None:
     messages: list[str] = []
     paths = ensure_binaries(progress=messages.append)
-    assert paths == {name: binaries.binary_path(name) for name in BINARY_NAMES}
+    assert paths == {name: binaries.binary_path(name) for name in DEFAULT_BINARY_NAMES}
     assert paths["kubectl"] == cached / "kubectl"
     assert messages == []  # nothing was (re)built, nothing to report
 
@@ -141,7 +143,7 @@ def test_bin_dir_env_points_at_prebuilt_binaries(
         _write_executable(prebuilt / name)
     monkeypatch.setenv(binaries.BIN_DIR_ENV, str(prebuilt))
     # No stamp and no go needed: the directory is taken as is.
-    assert ensure_binaries(progress=lambda _message: None) == {name: prebuilt / name for name in BINARY_NAMES}
+    assert ensure_binaries(progress=lambda _message: None) == {name: prebuilt / name for name in DEFAULT_BINARY_NAMES}
     assert not binaries.cache_dir().exists()
 
 
@@ -169,7 +171,7 @@ def test_too_old_go_is_rejected(no_go_env: Path) -> None:
     _write_executable(
         no_go_env / "go", '#!/bin/sh\n[ "$1 $2" = "env GOVERSION" ] && echo go1.21.13 && exit 0\nexit 2\n'
     )
-    with pytest.raises(GoNotFoundError, match=r"go1\.21\.13, too old"):
+    with pytest.raises(GoNotFoundError, match=r"go1\.21\.13, older than the go1\.2[0-9] this build needs"):
         ensure_binaries(progress=lambda _message: None)
 
 
@@ -230,6 +232,11 @@ args = sys.argv[1:]
 state = Path({state_dir!r})
 if args[:2] == ["env", "GOVERSION"]:
     print("go1.26.0")
+elif args[:3] == ["mod", "download", "-json"] and args[3].startswith("sigs.k8s.io/kueue@"):
+    source = state / "kueue-source"
+    source.mkdir(exist_ok=True)
+    (source / "go.sum").write_text("sigs.k8s.io/scheduler-library v0.1.0-alpha1 h1:pinned-by-kueue=\\n")
+    print(json.dumps({{"Dir": str(source), "Info": ""}}))
 elif args[:3] == ["mod", "download", "-json"]:
     (state / "k8s.mod").write_text("replace (\\n\\tk8s.io/api => ./staging/src/k8s.io/api\\n)\\n")
     (state / "k8s.info").write_text(json.dumps({{"Version": "{k8s}", "Time": "2026-02-10T12:53:36Z"}}))
@@ -238,6 +245,8 @@ elif args[0] in ("build", "install"):
     if args[0] == "build":
         out = Path(args[args.index("-o") + 1])
         module = Path("go.mod").read_text().splitlines()[0]
+        if Path("go.sum").exists():
+            module += " with-go.sum:" + Path("go.sum").read_text().split()[0]
     else:  # go install pkg@version: no module of ours, the binary lands in $GOBIN
         out = Path(os.environ["GOBIN"]) / args[-1].split("@")[0].rsplit("/", 1)[-1]
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -247,7 +256,7 @@ elif args[0] in ("build", "install"):
     time.sleep(0.5)  # long enough for a concurrent caller to find the lock taken
     out.write_text(
         "#!/bin/sh\\necho 'etcd Version: {etcd}'; echo 'Kubernetes {k8s}'; echo 'Client Version: {k8s}'\\n"
-        "echo 'kwok version v0.7.0 (go1.26.0)'\\n"
+        "echo 'kwok version v0.7.0 (go1.26.0)'; echo '  -feature-gates string'\\n"
     )
     out.chmod(0o755)
 else:
@@ -273,7 +282,7 @@ def test_build_records_stamp_and_second_call_does_not_rebuild(fake_go: Path) -> 
     _write_executable(binaries.cache_dir() / "work" / "kubernetes-killed" / "go.mod", "module x\n")
     messages: list[str] = []
     paths = ensure_binaries(progress=messages.append)
-    assert paths == {name: binaries.binary_path(name) for name in BINARY_NAMES}
+    assert paths == {name: binaries.binary_path(name) for name in DEFAULT_BINARY_NAMES}
     log_lines = fake_go.read_text().splitlines()
     # Etcd and Kubernetes are built from throw-away modules of their own; kwok is `go install`ed as released.
     assert [line.split()[2:] for line in log_lines] == [["module", "kube-vgpu.local/build/etcd"]] + [
@@ -289,17 +298,36 @@ def test_build_records_stamp_and_second_call_does_not_rebuild(fake_go: Path) -> 
         "sigs.k8s.io/kwok/cmd/kwok",
     ]
     keys = binaries.build_keys()
-    assert binaries.read_stamp(binaries.stamp_path()) == {name: keys[name] for name in keys if name != "kwok"}
+    assert binaries.read_stamp(binaries.stamp_path()) == {
+        name: keys[name] for name in keys if name not in ("kwok", "kueue")
+    }
     assert binaries.read_stamp(binaries.stamp_path(binaries.kwok_cache_dir())) == {"kwok": keys["kwok"]}
     assert any("kube-apiserver" in message and "done in" in message for message in messages)
     # Only the final names are left: no partial outputs, no throw-away modules.
-    assert sorted(os.listdir(binaries.bin_dir())) == sorted(set(BINARY_NAMES) - {"kwok"})
+    assert sorted(os.listdir(binaries.bin_dir())) == sorted(set(DEFAULT_BINARY_NAMES) - {"kwok"})
     assert os.listdir(binaries.bin_dir(binaries.kwok_cache_dir())) == ["kwok"]
     for home in (binaries.cache_dir(), binaries.kwok_cache_dir()):
         assert list((home / "work").iterdir()) == []
 
     ensure_binaries(progress=messages.append)
-    assert len(fake_go.read_text().splitlines()) == len(BINARY_NAMES)
+    assert len(fake_go.read_text().splitlines()) == len(DEFAULT_BINARY_NAMES)
+
+
+def test_kueue_is_built_on_request_in_a_module_carrying_kueues_own_go_sum(fake_go: Path) -> None:
+    # the checksum database refuses one of Kueue's dependencies: its own go.sum must sit beside our go.mod
+    messages: list[str] = []
+    paths = ensure_binaries(progress=messages.append, names=("kueue",))
+    assert paths == {"kueue": binaries.kueue_cache_dir() / "bin" / "kueue"}
+    (line,) = fake_go.read_text().splitlines()
+    assert line.split()[1:] == ["sigs.k8s.io/kueue/cmd/kueue", "module", "kube-vgpu.local/build/kueue",
+                                "with-go.sum:sigs.k8s.io/scheduler-library"]
+    stamp = binaries.read_stamp(binaries.stamp_path(binaries.kueue_cache_dir()))
+    assert stamp == {"kueue": f"sigs.k8s.io/kueue@{binaries.KUEUE_VERSION} recipe={binaries.RECIPE_VERSION}"}
+    ensure_binaries(progress=messages.append, names=("kueue",))  # cached now: not built again
+    assert len(fake_go.read_text().splitlines()) == 1
+    assert binaries.kueue_version_ldflags("2026-01-01T00:00:00Z") == (
+        f"-X sigs.k8s.io/kueue/pkg/version.GitVersion={binaries.KUEUE_VERSION} "
+        "-X sigs.k8s.io/kueue/pkg/version.BuildDate=2026-01-01T00:00:00Z")
 
 
 def test_concurrent_callers_build_each_binary_once(fake_go: Path) -> None:

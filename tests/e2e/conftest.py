@@ -37,6 +37,11 @@ Fixtures (for everyone adding e2e tests here; mark tests with ``@pytest.mark.e2e
     the namespace itself (the namespace controller deletes what else is left in it, e.g. Jobs and Deployments, in the
     background). The webhook mutates pods in every namespace but kube-system and kube-vgpu.
 
+``kueue_crds`` (session): Kueue's own CRDs (from the Kueue module, as released: kube_vgpu/dev/devcluster/kueue.py)
+    installed in the shared cluster, with no Kueue controller: our gate (quota mode enforce) admits against them.
+    Write Kueue objects in v1beta2, the version the CRDs store (without Kueue's conversion webhook the API server
+    converts between versions by renaming apiVersion only).
+
 ``gpu_nodes`` -> factory ``gpu_nodes(count, gpus=8, model=..., memory_mib=..., topology=..., kwok=True) -> NodeSet``:
     nodes only this test's pods can land on (a unique label; ``NodeSet.selector`` is the nodeSelector to put on
     the pods), deleted after the test. Tests on shared nodes would see each other's pods. ``kwok=False``: KWOK
@@ -58,12 +63,16 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import orjson
 import pytest
+from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from kube_vgpu.dev.devcluster.cluster import ClusterOptions, DevCluster, DevClusterError, NodeGroup, up
 from kube_vgpu.dev.devcluster.workload import delete_pods, ensure_namespace, list_all, wait_until_gone
+from tests.e2e.checks import wait_until
 
 NODE_GROUP_LABEL = "e2e.kube-vgpu.io/group"
 BASE_NODE_GROUPS = (
@@ -73,6 +82,28 @@ BASE_NODE_GROUPS = (
     NodeGroup(count=1, gpus=4, model="Tesla T4", memory_mib=15360, topology="pcie", prefix="base-t4"),
 )
 _counter = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def kueue_crds(dev_cluster: DevCluster) -> None:
+    from kube_vgpu.dev.devcluster import kueue as kueue_module
+    from kube_vgpu.dev.devcluster.binaries import kueue_source_dir
+
+    crds = kueue_module.crd_documents(kueue_source_dir(progress=lambda _message: None))
+    extensions: Any = client.ApiextensionsV1Api(dev_cluster.api)
+    for crd in crds:
+        extensions.create_custom_resource_definition(crd, _preload_content=False)
+    for crd in crds:
+        name = crd["metadata"]["name"]
+
+        def established(name: str = name) -> bool:
+            found = orjson.loads(extensions.read_custom_resource_definition(name, _preload_content=False).data)
+            conditions = {c["type"]: c["status"] for c in (found.get("status") or {}).get("conditions") or []}
+            return conditions.get("Established") == "True"
+
+        wait_until(f"CRD {name} established", established, lambda: "", timeout_s=60)
+    # the extender looks for Kueue's CRDs again only every minute: restart it to see them now
+    dev_cluster.restart_extender(crash=False)
 
 
 @pytest.fixture(scope="session")

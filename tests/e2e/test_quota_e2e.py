@@ -1,19 +1,16 @@
-"""The quota gate in the real control plane: Kueue objects served by the API server (CRDs installed here, with an
-open schema, since Kueue itself is not available offline), watched by the extender under its own RBAC; a team
-beyond its budget stays Pending with our reason and is scheduled once its earlier pods are deleted."""
+"""The quota gate in the real control plane (quota mode enforce): Kueue objects served by the API server with Kueue's
+own CRDs (the `kueue_crds` fixture, no Kueue controller), watched by the extender under its own RBAC; a team beyond
+its budget stays Pending with our reason and is scheduled once its earlier pods are deleted."""
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import orjson
 import pytest
 from kubernetes import client
-from kubernetes.client.rest import ApiException
 
 from kube_vgpu import protocol
 from kube_vgpu.dev.devcluster.cluster import DevCluster
@@ -24,66 +21,15 @@ from tests.e2e.checks import assert_no_overcommit
 pytestmark = pytest.mark.e2e
 
 GROUP = protocol.KUEUE_API_GROUP
-KINDS = {  # kind -> (plural, namespaced)
-    "ResourceFlavor": ("resourceflavors", False),
-    "ClusterQueue": ("clusterqueues", False),
-    "LocalQueue": ("localqueues", True),
-    "Cohort": ("cohorts", False),
-    "WorkloadPriorityClass": ("workloadpriorityclasses", False),
-}
-
-
-def crd(kind: str, plural: str, namespaced: bool) -> dict[str, Any]:
-    return {
-        "apiVersion": "apiextensions.k8s.io/v1",
-        "kind": "CustomResourceDefinition",
-        "metadata": {"name": f"{plural}.{GROUP}"},
-        "spec": {
-            "group": GROUP,
-            "names": {"kind": kind, "plural": plural, "singular": kind.lower(), "listKind": f"{kind}List"},
-            "scope": "Namespaced" if namespaced else "Cluster",
-            "versions": [
-                {
-                    "name": "v1beta1",
-                    "served": True,
-                    "storage": True,
-                    "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
-                }
-            ],
-        },
-    }
-
-
-@pytest.fixture(scope="module")
-def kueue_crds(dev_cluster: DevCluster) -> None:
-    extensions: Any = client.ApiextensionsV1Api(dev_cluster.api)
-    for kind, (plural, namespaced) in KINDS.items():
-        with contextlib.suppress(ApiException):  # already there from an earlier module
-            extensions.create_custom_resource_definition(crd(kind, plural, namespaced), _preload_content=False)
-    deadline = time.monotonic() + 60
-    for plural, _ in KINDS.values():
-        while True:
-            found = orjson.loads(
-                extensions.read_custom_resource_definition(f"{plural}.{GROUP}", _preload_content=False).data
-            )
-            conditions = {c["type"]: c["status"] for c in (found.get("status") or {}).get("conditions") or []}
-            if conditions.get("Established") == "True":
-                break
-            assert time.monotonic() < deadline, f"CRD {plural} not established: {conditions}"
-            time.sleep(0.2)
-    # the extender looks for Kueue's CRDs again only every minute: restart it to see them now
-    dev_cluster.restart_extender(crash=False)
-
-
 @pytest.fixture
 def team_budget(dev_cluster: DevCluster, kueue_crds: None, e2e_namespace: str, gpu_nodes: Any) -> Iterator[Any]:
     nodes = gpu_nodes(1, gpus=4)
     custom: Any = client.CustomObjectsApi(dev_cluster.api)
     name = e2e_namespace
-    flavor = {"apiVersion": f"{GROUP}/v1beta1", "kind": "ResourceFlavor", "metadata": {"name": name},
+    flavor = {"apiVersion": f"{GROUP}/v1beta2", "kind": "ResourceFlavor", "metadata": {"name": name},
               "spec": {"nodeLabels": nodes.selector}}
     queue = {
-        "apiVersion": f"{GROUP}/v1beta1", "kind": "ClusterQueue", "metadata": {"name": name},
+        "apiVersion": f"{GROUP}/v1beta2", "kind": "ClusterQueue", "metadata": {"name": name},
         "spec": {
             "namespaceSelector": {"matchLabels": {protocol.LABEL_NAMESPACE_NAME: e2e_namespace}},
             # Kueue's default (BlockUndeclared): a queue must cover every GPU resource its pods ask for
@@ -95,20 +41,20 @@ def team_budget(dev_cluster: DevCluster, kueue_crds: None, e2e_namespace: str, g
             }],
         },
     }
-    local = {"apiVersion": f"{GROUP}/v1beta1", "kind": "LocalQueue", "metadata": {"name": "team"},
+    local = {"apiVersion": f"{GROUP}/v1beta2", "kind": "LocalQueue", "metadata": {"name": "team"},
              "spec": {"clusterQueue": name}}
-    custom.create_cluster_custom_object(GROUP, "v1beta1", "resourceflavors", flavor)
-    custom.create_cluster_custom_object(GROUP, "v1beta1", "clusterqueues", queue)
-    custom.create_namespaced_custom_object(GROUP, "v1beta1", e2e_namespace, "localqueues", local)
+    custom.create_cluster_custom_object(GROUP, "v1beta2", "resourceflavors", flavor)
+    custom.create_cluster_custom_object(GROUP, "v1beta2", "clusterqueues", queue)
+    custom.create_namespaced_custom_object(GROUP, "v1beta2", e2e_namespace, "localqueues", local)
     deadline = time.monotonic() + 30
     while not any(q["name"] == name for q in httpx.get(f"{dev_cluster.extender_url}/quota").json()["clusterQueues"]):
         assert time.monotonic() < deadline, "the extender never saw the ClusterQueue:\n" + dev_cluster.log_tail(
             "extender")
         time.sleep(0.2)
     yield nodes
-    custom.delete_namespaced_custom_object(GROUP, "v1beta1", e2e_namespace, "localqueues", "team")
-    custom.delete_cluster_custom_object(GROUP, "v1beta1", "clusterqueues", name)
-    custom.delete_cluster_custom_object(GROUP, "v1beta1", "resourceflavors", name)
+    custom.delete_namespaced_custom_object(GROUP, "v1beta2", e2e_namespace, "localqueues", "team")
+    custom.delete_cluster_custom_object(GROUP, "v1beta2", "clusterqueues", name)
+    custom.delete_cluster_custom_object(GROUP, "v1beta2", "resourceflavors", name)
 
 
 def test_team_beyond_budget_waits_with_our_reason_then_runs(
@@ -174,14 +120,14 @@ def cohort_of_two(dev_cluster: DevCluster, kueue_crds: None, e2e_namespace: str,
     nodes = gpu_nodes(1, gpus=4)
     custom: Any = client.CustomObjectsApi(dev_cluster.api)
     name = e2e_namespace
-    flavor = {"apiVersion": f"{GROUP}/v1beta1", "kind": "ResourceFlavor", "metadata": {"name": name},
+    flavor = {"apiVersion": f"{GROUP}/v1beta2", "kind": "ResourceFlavor", "metadata": {"name": name},
               "spec": {"nodeLabels": nodes.selector}}
-    custom.create_cluster_custom_object(GROUP, "v1beta1", "resourceflavors", flavor)
+    custom.create_cluster_custom_object(GROUP, "v1beta2", "resourceflavors", flavor)
     for team, preemption in (("a", {}), ("b", {"reclaimWithinCohort": "Any"})):
         queue = {
-            "apiVersion": f"{GROUP}/v1beta1", "kind": "ClusterQueue", "metadata": {"name": f"{name}-{team}"},
+            "apiVersion": f"{GROUP}/v1beta2", "kind": "ClusterQueue", "metadata": {"name": f"{name}-{team}"},
             "spec": {
-                "cohort": f"{name}-cohort", "preemption": preemption,
+                "cohortName": f"{name}-cohort", "preemption": preemption,
                 "namespaceSelector": {"matchLabels": {protocol.LABEL_NAMESPACE_NAME: e2e_namespace}},
                 "resourceGroups": [{
                     "coveredResources": [protocol.RESOURCE_GPU, protocol.RESOURCE_GPU_MEMORY],
@@ -191,10 +137,10 @@ def cohort_of_two(dev_cluster: DevCluster, kueue_crds: None, e2e_namespace: str,
                 }],
             },
         }
-        custom.create_cluster_custom_object(GROUP, "v1beta1", "clusterqueues", queue)
-        local = {"apiVersion": f"{GROUP}/v1beta1", "kind": "LocalQueue", "metadata": {"name": f"q{team}"},
+        custom.create_cluster_custom_object(GROUP, "v1beta2", "clusterqueues", queue)
+        local = {"apiVersion": f"{GROUP}/v1beta2", "kind": "LocalQueue", "metadata": {"name": f"q{team}"},
                  "spec": {"clusterQueue": f"{name}-{team}"}}
-        custom.create_namespaced_custom_object(GROUP, "v1beta1", e2e_namespace, "localqueues", local)
+        custom.create_namespaced_custom_object(GROUP, "v1beta2", e2e_namespace, "localqueues", local)
     deadline = time.monotonic() + 30
     while sum(q["name"].startswith(name) for q in httpx.get(f"{dev_cluster.extender_url}/quota").json()[
             "clusterQueues"]) < 2:
@@ -203,9 +149,9 @@ def cohort_of_two(dev_cluster: DevCluster, kueue_crds: None, e2e_namespace: str,
         time.sleep(0.2)
     yield nodes
     for team in ("a", "b"):
-        custom.delete_namespaced_custom_object(GROUP, "v1beta1", e2e_namespace, "localqueues", f"q{team}")
-        custom.delete_cluster_custom_object(GROUP, "v1beta1", "clusterqueues", f"{name}-{team}")
-    custom.delete_cluster_custom_object(GROUP, "v1beta1", "resourceflavors", name)
+        custom.delete_namespaced_custom_object(GROUP, "v1beta2", e2e_namespace, "localqueues", f"q{team}")
+        custom.delete_cluster_custom_object(GROUP, "v1beta2", "clusterqueues", f"{name}-{team}")
+    custom.delete_cluster_custom_object(GROUP, "v1beta2", "resourceflavors", name)
 
 
 def test_a_team_within_its_nominal_quota_takes_back_what_another_borrows(

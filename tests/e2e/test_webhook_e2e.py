@@ -3,7 +3,6 @@ webhook outage does (GPU pods refused: they must not escape their limits; other 
 
 from __future__ import annotations
 
-import contextlib
 import ssl
 import time
 import urllib.request
@@ -61,28 +60,15 @@ def _pod_of(job: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def _local_queue(cluster: DevCluster, namespace: str, name: str) -> None:
-    """LocalQueues served (Kueue's CRDs, as test_quota_e2e installs them) and one of this name."""
-    from tests.e2e.test_quota_e2e import KINDS, crd
-
-    extensions: Any = client.ApiextensionsV1Api(cluster.api)
-    for kind, (plural, namespaced) in KINDS.items():
-        with contextlib.suppress(ApiException):  # already there
-            extensions.create_custom_resource_definition(crd(kind, plural, namespaced), _preload_content=False)
+    """A LocalQueue of this name (Kueue's CRDs are served: the kueue_crds fixture)."""
     custom: Any = client.CustomObjectsApi(cluster.api)
-    local = {"apiVersion": f"{protocol.KUEUE_API_GROUP}/v1beta1", "kind": "LocalQueue", "metadata": {"name": name},
+    local = {"apiVersion": f"{protocol.KUEUE_API_GROUP}/v1beta2", "kind": "LocalQueue", "metadata": {"name": name},
              "spec": {"clusterQueue": "any"}}
-    deadline = time.monotonic() + 60
-    while True:  # until the CRD is established
-        try:
-            custom.create_namespaced_custom_object(protocol.KUEUE_API_GROUP, "v1beta1", namespace, "localqueues", local)
-            return
-        except ApiException:
-            assert time.monotonic() < deadline, "LocalQueue CRD never served"
-            time.sleep(0.2)
+    custom.create_namespaced_custom_object(protocol.KUEUE_API_GROUP, "v1beta2", namespace, "localqueues", local)
 
 
 def test_a_jobs_gpu_pods_get_the_jobs_queue_and_a_missing_queue_is_refused(
-    dev_cluster: DevCluster, e2e_namespace: str
+    dev_cluster: DevCluster, e2e_namespace: str, kueue_crds: None
 ) -> None:
     """Issue 13 item 2 through the real API server: the webhook reads the owner Job (under the manifests' read-only
     RBAC) and stamps its kueue.x-k8s.io/queue-name and priority-class on a pod that lacks them; the admission mark

@@ -34,7 +34,7 @@ from tests.manifests.render import (
 )
 
 Grant = tuple[str, str, str]  # (apiGroup, resource, resourceName or "" for any)
-KUEUE = ("clusterqueues", "localqueues", "resourceflavors", "cohorts", "workloadpriorityclasses")
+KUEUE = ("clusterqueues", "localqueues", "resourceflavors", "cohorts", "workloadpriorityclasses", "workloads")
 
 #: Our roles: (kind, namespace or None, name) -> grant -> verbs.
 INTENDED_ROLES: dict[tuple[str, str | None, str], dict[Grant, set[str]]] = {
@@ -48,6 +48,8 @@ INTENDED_ROLES: dict[tuple[str, str | None, str], dict[Grant, set[str]]] = {
         ("events.k8s.io", "events", ""): {"create"},
         ("", "namespaces", ""): {"list", "watch"},
         **{("kueue.x-k8s.io", plural, ""): {"list", "watch"} for plural in KUEUE},
+        # quota mode auto/enforce: is Kueue's controller installed? (extender/quota/factory.py)
+        ("admissionregistration.k8s.io", "mutatingwebhookconfigurations", ""): {"list"},
     },
     ("Role", NAMESPACE, "kube-vgpu-scheduler-leader-election"): {
         ("coordination.k8s.io", "leases", "kube-vgpu-scheduler"): {"get", "update", "list", "watch"},
@@ -191,7 +193,7 @@ def test_the_lease_role_names_the_lease_of_the_scheduler_configuration() -> None
 # Every API call in the code is covered by its component's role
 # ---------------------------------------------------------------------------------------------
 
-_CALL = re.compile(r"\b(?:core|custom)\.(list|read|patch|create|replace|delete)_(namespaced_)?([a-z_]+?)"
+_CALL = re.compile(r"\b(?:core|custom|admission)\.(list|read|patch|create|replace|delete)_(namespaced_)?([a-z_]+?)"
                    r"(_for_all_namespaces)?\b")
 _RESOURCES = {"node": "nodes", "pod": "pods", "pod_binding": "pods/binding", "namespace": "namespaces",
               "event": "events", "secret": "secrets", "config_map": "configmaps"}
@@ -220,6 +222,8 @@ def api_calls(*paths: str) -> set[tuple[str, str, str]]:
         for verb, _, kind, _ in _CALL.findall(text):
             if kind == "cluster_custom_object":  # Kueue's objects (extender/quota/live.py KINDS)
                 resources = [("kueue.x-k8s.io", plural) for plural in KUEUE]
+            elif kind == "mutating_webhook_configuration":
+                resources = [("admissionregistration.k8s.io", "mutatingwebhookconfigurations")]
             else:
                 resources = [("", _RESOURCES[kind])]
             for group, resource in resources:
@@ -236,7 +240,7 @@ def allowed(role_name: str) -> set[tuple[str, str, str]]:
     ("role", "sources", "watched"),
     [
         ("kube-vgpu-extender", ("extender/sources/live.py", "extender/sources/evictor.py", "extender/quota/live.py",
-                                 "extender/scheduler.py"), True),
+                                 "extender/quota/factory.py", "extender/scheduler.py"), True),
         ("kube-vgpu-device-plugin", ("deviceplugin/kube.py", "deviceplugin/app.py", "deviceplugin/foreign.py"), False),
     ],
 )
@@ -244,7 +248,8 @@ def test_every_api_call_in_the_code_is_granted(role: str, sources: tuple[str, ..
     calls = api_calls(*sources)
     assert calls, "the call pattern found nothing: update the test"
     if watched:  # the extender's lists feed its watches (sources/watch.py watch_events)
-        calls |= {(group, resource, "watch") for group, resource, verb in calls if verb == "list"}
+        calls |= {(group, resource, "watch") for group, resource, verb in calls
+                  if verb == "list" and resource != "mutatingwebhookconfigurations"}  # read once, not watched
     missing = calls - allowed(role)
     assert not missing, f"{role} lacks {sorted(missing)}"
     unused = allowed(role) - calls

@@ -9,11 +9,16 @@ with the machine's Go from the official Go modules, so nothing but a Go toolchai
 * etcd: a throw-away module requires ``go.etcd.io/etcd/server/v3``, whose root package is etcd's ``main``.
 * kwok (sigs.k8s.io/kwok, pod and node lifecycle without kubelets): ``go install sigs.k8s.io/kwok/cmd/kwok@<version>``,
   which builds with KWOK's own go.mod and go.sum as released.
+* kueue (sigs.k8s.io/kueue, the real Kueue controller, opt-in): ``go install`` is refused (the proxy does not list
+  Kueue's versions), so a throw-away module requires ``sigs.k8s.io/kueue`` and carries **Kueue's own go.sum** from the
+  module: the checksum database refuses one of its dependencies (``sigs.k8s.io/scheduler-library``), whose hash
+  Kueue's go.sum pins. Kueue's CRDs, webhook configurations and RBAC are read from the same module
+  (``kueue_source_dir()``), so they always match the binary.
 
 Results are cached under ``${XDG_CACHE_HOME:-~/.cache}/kube-vgpu/k8s-<version>/bin`` (Kubernetes and etcd) and
-``.../kube-vgpu/kwok-<version>/bin`` (kwok, versioned on its own), each with a stamp file recording what each binary
-was built from and a build lock, so later calls return at once. ``KUBE_VGPU_BIN_DIR`` points at prebuilt binaries
-instead (nothing is built then).
+``.../kube-vgpu/kwok-<version>/bin`` (kwok, versioned on its own; ``kueue-<version>/bin`` too), each with a stamp
+file recording what each binary was built from and a build lock, so later calls return at once.
+``KUBE_VGPU_BIN_DIR`` points at prebuilt binaries instead (nothing is built then).
 
 Run ``python -m kube_vgpu.dev.devcluster.binaries`` to build and print the paths.
 """
@@ -95,6 +100,10 @@ MIN_GO_VERSION = KUBERNETES_RELEASE.min_go
 _GO_LINE = f"{MIN_GO_VERSION[0]}.{MIN_GO_VERSION[1]}.0"
 # KWOK (kubelet-less pod/node lifecycle); v0.7.0 declares `go 1.24`; it only talks to the API (pods, nodes).
 KWOK_VERSION = "v0.7.0"
+# The Kueue controller (opt-in: ClusterOptions.kueue); v0.19.2 declares `go 1.26.0`.
+KUEUE_VERSION = "v0.19.2"
+KUEUE_MODULE = "sigs.k8s.io/kueue"
+KUEUE_MIN_GO_VERSION = (1, 26)
 # Bump whenever the build recipe (flags, ldflags, module template) changes, so existing caches are rebuilt.
 RECIPE_VERSION = 1
 
@@ -105,7 +114,11 @@ BUILD_PARALLELISM_ENV = "KUBE_VGPU_GO_BUILD_PARALLELISM"
 CORE_BINARY_NAMES: tuple[str, ...] = ("etcd", "kube-apiserver", "kube-scheduler", "kubectl")
 #: What ClusterOptions.lifecycle adds: Jobs/Deployments create pods, KWOK runs and finishes them.
 LIFECYCLE_BINARY_NAMES: tuple[str, ...] = ("kube-controller-manager", "kwok")
-BINARY_NAMES: tuple[str, ...] = CORE_BINARY_NAMES + LIFECYCLE_BINARY_NAMES
+#: What ClusterOptions.kueue adds: the real Kueue controller.
+KUEUE_BINARY_NAMES: tuple[str, ...] = ("kueue",)
+BINARY_NAMES: tuple[str, ...] = CORE_BINARY_NAMES + LIFECYCLE_BINARY_NAMES + KUEUE_BINARY_NAMES
+#: What ensure_binaries() builds unless told: Kueue is opt-in (8 more minutes on a first run).
+DEFAULT_BINARY_NAMES: tuple[str, ...] = CORE_BINARY_NAMES + LIFECYCLE_BINARY_NAMES
 
 HEARTBEAT_INTERVAL_S = 30.0
 OUTPUT_TAIL_LINES = 40
@@ -130,6 +143,15 @@ require k8s.io/kubernetes {kubernetes_version}
 replace (
 {replaces}
 )
+"""
+
+# Kueue's own go.sum sits beside this go.mod (see the module docstring); `go build` resolves the rest from it.
+_KUEUE_GO_MOD = """\
+module kube-vgpu.local/build/kueue
+
+go {go_line}
+
+require {module} {kueue_version}
 """
 
 _ETCD_GO_MOD = """\
@@ -162,7 +184,7 @@ class PrebuiltBinariesError(BinariesError):
 @dataclass(frozen=True)
 class _Target:
     name: str
-    source: str  # "kubernetes", "etcd" (throw-away modules) or "kwok" (go install of KWOK's own module)
+    source: str  # "kubernetes", "etcd", "kueue" (throw-away modules) or "kwok" (go install of KWOK's own module)
     package: str
     version_args: tuple[str, ...]
     version_text: str  # must appear in the output of `<binary> <version_args>`
@@ -200,6 +222,8 @@ _TARGETS: tuple[_Target, ...] = (
     ),
     # kwok's version is a constant of its source (pkg/consts.Version), printed as "kwok version v0.7.0 ...".
     _Target("kwok", "kwok", "sigs.k8s.io/kwok/cmd/kwok", ("--version",), KWOK_VERSION[1:]),
+    # kueue has no version flag (it logs its version when it starts); its usage names its own flags.
+    _Target("kueue", "kueue", f"{KUEUE_MODULE}/cmd/kueue", ("--help",), "-feature-gates"),
 )
 assert tuple(t.name for t in _TARGETS) == BINARY_NAMES
 _TARGETS_BY_NAME = {target.name: target for target in _TARGETS}
@@ -227,9 +251,19 @@ def kwok_cache_dir() -> Path:
     return _cache_root() / f"kwok-{KWOK_VERSION}"
 
 
+def kueue_cache_dir() -> Path:
+    """Root of this Kueue version's cache (its own directory, like KWOK's)."""
+    return _cache_root() / f"kueue-{KUEUE_VERSION}"
+
+
 def home_of(name: str) -> Path:
     """The cache root (bin/, stamp.json, build.lock) a binary belongs to."""
-    return kwok_cache_dir() if _TARGETS_BY_NAME[name].source == "kwok" else cache_dir()
+    source = _TARGETS_BY_NAME[name].source
+    if source == "kwok":
+        return kwok_cache_dir()
+    if source == "kueue":
+        return kueue_cache_dir()
+    return cache_dir()
 
 
 def bin_dir(home: Path | None = None) -> Path:
@@ -252,6 +286,8 @@ def build_keys() -> dict[str, str]:
             source = f"go.etcd.io/etcd/server/v3@{ETCD_VERSION}"
         elif target.source == "kwok":
             source = f"sigs.k8s.io/kwok@{KWOK_VERSION}"
+        elif target.source == "kueue":
+            source = f"{KUEUE_MODULE}@{KUEUE_VERSION}"
         else:
             source = f"k8s.io/kubernetes@{KUBERNETES_VERSION}"
         keys[target.name] = f"{source} recipe={RECIPE_VERSION}"
@@ -283,8 +319,11 @@ def _record_built(path: Path, name: str, key: str, go_version: str, build_s: flo
     except (OSError, ValueError):
         data = {}
     data.setdefault("binaries", {})[name] = {"key": key, "go_version": go_version, "build_s": round(build_s, 1)}
-    if _TARGETS_BY_NAME[name].source == "kwok":
+    source = _TARGETS_BY_NAME[name].source
+    if source == "kwok":
         data["kwok_version"] = KWOK_VERSION
+    elif source == "kueue":
+        data["kueue_version"] = KUEUE_VERSION
     else:
         data["kubernetes_version"] = KUBERNETES_VERSION
         data["etcd_version"] = ETCD_VERSION
@@ -314,8 +353,9 @@ def stale_binaries(directory: Path, stamp: Mapping[str, str], names: Iterable[st
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def ensure_binaries(progress: ProgressFn = print, names: Iterable[str] = BINARY_NAMES) -> dict[str, Path]:
-    """Return the paths of the binaries named (default: all of BINARY_NAMES), building what is not cached yet.
+def ensure_binaries(progress: ProgressFn = print, names: Iterable[str] = DEFAULT_BINARY_NAMES) -> dict[str, Path]:
+    """Return the paths of the binaries named (default: DEFAULT_BINARY_NAMES, all but Kueue), building what is not
+    cached yet.
 
     The first build takes many minutes (progress is reported through ``progress``); later calls only stat files.
     """
@@ -328,14 +368,14 @@ def ensure_binaries(progress: ProgressFn = print, names: Iterable[str] = BINARY_
         return _prebuilt_binaries(Path(override), wanted)
 
     paths = {name: binary_path(name) for name in wanted}
-    homes = list(dict.fromkeys(home_of(name) for name in wanted))  # k8s first, then kwok
+    homes = list(dict.fromkeys(home_of(name) for name in wanted))  # k8s first, then kwok, then kueue
     for home in homes:
         group = [name for name in wanted if home_of(name) == home]
         directory = bin_dir(home)
         if not stale_binaries(directory, read_stamp(stamp_path(home)), group):
             continue
         go = _find_go()
-        go_version = _go_version(go)
+        go_version = _go_version(go, KUEUE_MIN_GO_VERSION if home == kueue_cache_dir() else MIN_GO_VERSION)
         home.mkdir(parents=True, exist_ok=True)
         with _exclusive_lock(home / "build.lock", progress):
             # Another process may have built some or all of them while we waited for the lock.
@@ -373,8 +413,8 @@ def _find_go() -> str:
     return go
 
 
-def _go_version(go: str) -> str:
-    """The toolchain's version (e.g. "go1.26.8"), checked against MIN_GO_VERSION."""
+def _go_version(go: str, minimum: tuple[int, int] = MIN_GO_VERSION) -> str:
+    """The toolchain's version (e.g. "go1.26.8"), checked against `minimum` (the module's own `go` line)."""
     try:
         result = subprocess.run(
             [go, "env", "GOVERSION"], env=_go_env(), capture_output=True, text=True, timeout=60, check=False
@@ -388,8 +428,9 @@ def _go_version(go: str) -> str:
             f"`{go} env GOVERSION` did not report a Go version (exit {result.returncode}): "
             f"{(result.stdout + result.stderr).strip()[-500:]}. {_install_help()}"
         )
-    if (int(match.group(1)), int(match.group(2))) < MIN_GO_VERSION:
-        raise GoNotFoundError(f"{go} is {version}, too old. {_install_help()}")
+    if (int(match.group(1)), int(match.group(2))) < minimum:
+        raise GoNotFoundError(f"{go} is {version}, older than the go{minimum[0]}.{minimum[1]} this build needs. "
+                              f"{_install_help()}")
     return version
 
 
@@ -454,13 +495,16 @@ def _build(go: str, go_version: str, root: Path, names: list[str], progress: Pro
     targets = [t for t in _TARGETS if t.name in names]
     keys = build_keys()
     total_start_s = time.monotonic()
-    versions = f"kwok {KWOK_VERSION}" if root == kwok_cache_dir() else (
-        f"Kubernetes {KUBERNETES_VERSION}, etcd {ETCD_VERSION}"
-    )
+    if root == kwok_cache_dir():
+        versions = f"kwok {KWOK_VERSION}"
+    elif root == kueue_cache_dir():
+        versions = f"Kueue {KUEUE_VERSION}"
+    else:
+        versions = f"Kubernetes {KUBERNETES_VERSION}, etcd {ETCD_VERSION}"
     progress(
         f"building {', '.join(names)} ({versions}) with {go_version} into {directory}; the first build takes a while"
     )
-    for source in ("etcd", "kubernetes", "kwok"):
+    for source in ("etcd", "kubernetes", "kwok", "kueue"):
         source_targets = [t for t in targets if t.source == source]
         if not source_targets:
             continue
@@ -473,7 +517,15 @@ def _build(go: str, go_version: str, root: Path, names: list[str], progress: Pro
                     build_s = _build_one(go, module_dir, target, "-s -w", directory, progress)
                     _record_built(stamp_path(root), target.name, keys[target.name], go_version, build_s)
                 continue
-            if source == "etcd":
+            if source == "kueue":
+                progress(f"fetching {KUEUE_MODULE}@{KUEUE_VERSION} (the module source, with its go.sum)")
+                info = _go_mod_download(go, module_dir, f"{KUEUE_MODULE}@{KUEUE_VERSION}")
+                shutil.copyfile(Path(info["Dir"]) / "go.sum", module_dir / "go.sum")
+                (module_dir / "go.sum").chmod(0o644)  # the module cache's files are read-only
+                go_mod = _KUEUE_GO_MOD.format(module=KUEUE_MODULE, kueue_version=KUEUE_VERSION,
+                                              go_line=f"{KUEUE_MIN_GO_VERSION[0]}.{KUEUE_MIN_GO_VERSION[1]}.0")
+                ldflags = "-s -w " + kueue_version_ldflags(_read_info_time(Path(info.get("Info", ""))))
+            elif source == "etcd":
                 go_mod = _ETCD_GO_MOD.format(etcd_version=ETCD_VERSION, go_line=_GO_LINE)
                 ldflags = "-s -w"
             else:
@@ -535,6 +587,29 @@ def kubernetes_version_ldflags(build_date: str) -> str:
     for package in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version"):
         flags += [f"-X {package}.{key}={value}" for key, value in values.items()]
     return " ".join(flags)
+
+
+def kueue_version_ldflags(build_date: str) -> str:
+    """What Kueue's Makefile sets, so its start-up log names the version it runs."""
+    flags = [f"-X {KUEUE_MODULE}/pkg/version.GitVersion={KUEUE_VERSION}"]
+    if build_date:
+        flags.append(f"-X {KUEUE_MODULE}/pkg/version.BuildDate={build_date}")
+    return " ".join(flags)
+
+
+def kueue_source_dir(progress: ProgressFn = print) -> Path:
+    """The Kueue module's source tree (read-only, in Go's module cache), downloaded if needed: its CRDs
+    (config/components/crd/bases), webhook configurations and RBAC. A download of a few MiB; nothing is built."""
+    go = _find_go()
+    _go_version(go, KUEUE_MIN_GO_VERSION)
+    with tempfile.TemporaryDirectory(prefix="kueue-source-") as scratch:
+        (Path(scratch) / "go.mod").write_text("module kube-vgpu.local/kueue-source\n")
+        info = _go_mod_download(go, Path(scratch), f"{KUEUE_MODULE}@{KUEUE_VERSION}")
+    directory = Path(info["Dir"])
+    if not (directory / "config" / "components" / "crd" / "bases").is_dir():
+        raise BinariesError(f"{KUEUE_MODULE}@{KUEUE_VERSION} in {directory} has no config/components/crd/bases")
+    progress(f"Kueue {KUEUE_VERSION} source in {directory}")
+    return directory
 
 
 def _read_info_time(path: Path) -> str:

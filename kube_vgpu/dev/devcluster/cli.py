@@ -1,7 +1,7 @@
 """`kube-vgpu dev-cluster up|down`: a local control plane with simulated GPU nodes.
 
     kube-vgpu dev-cluster up [--nodes N] [--gpus-per-node G] [--gpu-model NAME] [--gpu-memory-mib M]
-                             [--topology nvswitch|nvlink-pairs|pcie] [--no-lifecycle] [--state-dir DIR]
+                             [--topology nvswitch|nvlink-pairs|pcie] [--no-lifecycle] [--kueue] [--state-dir DIR]
     kube-vgpu dev-cluster down [--state-dir DIR]
 
 `up` starts everything detached (each process in its own session), prints the kubeconfig path and an
@@ -47,6 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run neither kube-controller-manager nor KWOK: no controller creates pods, bound pods stay Pending",
     )
     start.add_argument(
+        "--kueue", action="store_true",
+        help="also run the real Kueue controller (built from its Go module the first time, about 8 min), with its "
+             "own CRDs and webhooks; the extender then leaves admission to it (quota mode kueue, docs/quota.md)",
+    )
+    start.add_argument(
         "--heartbeat-seconds", type=float, default=DEFAULT_HEARTBEAT_INTERVAL_S, help="default: %(default)s"
     )
     start.add_argument("--extender-arg", action="append", default=[], metavar="ARG",
@@ -67,6 +72,9 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(f"nothing was running from {state_dir}")
         return 0
+    if args.kueue and args.no_lifecycle:
+        print("kube-vgpu dev-cluster up: --kueue needs the pod lifecycle (drop --no-lifecycle)", file=sys.stderr)
+        return 2
     if args.nodes < 0 or args.gpus_per_node < 1 or args.gpu_memory_mib < 1:
         print("kube-vgpu dev-cluster up: --nodes must be >= 0, --gpus-per-node and --gpu-memory-mib >= 1",
               file=sys.stderr)
@@ -83,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
         node_groups=(group,),
         webhook=not args.no_webhook,
         lifecycle=not args.no_lifecycle,
+        kueue=args.kueue,
         extender_args=tuple(args.extender_arg),
         heartbeat_interval_s=args.heartbeat_seconds,
         progress=_progress,

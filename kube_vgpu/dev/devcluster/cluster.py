@@ -104,11 +104,13 @@ DEFAULT_CONTROLLER_MANAGER_BURST = 400
 KWOK_NAMESPACE = "kube-system"
 
 # Start order; stop runs the reverse. kube-controller-manager and kwok run only with ClusterOptions.lifecycle.
+# kueue runs only with ClusterOptions.kueue.
 COMPONENTS = (
-    "etcd", "kube-apiserver", "kube-controller-manager", "webhook", "extender", "kube-scheduler", "heartbeat", "kwok"
+    "etcd", "kube-apiserver", "kube-controller-manager", "kueue", "webhook", "extender", "kube-scheduler", "heartbeat",
+    "kwok",
 )
 #: Components start_component can start again on their own (etcd and kube-apiserver hold the cluster's state).
-RESTARTABLE = ("kube-controller-manager", "webhook", "extender", "kube-scheduler", "heartbeat", "kwok")
+RESTARTABLE = ("kube-controller-manager", "kueue", "webhook", "extender", "kube-scheduler", "heartbeat", "kwok")
 
 ProgressFn = Callable[[str], object]
 
@@ -167,6 +169,10 @@ class ClusterOptions:
     #: (older releases serve other versions of it and refuse these flags). kube-scheduler keeps the gate off: gangs
     #: are placed by our extender, not by kube-scheduler's own gang scheduling.
     workload_api: bool = False
+    #: The real Kueue controller (built from its Go module, with its own CRDs, webhooks and RBAC: kueue.py) admits
+    #: Jobs carrying a queue label; needs `lifecycle` (Jobs need their controller). The extender's quota mode is
+    #: then up to extender_args (its default, auto, finds Kueue's controller and leaves admission to it).
+    kueue: bool = False
     scheduler_qps: float = DEFAULT_SCHEDULER_QPS
     scheduler_burst: int = DEFAULT_SCHEDULER_BURST
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
@@ -336,6 +342,8 @@ class DevCluster:
         self.heartbeat_kubeconfig = self.state_dir / "heartbeat.kubeconfig"
         self.controller_manager_kubeconfig = self.state_dir / "kube-controller-manager.kubeconfig"
         self.kwok_kubeconfig = self.state_dir / "kwok.kubeconfig"
+        self.kueue_kubeconfig = self.state_dir / "kueue.kubeconfig"
+        self.kueue_config_path = self.state_dir / "kueue-config.yaml"
         self.kwok_config_path = self.state_dir / "kwok-stages.yaml"
         self.scheduler_config_path = self.state_dir / "kube-scheduler-config.yaml"
         self.nodes_file = self.state_dir / NODES_FILE
@@ -391,6 +399,10 @@ class DevCluster:
         names = ["etcd", "etcd-peer", "kube-apiserver", "webhook", "extender", "kube-scheduler"]
         if self.options.lifecycle:
             names += ["kube-controller-manager", "kwok"]
+        if self.options.kueue:
+            if not self.options.lifecycle:
+                raise DevClusterError("Kueue needs the pod lifecycle (its Jobs need kube-controller-manager)")
+            names += ["kueue", "kueue-health", "kueue-metrics"]
         for name in names:
             port = overrides.get(name) or free_port()
             while port in self.ports.values():  # the kernel may hand out a just-released port again
@@ -411,6 +423,9 @@ class DevCluster:
         if self.options.lifecycle:
             # Started now, waited for at the end: it needs nothing but the API server, and comes up meanwhile.
             self._spawn_controller_manager()
+        if self.options.kueue:
+            # Kueue's CRDs exist before the extender starts (it looks for them once a minute otherwise).
+            self._start_kueue()
         node_registration = ThreadPoolExecutor(max_workers=1, thread_name_prefix="register-nodes")
         try:
             # Nodes are registered while the Python components import their dependencies (seconds on 2 cores).
@@ -453,12 +468,14 @@ class DevCluster:
             return
         from kube_vgpu.dev.devcluster.binaries import (
             CORE_BINARY_NAMES,
+            KUEUE_BINARY_NAMES,
             LIFECYCLE_BINARY_NAMES,
             BinariesError,
             ensure_binaries,
         )
 
         names = CORE_BINARY_NAMES + (LIFECYCLE_BINARY_NAMES if self.options.lifecycle else ())
+        names += KUEUE_BINARY_NAMES if self.options.kueue else ()
         try:
             self.binaries = ensure_binaries(progress=self._progress, names=names)
         except BinariesError as exc:
@@ -944,6 +961,72 @@ class DevCluster:
         self._spawn("kwok", argv, env=env)
         url = f"http://127.0.0.1:{self.ports['kwok']}/healthz"
         self._wait_ready("kwok", url, lambda: _probe(url, None, _ok_200))
+
+    def _start_kueue(self) -> None:
+        """Kueue's namespace, identity, certificate Secret, CRDs and webhooks, then its controller (kueue.py)."""
+        from kubernetes import client, utils
+
+        from kube_vgpu.dev.devcluster import kueue as kueue_module
+        from kube_vgpu.dev.devcluster.binaries import BinariesError, kueue_source_dir
+
+        try:
+            source = kueue_source_dir(progress=self._progress)
+        except BinariesError as exc:
+            raise ComponentError("kueue", str(exc)) from None
+        api = self.api
+        core: Any = client.CoreV1Api(api)
+        core.create_namespace({"apiVersion": "v1", "kind": "Namespace",
+                               "metadata": {"name": kueue_module.KUEUE_NAMESPACE}})
+        for document in kueue_module.rbac_documents(source):
+            utils.create_from_dict(api, document)
+        secret, files = kueue_module.webhook_secret()
+        ca_pem = files["ca.crt"]
+        core.create_namespaced_secret(kueue_module.KUEUE_NAMESPACE, secret, _preload_content=False)
+        cert_dir = self.state_dir / "kueue-certs"
+        shutil.rmtree(cert_dir, ignore_errors=True)
+        cert_dir.mkdir(mode=0o700)
+        for name, content in files.items():  # what mounting the Secret at Kueue's certDir gives its Deployment
+            (cert_dir / name).write_bytes(content)
+        base_url = f"https://127.0.0.1:{self.ports['kueue']}"
+        extensions: Any = client.ApiextensionsV1Api(api)
+        for crd in kueue_module.crd_documents(source, conversion_url=base_url, ca_pem=ca_pem):
+            extensions.create_custom_resource_definition(crd, _preload_content=False)
+        admission: Any = client.AdmissionregistrationV1Api(api)
+        for configuration in kueue_module.webhook_configurations(source, base_url, ca_pem):
+            if configuration["kind"] == "MutatingWebhookConfiguration":
+                admission.create_mutating_webhook_configuration(configuration, _preload_content=False)
+            else:
+                admission.create_validating_webhook_configuration(configuration, _preload_content=False)
+        self.write_token_kubeconfig(kueue_module.SERVICE_ACCOUNT, self.kueue_kubeconfig,
+                                    namespace=kueue_module.KUEUE_NAMESPACE)
+        config = kueue_module.configuration(webhook_port=self.ports["kueue"], health_port=self.ports["kueue-health"],
+                                            metrics_port=self.ports["kueue-metrics"], cert_dir=cert_dir)
+        self.kueue_config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+        argv = [self._binary("kueue"), f"--config={self.kueue_config_path}", f"--kubeconfig={self.kueue_kubeconfig}",
+                f"--feature-gates={kueue_module.FEATURE_GATES}"]
+        self._spawn("kueue", argv)
+        url = f"http://127.0.0.1:{self.ports['kueue-health']}/readyz"
+        self._wait_ready("kueue", url, lambda: _probe(url, None, _ok_200))
+        self._wait_ready("kueue", "its webhooks answering the API server", self._kueue_webhook_refusal, record=False)
+
+    def _kueue_webhook_refusal(self) -> str | None:
+        """None once the API server gets answers from Kueue's webhooks (a dry-run ResourceFlavor goes through its
+        defaulting and validation webhooks; nothing is created)."""
+        from kubernetes import client
+        from kubernetes.client.rest import ApiException
+
+        from kube_vgpu.protocol import KUEUE_API_GROUP
+
+        custom: Any = client.CustomObjectsApi(self.api)
+        probe = {"apiVersion": f"{KUEUE_API_GROUP}/v1beta2", "kind": "ResourceFlavor",
+                 "metadata": {"name": "kube-vgpu-probe"}, "spec": {}}
+        try:
+            custom.create_cluster_custom_object(KUEUE_API_GROUP, "v1beta2", "resourceflavors", probe, dry_run="All",
+                                                _preload_content=False)
+        except ApiException as exc:
+            body = exc.body.decode(errors="replace") if isinstance(exc.body, bytes) else str(exc.body)
+            return f"HTTP {exc.status}: {body[:300]}"
+        return None
 
     def _start_heartbeat(self) -> None:
         ready_file = self.state_dir / "heartbeat.ready"
