@@ -65,9 +65,42 @@ def _share(queue: dict[str, Any]) -> str:
     return text if fair.get("weight") in (None, "1") else f"{text} (w{fair['weight']})"
 
 
+KUEUE_MODE_COLUMNS = ("CLUSTERQUEUE", "RESOURCE", "LANDED", "KUEUE CHARGED", "ADMITTED WL", "PENDING WL")
+#: the landed resources shown, in Kueue's names for them under the HAMi guide's transformation
+LANDED_SHOWN = ("nvidia.com/gpu", "nvidia.com/total-gpumem", "nvidia.com/total-gpucores", "pods")
+
+
+def render_kueue_mode(doc: dict[str, Any]) -> str:
+    """Quota mode kueue: per ClusterQueue, what landed on GPUs beside what Kueue's controller charged."""
+    rows: list[tuple[str, ...]] = []
+    for queue in doc.get("clusterQueues", []):
+        charged: dict[str, int] = {}
+        for flavor in queue.get("kueueCharged", []):
+            for usage in flavor.get("resources", []):
+                charged[usage["resource"]] = charged.get(usage["resource"], 0) + usage["total"]
+        resources = [*LANDED_SHOWN, *sorted(set(charged) - set(LANDED_SHOWN))]
+        for index, resource in enumerate(resources):
+            first = index == 0
+            rows.append((queue["name"] if first else "", resource, _cell(queue["landed"].get(resource)),
+                         _cell(charged.get(resource)), _cell(queue["admittedWorkloads"]) if first else "",
+                         _cell(queue["pendingWorkloads"]) if first else ""))
+    lines = ["quota mode kueue: Kueue's controller admits; LANDED is what kube-vgpu placed on GPUs", "",
+             *_table(KUEUE_MODE_COLUMNS, rows, {2, 3, 4, 5})]
+    outside = doc.get("landedOutsideQueues") or {}
+    if outside.get("pods"):
+        lines += ["", f"{outside['pods']} GPU pod(s) in no ClusterQueue hold {outside.get('nvidia.com/gpu', 0)} "
+                      f"vGPU(s), {outside.get('nvidia.com/gpumem', 0)} MiB"]
+    if not doc.get("synced", True):
+        lines += ["", "Kueue's Workloads not listed from the cluster yet: nothing is placed"]
+    lines.extend(f"warning: {warning}" for warning in doc.get("warnings", []))
+    return "\n".join(lines)
+
+
 def render(doc: dict[str, Any]) -> str:
     """The /quota document as a fixed-width table, a table of gangs per queue that has any, then notes (inactive
     queues, invalid objects). A SHARE column (Kueue's weighted share) when the extender runs with --fair-sharing."""
+    if doc.get("mode") == "kueue":
+        return render_kueue_mode(doc)
     rows: list[tuple[str, ...]] = []
     notes: list[str] = []
     for queue in doc.get("clusterQueues", []):

@@ -176,8 +176,15 @@ class KueueModeGate:
                 "synced": self.synced,
                 "clusterQueues": queues,
                 "landedOutsideQueues": landed.get(NO_QUEUE, _zero()),
-                "warnings": [],
+                "warnings": self.warnings(),
             }
+
+    def warnings(self) -> list[str]:
+        """What makes this mode misbehave, said where operators look (/quota, quota status)."""
+        if self.watcher is not None and self.synced and self.watcher.versions.get("Workload", "") is None:
+            return ["quota mode kueue, but the API server serves no Kueue Workloads (Kueue's CRDs are not "
+                    "installed): every pod in a Kueue queue is refused until Kueue runs (or use --quota-mode=enforce)"]
+        return []
 
     def collector(self) -> Collector:
         return KueueModeCollector(self)

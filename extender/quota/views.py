@@ -172,6 +172,7 @@ def quota_view(gate: QuotaGate, gangs: GangTracker | None = None) -> dict[str, A
             if gate.fair_sharing:
                 cohorts[-1]["fairSharing"] = _fair_sharing(gate, "Cohort", name, weights)
         return {
+            "mode": "enforce",
             "synced": gate.synced,
             "sources": list(gate.sources),
             "unqueuedPods": gate.unqueued,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -349,3 +350,16 @@ def test_enforce_mode_without_kueue_admits_the_same_pods_from_the_same_objects(
         assert_no_overcommit(dev_cluster)
     finally:
         _delete_queues(dev_cluster, e2e_namespace)
+
+
+def test_enforce_mode_beside_kueues_controller_is_refused_unless_forced(kueue_cluster: DevCluster) -> None:
+    """Two admission layers with different accounting: the extender will not start that way by mistake (it reads
+    the cluster's webhook configurations under its own RBAC to find Kueue's controller)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "kube_vgpu.cli", "extender", f"--kubeconfig={kueue_cluster.extender_kubeconfig}",
+         "--quota-mode=enforce", "--port=0"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "quota mode enforce refused: Kueue's controller is installed" in result.stderr, result.stderr
+    assert "kueue-mutating-webhook-configuration" in result.stderr and "--force-quota-mode" in result.stderr
