@@ -55,7 +55,7 @@ from kube_vgpu.extender.quota.usage import (
     request_usage_on,
     undeclared_gpu_resources,
 )
-from kube_vgpu.extender.quota.views import quota_view
+from kube_vgpu.extender.quota.views import kueue_controller_warnings, quota_view
 from kube_vgpu.extender.state import FINISHED_PHASES, ClusterState, PodRecord
 from kube_vgpu.protocol import PodGpuRequest
 
@@ -116,6 +116,7 @@ class QuotaGate:
         self.cluster_namespaces: dict[str, dict[str, str]] = {}  # namespace -> labels (live mode)
         self._document_namespaces: dict[str, dict[str, str]] = {}  # from Namespace objects in the file
         self.live = live
+        self._logged_warnings: set[str] = set()
         #: False until the cluster's Kueue objects were listed once (live mode): admit nothing before
         self.synced = not live
         self.sources = ["file"] if self.file_documents else []
@@ -156,6 +157,11 @@ class QuotaGate:
             # LocalQueues and priority classes do not change what admitted pods count (Kueue keeps a workload's
             # queue and priority once admitted): only pods not counted yet need a look
             self._reload(recount=kind not in ("LocalQueue", "WorkloadPriorityClass"))
+            if kind == "ClusterQueue":
+                for warning in kueue_controller_warnings(self):
+                    if warning not in self._logged_warnings:
+                        self._logged_warnings.add(warning)
+                        log.warning("quota: %s", warning)
 
     def set_namespaces(self, namespaces: Mapping[str, Mapping[str, str]]) -> None:
         """The cluster's namespaces and their labels (for namespaceSelectors); cheap, no re-count."""

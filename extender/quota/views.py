@@ -106,6 +106,20 @@ def _fair_sharing(gate: QuotaGate, kind: str, name: str, weights: Mapping[tuple[
     return {"weight": weight_text(weight), "weightedShare": share.value, "dominantResource": share.resource}
 
 
+def kueue_controller_warnings(gate: QuotaGate) -> list[str]:
+    """Quota mode enforce with Kueue's controller running after all (installed after the extender started, or
+    forced): only Kueue's controller writes a ClusterQueue's status conditions, so a queue that has them says so."""
+    names = sorted(key[1] for key, obj in gate.cluster_documents.get("ClusterQueue", {}).items()
+                   if any(c.get("type") == "Active" for c in ((obj.get("status") or {}).get("conditions") or [])
+                          if isinstance(c, Mapping)))
+    if not names:
+        return []
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return [f"ClusterQueue {shown} carries status written by Kueue's controller: Kueue admits too, beside this "
+            "gate (quota mode enforce); two admission layers. Restart the extender with --quota-mode=auto or kueue "
+            "(docs/quota.md#quota-modes-who-admits---quota-mode)"]
+
+
 def quota_view(gate: QuotaGate, gangs: GangTracker | None = None) -> dict[str, Any]:
     """JSON-ready view of the gate's queues (and of the tracker's gangs), taken under the state lock (a
     consistent moment: the gangs are the scheduler's, kept under the same lock)."""
@@ -179,7 +193,7 @@ def quota_view(gate: QuotaGate, gangs: GangTracker | None = None) -> dict[str, A
             "fairSharing": gate.fair_sharing,
             "unqueuedGangs": unqueued_gangs,
             "errors": list(config.errors),
-            "warnings": list(config.warnings),
+            "warnings": [*config.warnings, *kueue_controller_warnings(gate)],
             "clusterQueues": queues,
             "cohorts": cohorts,
             "localQueues": [{"namespace": q.namespace, "name": q.name, "clusterQueue": q.cluster_queue,

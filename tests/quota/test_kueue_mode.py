@@ -10,7 +10,9 @@ import pytest
 from kube_vgpu import protocol
 from kube_vgpu.extender.quota import cli as quota_cli
 from kube_vgpu.extender.quota.factory import QuotaModeError, kueue_controller_evidence, resolve_quota_mode
+from kube_vgpu.extender.quota.gate import QuotaGate
 from kube_vgpu.extender.quota.kueue_mode import KueueModeGate
+from kube_vgpu.extender.quota.views import quota_view
 from kube_vgpu.extender.quota.workloads import WorkloadIndex, parse_workload
 from kube_vgpu.extender.scheduler import BindError, Scheduler
 from kube_vgpu.extender.sources.snapshot import SnapshotCluster
@@ -238,3 +240,19 @@ def test_the_quota_mode_and_the_combinations_refused(
     else:
         with pytest.raises(QuotaModeError, match=expected):
             resolve_quota_mode(requested, live=live, evidence=evidence, force=force)
+
+
+def test_enforce_mode_warns_when_kueues_controller_writes_the_queues_status() -> None:
+    """Kueue installed after the extender started in mode enforce: its controller's status on a ClusterQueue (the
+    Active condition only it writes) is reported in /quota and quota status."""
+    state = ClusterState()
+    gate = QuotaGate(state, live=True)
+    queue = {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ClusterQueue", "metadata": {"name": "gpu-queue"},
+             "spec": {"namespaceSelector": {}, "resourceGroups": []}}
+    gate.set_cluster_objects("ClusterQueue", {("", "gpu-queue"): queue})
+    assert quota_view(gate)["warnings"] == []
+    managed = {**queue, "status": {"conditions": [condition("Active", "True", "Can admit new workloads", "Ready")]}}
+    gate.set_cluster_objects("ClusterQueue", {("", "gpu-queue"): managed})
+    (warning,) = quota_view(gate)["warnings"]
+    assert "ClusterQueue gpu-queue carries status written by Kueue's controller" in warning
+    assert "warning: ClusterQueue gpu-queue" in quota_cli.render(quota_view(gate))
