@@ -58,6 +58,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--probe-address", default=":8081", help="host:port for /healthz and /readyz ('' = off)")
     parser.add_argument(
+        "--metrics-address",
+        default=":8081",
+        help="host:port for /metrics: GPU utilisation, memory, temperature, power, ECC and XID counts, and each "
+        "container's real use from the limiter's shared cache ('' = off; the probe address: served beside the "
+        "probes)",
+    )
+    parser.add_argument(
         "--pod-resources-socket",
         default=DEFAULT_POD_RESOURCES_SOCKET,
         help="kubelet pod-resources socket, to find GPUs held by pods kube-vgpu did not place ('' = off)",
@@ -106,7 +113,15 @@ def run(args: argparse.Namespace) -> int:
         print("kube-vgpu device-plugin: --sharing-count must be >= 1 and --heartbeat-seconds > 0", file=sys.stderr)
         return 2
 
-    from kube_vgpu.deviceplugin.app import Cluster, DevicePluginApp, PluginConfig
+    from kube_vgpu.deviceplugin.app import Cluster, DevicePluginApp, PluginConfig, split_address
+
+    for flag, address in (("--probe-address", args.probe_address), ("--metrics-address", args.metrics_address)):
+        if address:
+            try:
+                split_address(address)
+            except ValueError as exc:
+                print(f"kube-vgpu device-plugin: {flag}: {exc}", file=sys.stderr)
+                return 2
     from kube_vgpu.deviceplugin.kube import KubeClient, load_api_client
     from kube_vgpu.deviceplugin.nvml import open_nvml
 
@@ -127,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
         heartbeat_seconds=args.heartbeat_seconds,
         ignored_xids=args.ignored_xids,
         probe_address=args.probe_address,
+        metrics_address=args.metrics_address,
         delivery=DeliveryConfig(
             limiter_library_path=args.limiter_library,
             ld_so_preload_path=args.ld_so_preload,
