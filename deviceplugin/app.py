@@ -54,6 +54,8 @@ class PluginConfig:
     probe_address: str = ""
     #: "host:port" for /metrics ("" = none); the probe address itself serves /metrics beside the probes
     metrics_address: str = ""
+    #: kubelet's pods directory, where the webhook's cache emptyDirs are read for container usage ("" = not read)
+    kubelet_pods_dir: str = ""
 
 
 class DevicePluginApp:
@@ -92,16 +94,16 @@ class DevicePluginApp:
         )
         self.metrics_registry = CollectorRegistry()
         cache_dir = config.delivery.cache_host_dir
-        self.metrics_registry.register(
-            DevicePluginCollector(
-                config.node_name,
-                nvml,
-                self.discovery.handles,
-                self.state,
-                xid_counts=self.health.xid_counts,
-                cache_dir=Path(cache_dir) if cache_dir else None,
-            )
+        self.metrics_collector = DevicePluginCollector(
+            config.node_name,
+            nvml,
+            self.discovery.handles,
+            self.state,
+            xid_counts=self.health.xid_counts,
+            cache_dir=Path(cache_dir) if cache_dir else None,
+            kubelet_pods_dir=Path(config.kubelet_pods_dir) if config.kubelet_pods_dir else None,
         )
+        self.metrics_registry.register(self.metrics_collector)
         self.publisher: Publisher | None = None
         self.foreign: ForeignPodMonitor | None = None
         if cluster is not None:

@@ -78,6 +78,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ld-so-preload", default="", help="node file mounted at /etc/ld.so.preload in GPU containers ('' = off)"
     )
     parser.add_argument(
+        "--kubelet-pods-dir",
+        default="",
+        help="kubelet's pods directory (/var/lib/kubelet/pods), read for the limiter's shared cache in each GPU "
+        "pod's cache emptyDir, for per-container usage metrics ('' = off)",
+    )
+    parser.add_argument(
         "--shared-cache-dir",
         default="/usr/local/vgpu/containers",
         help="host directory for the limiter's per-container shared cache ('' = off)",
@@ -143,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
         ignored_xids=args.ignored_xids,
         probe_address=args.probe_address,
         metrics_address=args.metrics_address,
+        kubelet_pods_dir=args.kubelet_pods_dir,
         delivery=DeliveryConfig(
             limiter_library_path=args.limiter_library,
             ld_so_preload_path=args.ld_so_preload,

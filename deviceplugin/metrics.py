@@ -19,9 +19,10 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kube_vgpu import protocol
 from kube_vgpu.deviceplugin import nvml as nv
 from kube_vgpu.deviceplugin.nvml import Nvml
-from kube_vgpu.deviceplugin.sharedregion import Skipped, scan_cache_dir
+from kube_vgpu.deviceplugin.sharedregion import ContainerUsage, Skipped, scan_cache_dir, scan_kubelet_pods
 from kube_vgpu.deviceplugin.state import DeviceState
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class DevicePluginCollector(Collector):
         *,
         xid_counts: Callable[[], dict[tuple[str, int], int]] | None = None,
         cache_dir: Path | None = None,
+        kubelet_pods_dir: Path | None = None,
     ) -> None:
         self.node_name = node_name
         self.nvml = nvml
@@ -47,6 +49,7 @@ class DevicePluginCollector(Collector):
         self.state = state
         self.xid_counts = xid_counts
         self.cache_dir = cache_dir
+        self.kubelet_pods_dir = kubelet_pods_dir
         self._lock = threading.Lock()
         self._unavailable_logged: set[tuple[str, str]] = set()
         #: region file -> the reason it was skipped, as last logged (logged again only when the reason changes)
@@ -130,9 +133,18 @@ class DevicePluginCollector(Collector):
             self._skip_logged = now
 
     def _container_families(self) -> Iterator[Metric]:
-        if self.cache_dir is None:
+        if self.cache_dir is None and self.kubelet_pods_dir is None:
             return
-        found, skipped = scan_cache_dir(self.cache_dir)
+        found: list[ContainerUsage] = []
+        skipped: list[Skipped] = []
+        if self.kubelet_pods_dir is not None:
+            more, less = scan_kubelet_pods(self.kubelet_pods_dir, protocol.LIMITER_CACHE_VOLUME)
+            found += more
+            skipped += less
+        if self.cache_dir is not None:
+            more, less = scan_cache_dir(self.cache_dir)
+            found += more
+            skipped += less
         self._log_skips(skipped)
 
         def gauge(name: str, text: str, labels: list[str] = CONTAINER_LABELS) -> GaugeMetricFamily:

@@ -1,8 +1,10 @@
 """Read what a container really uses from the limiter's shared cache region (HAMi-core's `shared_region_t`).
 
 The limiter (HAMi-core's libvgpu.so) keeps, per container, a file it maps into every CUDA process of the container
-(`CUDA_DEVICE_MEMORY_SHARED_CACHE`; the device plugin mounts `<--shared-cache-dir>/<pod uid>_<container>/` there,
-deviceplugin/allocate.py). The file is the C struct `shared_region_t` of HAMi-core's
+(`CUDA_DEVICE_MEMORY_SHARED_CACHE`). Two layouts on the node: the webhook's (the manifests' default), a cache
+emptyDir per pod holding `<container>.cache`, read through kubelet's pods directory (`scan_kubelet_pods`); and the
+device plugin's own (`--shared-cache-dir`), `<dir>/<pod uid>_<container>/vgpu.cache` (allocate.py,
+`scan_cache_dir`). The file is the C struct `shared_region_t` of HAMi-core's
 src/multiprocess/multiprocess_memory_limit.h, laid out for LP64 Linux (x86_64 and arm64, glibc's 32-byte sem_t):
 
     offset   field                                   offset in a process slot (shrreg_proc_slot_t, 1960 bytes)
@@ -68,6 +70,11 @@ REGION_BYTES = OFF_PROC_NUM + 4 * 4 + 8 + 32  # 2008952
 
 #: the file the limiter writes in each container's cache directory (allocate.py sets CUDA_DEVICE_MEMORY_SHARED_CACHE)
 CACHE_FILE_NAME = "vgpu.cache"
+#: the webhook's layout: one `<container>.cache` per GPU container in the pod's cache emptyDir
+CACHE_SUFFIX = ".cache"
+EMPTY_DIR_PLUGIN = "kubernetes.io~empty-dir"
+#: region files read per pod at most: a pod can create any number of files in its own emptyDir
+MAX_FILES_PER_POD = 64
 
 
 class SharedRegionError(ValueError):
@@ -207,24 +214,63 @@ class Skipped:
     reason: str
 
 
+def _directories(root: Path) -> list[os.DirEntry[str]]:
+    """Real directories (not links to one) under `root`, by name; FileNotFoundError/OSError propagate."""
+    entries = []
+    for entry in sorted(os.scandir(root), key=lambda entry: entry.name):
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                entries.append(entry)
+        except OSError:
+            continue
+    return entries
+
+
+def scan_kubelet_pods(pods_dir: Path, volume: str) -> tuple[list[ContainerUsage], list[Skipped]]:
+    """The webhook's layout, read from kubelet's pods directory: each pod's cache emptyDir `volume` at
+    `<pods_dir>/<pod uid>/volumes/kubernetes.io~empty-dir/<volume>/`, one `<container>.cache` per GPU container.
+    At most MAX_FILES_PER_POD files are read per pod; the rest are skipped with a reason."""
+    found: list[ContainerUsage] = []
+    skipped: list[Skipped] = []
+    try:
+        pods = _directories(pods_dir)
+    except FileNotFoundError:
+        return found, skipped
+    except OSError as exc:
+        return found, [Skipped(str(pods_dir), f"cannot list: {exc.strerror or exc}")]
+    for pod in pods:
+        cache = Path(pod.path) / "volumes" / EMPTY_DIR_PLUGIN / volume
+        try:
+            if not cache.is_dir() or cache.is_symlink():
+                continue
+            names = sorted(entry.name for entry in os.scandir(cache) if entry.name.endswith(CACHE_SUFFIX))
+        except OSError as exc:
+            skipped.append(Skipped(str(cache), f"cannot list: {exc.strerror or exc}"))
+            continue
+        for name in names[:MAX_FILES_PER_POD]:
+            path = cache / name
+            try:
+                found.append(ContainerUsage(pod.name, name[: -len(CACHE_SUFFIX)], read_region_file(path)))
+            except SharedRegionError as exc:
+                skipped.append(Skipped(str(path), str(exc)))
+        if len(names) > MAX_FILES_PER_POD:
+            skipped.append(Skipped(str(cache), f"{len(names)} region files; only the first {MAX_FILES_PER_POD} "
+                                   "(by name) are read"))
+    return found, skipped
+
+
 def scan_cache_dir(root: Path) -> tuple[list[ContainerUsage], list[Skipped]]:
     """Every container directory `<pod uid>_<container>` under `root` holding a region file: the parsed regions
     and the files skipped, with why. A container that has not started CUDA yet has no file: not a skip."""
     found: list[ContainerUsage] = []
     skipped: list[Skipped] = []
     try:
-        entries = sorted(os.scandir(root), key=lambda entry: entry.name)
+        entries = _directories(root)
     except FileNotFoundError:
         return found, skipped
     except OSError as exc:
         return found, [Skipped(str(root), f"cannot list: {exc.strerror or exc}")]
     for entry in entries:
-        try:
-            is_dir = entry.is_dir(follow_symlinks=False)
-        except OSError:
-            is_dir = False
-        if not is_dir:
-            continue
         pod_uid, separator, container = entry.name.partition("_")
         path = Path(entry.path) / CACHE_FILE_NAME
         if not separator or not pod_uid or not container:

@@ -115,6 +115,15 @@ class Region:
         region.proc_num = len(self.processes)
         return bytes(region)
 
+    def write_pod_volume(self, pods_dir: Path, pod_uid: str, container: str,
+                         volume: str = "kube-vgpu-cache") -> Path:
+        """Where kubelet keeps the webhook's cache emptyDir of pod `pod_uid`: `<container>.cache` in it."""
+        directory = pods_dir / pod_uid / "volumes" / "kubernetes.io~empty-dir" / volume
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"{container}.cache"
+        path.write_bytes(self.build())
+        return path
+
     def write(self, cache_dir: Path, pod_uid: str, container: str) -> Path:
         directory = cache_dir / f"{pod_uid}_{container}"
         directory.mkdir(parents=True, exist_ok=True)

@@ -55,6 +55,7 @@ def app_and_fake(kubelet: KubeletStandIn, tmp_path: Path) -> tuple[DevicePluginA
         health_event_wait_ms=50,
         probe_address="127.0.0.1:0",
         metrics_address=f"127.0.0.1:{free_port()}",
+        kubelet_pods_dir=str(tmp_path / "kubelet-pods"),
         delivery=DeliveryConfig(limiter_library_path="", cache_host_dir=str(cache)),
     )
     return DevicePluginApp(config, Nvml(fake), None), fake, cache
@@ -101,6 +102,7 @@ def test_container_use_from_the_shared_regions_and_a_corrupt_one_skipped(
     app_and_fake: tuple[DevicePluginApp, FakeNvml, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
     app, _, cache = app_and_fake
+    pods = cache.parent / "kubelet-pods"
     uuids = [gpu.uuid for gpu in app.state.gpus()]
     Region(
         uuids=[uuids[0], uuids[3]],
@@ -110,6 +112,9 @@ def test_container_use_from_the_shared_regions_and_a_corrupt_one_skipped(
     ).write(cache, "pod-uid-1", "trainer")
     Region(uuids=[uuids[0]], limits_bytes=[2 * GIB], sm_limits=[0], minor=1).write(cache, "pod-uid-2", "idle")
     corrupt = Region(uuids=[uuids[1]], limits_bytes=[GIB], sm_limits=[10], major=7).write(cache, "pod-uid-3", "odd")
+    # the webhook's layout, through kubelet's pods directory
+    Region(uuids=[uuids[2]], limits_bytes=[3 * GIB], sm_limits=[50], processes=[Process(5, [GIB], [40])]
+           ).write_pod_volume(pods, "pod-uid-4", "server")
     app.start()
     try:
         port = app.metrics_port
@@ -124,6 +129,7 @@ def test_container_use_from_the_shared_regions_and_a_corrupt_one_skipped(
         ("pod-uid-1", "trainer", uuids[0]): GIB + 512 * MIB,
         ("pod-uid-1", "trainer", uuids[3]): 2 * GIB,
         ("pod-uid-2", "idle", uuids[0]): 0,
+        ("pod-uid-4", "server", uuids[2]): GIB,
     }
     assert values(metrics["kube_vgpu_container_gpu_memory_limit_bytes"], *keys)[("pod-uid-2", "idle", uuids[0])] == (
         2 * GIB
@@ -134,9 +140,9 @@ def test_container_use_from_the_shared_regions_and_a_corrupt_one_skipped(
         0.25
     )
     assert values(metrics["kube_vgpu_container_gpu_processes"], "pod_uid", "container") == {
-        ("pod-uid-1", "trainer"): 2, ("pod-uid-2", "idle"): 0
+        ("pod-uid-1", "trainer"): 2, ("pod-uid-2", "idle"): 0, ("pod-uid-4", "server"): 1
     }
-    assert values(metrics["kube_vgpu_shared_regions"], "result") == {("read",): 2, ("skipped",): 1}
+    assert values(metrics["kube_vgpu_shared_regions"], "result") == {("read",): 3, ("skipped",): 1}
     skips = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
     assert skips == [f"limiter shared region {corrupt} skipped: region version 7.2 is not one this reader knows "
                      "(1.1, 1.2)"]

@@ -152,6 +152,27 @@ def test_scanning_a_cache_directory(tmp_path: Path) -> None:
     assert scan_cache_dir(tmp_path / "absent") == ([], [])
 
 
+def test_scanning_kubelets_pods_directory(tmp_path: Path) -> None:
+    """The webhook's layout: `<container>.cache` files in each GPU pod's cache emptyDir."""
+    pods = tmp_path / "pods"
+    two_gpu_region().write_pod_volume(pods, "uid-a", "trainer")
+    Region(uuids=[UUID_B], limits_bytes=[GIB], sm_limits=[0]).write_pod_volume(pods, "uid-a", "sidecar")
+    Region(uuids=[UUID_B], limits_bytes=[GIB], sm_limits=[0]).write_pod_volume(pods, "uid-b", "other", "not-ours")
+    (pods / "uid-c" / "volumes").mkdir(parents=True)  # a pod without GPUs
+    flood = pods / "uid-d" / "volumes" / "kubernetes.io~empty-dir" / "kube-vgpu-cache"
+    flood.mkdir(parents=True)
+    for number in range(sr.MAX_FILES_PER_POD + 2):  # a pod writing files into its own emptyDir
+        (flood / f"c{number:03d}.cache").write_bytes(b"x")
+    (flood / "notes.txt").write_bytes(b"ignored: not a region file name")
+    found, skipped = sr.scan_kubelet_pods(pods, "kube-vgpu-cache")
+    assert [(u.pod_uid, u.container) for u in found] == [("uid-a", "sidecar"), ("uid-a", "trainer")]
+    assert len(skipped) == sr.MAX_FILES_PER_POD + 1
+    assert skipped[-1] == sr.Skipped(str(flood), f"{sr.MAX_FILES_PER_POD + 2} region files; only the first "
+                                     f"{sr.MAX_FILES_PER_POD} (by name) are read")
+    assert all("truncated" in s.reason for s in skipped[:-1])
+    assert sr.scan_kubelet_pods(tmp_path / "absent", "kube-vgpu-cache") == ([], [])
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.binary(max_size=4096))
 def test_random_bytes_never_crash_the_parser(data: bytes) -> None:
