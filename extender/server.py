@@ -28,6 +28,7 @@ from starlette.types import Receive, Scope, Send
 from kube_vgpu.extender.gangs import gangs_view
 from kube_vgpu.extender.scheduler import BindError, Scheduler
 from kube_vgpu.extender.state import ClusterState
+from kube_vgpu.extender.usage_metrics import UsageCollector
 from kube_vgpu.kubeapi import InvalidObject, check_pod
 from kube_vgpu.probes import ProbeServer, Reply, Route
 from kube_vgpu.probes import serve_probes as serve_probe_routes
@@ -267,6 +268,7 @@ def extender_metrics(scheduler: Scheduler) -> ExtenderMetrics:
                              registry=registry),
     )
     registry.register(GpuCollector(scheduler.state))
+    registry.register(UsageCollector(scheduler))
     registry.register(BindTurnCollector(scheduler))
     registry.register(PreemptionCollector(scheduler))
     for gate in scheduler.gates:  # gates may publish their own gauges (the quota gate)
