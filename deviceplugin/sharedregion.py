@@ -24,7 +24,8 @@ src/multiprocess/multiprocess_memory_limit.h, laid out for LP64 Linux (x86_64 an
 
 Versions 1.1 and 1.2 share every offset read here. A container controls its own cache file, so the file is
 untrusted input: it is opened without following links and without blocking (a FIFO must not hang a scrape), only
-a regular file is read, at most one region's bytes, and every count and value is checked against the layout. A file
+a regular file is read, and of it only the header, the process count and the slots in use (a few KB, not the
+2 MB region), and every count and value is checked against the layout. A file
 that is truncated, not initialised, of another version or out of range is skipped with a reason (logged by the
 caller), never a crash. Values are read without the limiter's lock (it is a live mapping): one scrape may see a
 process mid-update, which the next scrape corrects.
@@ -36,6 +37,7 @@ import errno
 import os
 import stat
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,42 +129,60 @@ def _uuid(data: bytes, index: int) -> str:
     return text.decode("ascii")
 
 
+#: read(offset, size) -> at most `size` bytes of the region from `offset` (fewer only at its end)
+Reader = Callable[[int, int], bytes]
+
+
+def _exactly(read: Reader, offset: int, size: int) -> bytes:
+    data = read(offset, size)
+    if len(data) != size:
+        raise SharedRegionError(f"truncated: ends inside bytes {offset}..{offset + size} of the region")
+    return data
+
+
 def parse_shared_region(data: bytes) -> SharedRegion:
-    """The region in `data` (the file's first REGION_BYTES bytes). Raises SharedRegionError, nothing else."""
-    if len(data) < REGION_BYTES:
-        raise SharedRegionError(f"truncated: {len(data)} bytes, a version 1 region has {REGION_BYTES}")
-    flag = _i32(data, OFF_INITIALIZED)
+    """The region in `data` (a file's bytes; beyond REGION_BYTES ignored). Raises SharedRegionError, nothing else."""
+    return parse_region(len(data), lambda offset, size: data[offset : offset + size])
+
+
+def parse_region(size: int, read: Reader) -> SharedRegion:
+    """The region of `size` bytes that `read` reads: only the header, the process-count tail and the `proc_num`
+    slots in use are read (a region is 2 MB, its live part a few KB). Raises SharedRegionError, nothing else."""
+    if size < REGION_BYTES:
+        raise SharedRegionError(f"truncated: {size} bytes, a version 1 region has {REGION_BYTES}")
+    head = _exactly(read, 0, OFF_PROCS)
+    flag = _i32(head, OFF_INITIALIZED)
     if flag == INIT_IN_PROGRESS:
         raise SharedRegionError("the limiter is still initialising the region")
     if flag != MAGIC:
         raise SharedRegionError(f"not a HAMi-core shared region (initialized_flag {flag}, expected {MAGIC})")
-    major, minor = _u32(data, OFF_MAJOR), _u32(data, OFF_MINOR)
+    major, minor = _u32(head, OFF_MAJOR), _u32(head, OFF_MINOR)
     if (major, minor) not in SUPPORTED_VERSIONS:
         supported = ", ".join(f"{a}.{b}" for a, b in sorted(SUPPORTED_VERSIONS))
         raise SharedRegionError(f"region version {major}.{minor} is not one this reader knows ({supported})")
-    device_num = _u64(data, OFF_DEVICE_NUM)
+    device_num = _u64(head, OFF_DEVICE_NUM)
     if device_num > MAX_DEVICES:
         raise SharedRegionError(f"device_num {device_num} is over {MAX_DEVICES}")
-    proc_num = _i32(data, OFF_PROC_NUM)
+    proc_num = _i32(_exactly(read, OFF_PROC_NUM, 4), 0)
     if not 0 <= proc_num <= MAX_PROCESSES:
         raise SharedRegionError(f"proc_num {proc_num} is outside 0..{MAX_PROCESSES}")
-    slots = [OFF_PROCS + slot * SLOT_BYTES for slot in range(proc_num)]
-    live = [base for base in slots if _i32(data, base + SLOT_PID) != 0]
+    slots = _exactly(read, OFF_PROCS, proc_num * SLOT_BYTES)
+    live = [base for base in range(0, len(slots), SLOT_BYTES) if _i32(slots, base + SLOT_PID) != 0]
     devices = []
     for index in range(device_num):
-        sm_limit = _u64(data, OFF_SM_LIMIT + index * 8)
+        sm_limit = _u64(head, OFF_SM_LIMIT + index * 8)
         if sm_limit > 100:
             raise SharedRegionError(f"sm_limit[{index}] is {sm_limit}, over 100 percent")
         used = 0
         utilization = 0
         for base in live:
-            used += _u64(data, base + SLOT_USED + index * DEVICE_MEMORY_BYTES + DEVICE_MEMORY_TOTAL)
-            utilization += _u64(data, base + SLOT_UTIL + index * DEVICE_UTIL_BYTES + DEVICE_UTIL_SM)
+            used += _u64(slots, base + SLOT_USED + index * DEVICE_MEMORY_BYTES + DEVICE_MEMORY_TOTAL)
+            utilization += _u64(slots, base + SLOT_UTIL + index * DEVICE_UTIL_BYTES + DEVICE_UTIL_SM)
         devices.append(
             DeviceUsage(
                 index=index,
-                uuid=_uuid(data, index),
-                memory_limit_bytes=_u64(data, OFF_LIMIT + index * 8),
+                uuid=_uuid(head, index),
+                memory_limit_bytes=_u64(head, OFF_LIMIT + index * 8),
                 core_limit_percent=sm_limit,
                 memory_used_bytes=used,
                 sm_utilization_percent=utilization,
@@ -173,7 +193,7 @@ def parse_shared_region(data: bytes) -> SharedRegion:
 
 def read_region_file(path: Path) -> SharedRegion:
     """Parse the region file at `path`, which a container may have replaced by anything: links are not followed,
-    a FIFO or device does not block, only a regular file is read and never more than REGION_BYTES of it.
+    a FIFO or device does not block, only a regular file is read, and only the parts of the region in use.
     Raises SharedRegionError (OSError is turned into one too)."""
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
     try:
@@ -182,23 +202,27 @@ def read_region_file(path: Path) -> SharedRegion:
         if exc.errno == errno.ELOOP:
             raise SharedRegionError("is a symbolic link; not followed") from None
         raise SharedRegionError(f"cannot open: {exc.strerror or exc}") from None
+
+    def read(offset: int, size: int) -> bytes:
+        chunks = []
+        while size > 0:
+            chunk = os.pread(fd, size, offset)
+            if not chunk:  # the file shrank since fstat: _exactly says truncated
+                break
+            chunks.append(chunk)
+            offset += len(chunk)
+            size -= len(chunk)
+        return b"".join(chunks)
+
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise SharedRegionError("is not a regular file")
-        chunks = []
-        remaining = REGION_BYTES
-        while remaining:
-            chunk = os.read(fd, remaining)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            remaining -= len(chunk)
+        return parse_region(info.st_size, read)
     except OSError as exc:
         raise SharedRegionError(f"cannot read: {exc.strerror or exc}") from None
     finally:
         os.close(fd)
-    return parse_shared_region(b"".join(chunks))
 
 
 @dataclass(frozen=True, slots=True)

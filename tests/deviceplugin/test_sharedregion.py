@@ -104,6 +104,25 @@ def test_corrupt_and_foreign_regions_are_refused_with_the_reason(damage: Callabl
     assert reason in str(caught.value)
 
 
+def test_only_the_live_part_of_a_region_is_read() -> None:
+    data = two_gpu_region().build()
+    asked: list[tuple[int, int]] = []
+
+    def read(offset: int, size: int) -> bytes:
+        asked.append((offset, size))
+        return data[offset : offset + size]
+
+    assert sr.parse_region(len(data), read).processes == 2
+    assert asked == [(0, sr.OFF_PROCS), (sr.OFF_PROC_NUM, 4), (sr.OFF_PROCS, 2 * sr.SLOT_BYTES)]
+    assert sum(size for _, size in asked) < 6000  # of a 2 MB region
+
+
+def test_a_file_that_shrinks_while_read_is_truncated() -> None:
+    data = two_gpu_region().build()
+    with pytest.raises(SharedRegionError, match=r"truncated: ends inside bytes 1856\.\.5776"):
+        sr.parse_region(len(data), lambda offset, size: data[offset : offset + size] if offset != sr.OFF_PROCS else b"")
+
+
 def test_a_longer_file_is_read_up_to_one_region(tmp_path: Path) -> None:
     path = tmp_path / "vgpu.cache"
     path.write_bytes(two_gpu_region().build() + b"\xff" * 4096)
