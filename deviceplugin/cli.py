@@ -59,10 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--probe-address", default=":8081", help="host:port for /healthz and /readyz ('' = off)")
     parser.add_argument(
         "--metrics-address",
-        default=":8081",
+        default=None,
         help="host:port for /metrics: GPU utilisation, memory, temperature, power, ECC and XID counts, and each "
-        "container's real use from the limiter's shared cache ('' = off; the probe address: served beside the "
-        "probes)",
+        "container's real use from the limiter's shared cache (default: the probe address, served beside the "
+        "probes; '' = off)",
     )
     parser.add_argument(
         "--pod-resources-socket",
@@ -121,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
 
     from kube_vgpu.deviceplugin.app import Cluster, DevicePluginApp, PluginConfig, split_address
 
-    for flag, address in (("--probe-address", args.probe_address), ("--metrics-address", args.metrics_address)):
+    metrics_address = args.probe_address if args.metrics_address is None else args.metrics_address
+    for flag, address in (("--probe-address", args.probe_address), ("--metrics-address", metrics_address)):
         if address:
             try:
                 split_address(address)
@@ -148,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
         heartbeat_seconds=args.heartbeat_seconds,
         ignored_xids=args.ignored_xids,
         probe_address=args.probe_address,
-        metrics_address=args.metrics_address,
+        metrics_address=metrics_address,
         kubelet_pods_dir=args.kubelet_pods_dir,
         delivery=DeliveryConfig(
             limiter_library_path=args.limiter_library,

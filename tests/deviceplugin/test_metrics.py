@@ -4,7 +4,9 @@ say, names follow Prometheus' conventions, and a corrupt region is skipped with 
 from __future__ import annotations
 
 import logging
+import os
 import re
+import signal
 import subprocess
 import sys
 import urllib.request
@@ -209,6 +211,33 @@ def test_metric_names_follow_prometheus_conventions(app_and_fake: tuple[DevicePl
             assert all(re.fullmatch(r"[a-z_][a-z0-9_]*", label) for label in sample.labels), sample
 
 
+def test_the_device_plugin_process_serves_metrics_beside_its_probes(kubelet: KubeletStandIn) -> None:
+    """`kube-vgpu device-plugin` as a process: without --metrics-address, /metrics is on the probe listener."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("KUBERNETES_SERVICE_HOST", "NODE_NAME")}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kube_vgpu.cli", "device-plugin", "--node-name", "box", "--fake-nvml", "t4-4-pcie",
+         "--kubelet-dir", str(kubelet.directory), "--probe-address", f"127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+    )
+    try:
+        def scraped() -> dict[str, list[Sample]] | None:
+            try:
+                return scrape(port)
+            except OSError:
+                return None
+
+        metrics = wait_until(scraped, "the plugin process's /metrics")
+        assert len(metrics["kube_vgpu_gpu_memory_total_bytes"]) == 4
+        assert {s.labels["node"] for s in metrics["kube_vgpu_gpu_temperature_celsius"]} == {"box"}
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+
+
 def test_cli_refuses_a_bad_metrics_address(short_dir: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "kube_vgpu.cli", "device-plugin", "--node-name", "n", "--fake-nvml", "t4-4-pcie",
@@ -217,3 +246,20 @@ def test_cli_refuses_a_bad_metrics_address(short_dir: Path) -> None:
     )
     assert result.returncode == 2
     assert b"--metrics-address: expected HOST:PORT or :PORT, got 'localhost'" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("usage", "message"),
+    [
+        ('{"temperature": 40}', "unknown usage keys ['temperature']; choose from utilizationPercent"),
+        ('{"powerMilliwatts": -1}', "usage.powerMilliwatts must be a non-negative integer, got -1"),
+        ('{"eccCorrected": true}', "usage.eccCorrected must be a non-negative integer, got True"),
+        ('[1]', "usage must be an object, got [1]"),
+    ],
+)
+def test_a_fake_profile_with_bad_usage_is_refused(tmp_path: Path, usage: str, message: str) -> None:
+    profile = tmp_path / "gpus.json"
+    profile.write_text(f'{{"gpus": [{{"name": "NVIDIA L4", "memoryMiB": 23034, "usage": {usage}}}]}}')
+    with pytest.raises(ValueError, match="gpus\\[0\\]") as caught:
+        load_profile(f"from-file:{profile}", NODE)
+    assert message in str(caught.value)
