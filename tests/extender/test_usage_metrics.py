@@ -5,6 +5,7 @@ injected: nothing here depends on how much time passes while the test runs."""
 from __future__ import annotations
 
 import datetime as dt
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -151,3 +152,23 @@ def test_a_bind_time_ahead_of_the_clock_counts_as_just_bound(tmp_path: Path) -> 
     with serve_extender(snapshot(tmp_path), lambda: T0 - 5) as url:
         samples = scrape(url)
     assert set(by(samples, "kube_vgpu_pod_vgpu_seconds_total", "pod").values()) == {0}
+
+
+def test_names_follow_prometheus_conventions(tmp_path: Path) -> None:
+    """Counters end in _total, gauges name their unit (or count things), labels are snake_case
+    (https://prometheus.io/docs/practices/naming/)."""
+    with serve_extender(snapshot(tmp_path), lambda: T0 + 1) as url:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    ours = [f for name, f in families.items() if name.startswith(("kube_vgpu_pod_", "kube_vgpu_namespace_",
+                                                                   "kube_vgpu_cluster_queue_", "kube_vgpu_node_"))]
+    assert len(ours) >= 18
+    for family in ours:
+        assert family.documentation, family.name
+        if family.type == "counter":
+            assert family.name.endswith("_seconds"), family.name  # the parser strips _total
+            assert all(s.name.endswith(("_total", "_created")) for s in family.samples), family.name
+        else:
+            assert family.name.endswith(("_mib", "_allocated", "_gpus", "_pods", "_invalid")), family.name
+        for sample in family.samples:
+            assert all(re.fullmatch(r"[a-z_][a-z0-9_]*", label) for label in sample.labels), sample
