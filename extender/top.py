@@ -70,7 +70,8 @@ def _get(doc: Any, key: str, kind: type | tuple[type, ...], where: str, *, optio
     if isinstance(value, bool) and kind in (int, (int, float)):
         raise StateFormatError(f"{where}.{key} is {value!r}, expected a number")
     if not isinstance(value, kind):
-        raise StateFormatError(f"{where}.{key} is {value!r}, expected {getattr(kind, '__name__', 'a number')}")
+        expected = "a number" if isinstance(kind, tuple) else kind.__name__
+        raise StateFormatError(f"{where}.{key} is {value!r}, expected {expected}")
     return value
 
 
