@@ -155,7 +155,8 @@ class DevicePluginCollector(Collector):
         limit = gauge("kube_vgpu_container_gpu_memory_limit_bytes", "the limiter's memory limit (0: none)")
         utilization = gauge("kube_vgpu_container_gpu_utilization_ratio",
                             "the container's share of the GPU's SM time (the limiter's samples, summed over its "
-                            "processes; 1 = the whole GPU)")
+                            "processes; 1 = the whole GPU; 0 when the container has no compute limit: the limiter "
+                            "samples only then)")
         core_limit = gauge("kube_vgpu_container_gpu_core_limit_ratio",
                            "the limiter's compute limit as a fraction of the GPU (0: none)")
         processes = gauge("kube_vgpu_container_gpu_processes", "CUDA processes registered in the container's region",
