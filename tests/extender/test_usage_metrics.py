@@ -172,3 +172,17 @@ def test_names_follow_prometheus_conventions(tmp_path: Path) -> None:
             assert family.name.endswith(("_mib", "_allocated", "_gpus", "_pods", "_invalid")), family.name
         for sample in family.samples:
             assert all(re.fullmatch(r"[a-z_][a-z0-9_]*", label) for label in sample.labels), sample
+
+
+def test_per_gpu_gauges(tmp_path: Path) -> None:
+    with serve_extender(snapshot(tmp_path), lambda: T0) as url:
+        samples = scrape(url)
+    labels = ("node", "gpu", "uuid", "model")
+    gpu0 = ("a100-0", "0", synth_uuid("a100-0", 0), A100)
+    assert by(samples, "kube_vgpu_gpu_memory_allocated_mib", *labels)[gpu0] == 40960 + 20480
+    assert by(samples, "kube_vgpu_gpu_cores_allocated", *labels)[gpu0] == 75
+    assert by(samples, "kube_vgpu_gpu_vgpus_allocated", *labels)[gpu0] == 2
+    assert set(by(samples, "kube_vgpu_gpu_memory_mib", *labels).values()) == {81920}
+    assert len(by(samples, "kube_vgpu_gpu_healthy", *labels)) == 8
+    assert set(by(samples, "kube_vgpu_gpu_healthy", *labels).values()) == {1}
+    assert samples["kube_vgpu_nodes"] == {(): 2} and samples["kube_vgpu_assigned_pods"] == {(): 4}
