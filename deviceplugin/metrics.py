@@ -14,7 +14,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -27,6 +27,7 @@ from kube_vgpu.deviceplugin.state import DeviceState
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 GPU_LABELS = ["node", "gpu", "uuid", "model"]
 CONTAINER_LABELS = ["node", "pod_uid", "container", "uuid"]
 
@@ -57,7 +58,7 @@ class DevicePluginCollector(Collector):
 
     # --- NVML, per GPU ---
 
-    def _query(self, uuid: str, what: str, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def _query(self, uuid: str, what: str, call: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
         try:
             return call(*args, **kwargs)
         except nv.NVMLError as exc:
