@@ -13,17 +13,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
 from kube_vgpu import protocol
 from kube_vgpu.deviceplugin.allocate import Allocator, DeliveryConfig
 from kube_vgpu.deviceplugin.discovery import Discovery, discover
 from kube_vgpu.deviceplugin.foreign import DeviceHolders, ForeignPodMonitor
 from kube_vgpu.deviceplugin.health import APPLICATION_XIDS, HealthMonitor
 from kube_vgpu.deviceplugin.kube import NodeClient, PodSource
+from kube_vgpu.deviceplugin.metrics import DevicePluginCollector
 from kube_vgpu.deviceplugin.nvml import Nvml
 from kube_vgpu.deviceplugin.publisher import DEFAULT_HEARTBEAT_SECONDS, Publisher
 from kube_vgpu.deviceplugin.server import DEFAULT_KUBELET_DIR, DEFAULT_SOCKET_NAME, DevicePluginServicer, PluginServer
 from kube_vgpu.deviceplugin.state import DeviceState
-from kube_vgpu.probes import ProbeServer, Route, serve_probes
+from kube_vgpu.probes import ProbeServer, Reply, Route, serve_probes
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +52,10 @@ class PluginConfig:
     delivery: DeliveryConfig = field(default_factory=DeliveryConfig)
     #: "host:port" for /healthz and /readyz ("" = no probe server)
     probe_address: str = ""
+    #: "host:port" for /metrics ("" = none); the probe address itself serves /metrics beside the probes
+    metrics_address: str = ""
+    #: kubelet's pods directory, where the webhook's cache emptyDirs are read for container usage ("" = not read)
+    kubelet_pods_dir: str = ""
 
 
 class DevicePluginApp:
@@ -66,6 +73,7 @@ class DevicePluginApp:
         self.stop_event = threading.Event()
         self._threads: list[threading.Thread] = []
         self._probe_server: ProbeServer | None = None
+        self._metrics_server: ProbeServer | None = None
         self.discovery: Discovery = discover(
             nvml, sharing_count=config.sharing_count, sysfs_root=Path(config.sysfs_root)
         )
@@ -84,6 +92,18 @@ class DevicePluginApp:
             event_wait_ms=config.health_event_wait_ms,
             ignored_xids=config.ignored_xids,
         )
+        self.metrics_registry = CollectorRegistry()
+        cache_dir = config.delivery.cache_host_dir
+        self.metrics_collector = DevicePluginCollector(
+            config.node_name,
+            nvml,
+            self.discovery.handles,
+            self.state,
+            xid_counts=self.health.xid_counts,
+            cache_dir=Path(cache_dir) if cache_dir else None,
+            kubelet_pods_dir=Path(config.kubelet_pods_dir) if config.kubelet_pods_dir else None,
+        )
+        self.metrics_registry.register(self.metrics_collector)
         self.publisher: Publisher | None = None
         self.foreign: ForeignPodMonitor | None = None
         if cluster is not None:
@@ -120,6 +140,10 @@ class DevicePluginApp:
             self._thread("inventory-publisher", self.publisher.run)
         if self.config.probe_address:
             self._start_probes(self.config.probe_address)
+        if self.config.metrics_address and self.config.metrics_address != self.config.probe_address:
+            host, port = split_address(self.config.metrics_address)
+            self._metrics_server = serve_probes(host, port, {"/metrics": self.metrics_reply})
+            log.info("metrics on http://%s/metrics", self.config.metrics_address)
 
     def ready(self) -> bool:
         """Registered with kubelet and, when publishing, the inventory is on the node."""
@@ -134,22 +158,46 @@ class DevicePluginApp:
         for thread in self._threads:
             thread.join(timeout=10)
         self.health.stop()
-        if self._probe_server is not None:
-            self._probe_server.shutdown()
-            self._probe_server.server_close()
+        for server in (self._probe_server, self._metrics_server):
+            if server is not None:
+                server.shutdown()
+                server.server_close()
         if self.discovery.nvml_available:
             try:
                 self.nvml.shutdown()
             except Exception as exc:  # shutting down; nothing left to protect
                 log.debug("NVML shutdown: %s", exc)
 
+    def metrics_reply(self) -> Reply:
+        return 200, CONTENT_TYPE_LATEST, generate_latest(self.metrics_registry)
+
     def _start_probes(self, address: str) -> None:
-        host, _, port = address.rpartition(":")
+        host, port = split_address(address)
 
         def check(ok: Callable[[], bool]) -> Route:
             return lambda: (200, "text/plain", b"ok\n") if ok() else (503, "text/plain", b"not ready\n")
 
+        routes = {"/healthz": check(self.alive), "/readyz": check(self.ready)}
+        if self.config.metrics_address == address:
+            routes["/metrics"] = self.metrics_reply
         # bounded connections, threads and waits (kube_vgpu.probes)
-        self._probe_server = serve_probes(host or "0.0.0.0", int(port), {"/healthz": check(self.alive),
-                                                                          "/readyz": check(self.ready)})
-        log.info("probes on http://%s/healthz and /readyz", address)
+        self._probe_server = serve_probes(host, port, routes)
+        log.info("probes on http://%s (%s)", address, ", ".join(sorted(routes)))
+
+    @property
+    def probe_port(self) -> int | None:
+        return None if self._probe_server is None else int(self._probe_server.server_address[1])
+
+    @property
+    def metrics_port(self) -> int | None:
+        if self._metrics_server is not None:
+            return int(self._metrics_server.server_address[1])
+        return self.probe_port if self.config.metrics_address == self.config.probe_address else None
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """"host:port" (host may be empty: every address) -> (host, port); ValueError says what is wrong."""
+    host, separator, port = address.rpartition(":")
+    if not separator or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"expected HOST:PORT or :PORT, got {address!r}")
+    return host or "0.0.0.0", int(port)

@@ -58,6 +58,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--probe-address", default=":8081", help="host:port for /healthz and /readyz ('' = off)")
     parser.add_argument(
+        "--metrics-address",
+        default=None,
+        help="host:port for /metrics: GPU utilisation, memory, temperature, power, ECC and XID counts, and each "
+        "container's real use from the limiter's shared cache (default: the probe address, served beside the "
+        "probes; '' = off)",
+    )
+    parser.add_argument(
         "--pod-resources-socket",
         default=DEFAULT_POD_RESOURCES_SOCKET,
         help="kubelet pod-resources socket, to find GPUs held by pods kube-vgpu did not place ('' = off)",
@@ -69,6 +76,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--ld-so-preload", default="", help="node file mounted at /etc/ld.so.preload in GPU containers ('' = off)"
+    )
+    parser.add_argument(
+        "--kubelet-pods-dir",
+        default="",
+        help="kubelet's pods directory (/var/lib/kubelet/pods), read for the limiter's shared cache in each GPU "
+        "pod's cache emptyDir, for per-container usage metrics ('' = off)",
     )
     parser.add_argument(
         "--shared-cache-dir",
@@ -106,7 +119,16 @@ def run(args: argparse.Namespace) -> int:
         print("kube-vgpu device-plugin: --sharing-count must be >= 1 and --heartbeat-seconds > 0", file=sys.stderr)
         return 2
 
-    from kube_vgpu.deviceplugin.app import Cluster, DevicePluginApp, PluginConfig
+    from kube_vgpu.deviceplugin.app import Cluster, DevicePluginApp, PluginConfig, split_address
+
+    metrics_address = args.probe_address if args.metrics_address is None else args.metrics_address
+    for flag, address in (("--probe-address", args.probe_address), ("--metrics-address", metrics_address)):
+        if address:
+            try:
+                split_address(address)
+            except ValueError as exc:
+                print(f"kube-vgpu device-plugin: {flag}: {exc}", file=sys.stderr)
+                return 2
     from kube_vgpu.deviceplugin.kube import KubeClient, load_api_client
     from kube_vgpu.deviceplugin.nvml import open_nvml
 
@@ -127,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
         heartbeat_seconds=args.heartbeat_seconds,
         ignored_xids=args.ignored_xids,
         probe_address=args.probe_address,
+        metrics_address=metrics_address,
+        kubelet_pods_dir=args.kubelet_pods_dir,
         delivery=DeliveryConfig(
             limiter_library_path=args.limiter_library,
             ld_so_preload_path=args.ld_so_preload,

@@ -47,6 +47,20 @@ ERRORS = {
 
 
 @dataclass(frozen=True, slots=True)
+class FakeUsage:
+    """What a GPU reports about its current use (nvmlDeviceGetUtilizationRates, GetMemoryInfo's used, GetTemperature,
+    GetPowerUsage, GetTotalEccErrors with the volatile counter). The default is an idle, healthy GPU."""
+
+    utilization_percent: int = 0  # .gpu: percent of time a kernel ran
+    memory_utilization_percent: int = 0  # .memory: percent of time memory was read or written
+    memory_used_mib: int = 0
+    temperature_c: int = 35
+    power_mw: int = 60_000
+    ecc_corrected: int = 0
+    ecc_uncorrected: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class FakeGpu:
     uuid: str
     name: str
@@ -65,6 +79,7 @@ class FakeGpu:
     unsupported: frozenset[str] = frozenset()
     #: (nvml function name, error name from ERRORS) pairs: that call fails that way for this GPU
     failing: tuple[tuple[str, str], ...] = ()
+    usage: FakeUsage = FakeUsage()
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +200,32 @@ def load_profile(name: str, seed: str) -> FakeHardware:
         raise ValueError(f"unknown fake NVML profile {name!r}; choose one of {', '.join(profile_names())}") from None
 
 
+#: the JSON "usage" keys -> FakeUsage fields
+USAGE_KEYS = {
+    "utilizationPercent": "utilization_percent",
+    "memoryUtilizationPercent": "memory_utilization_percent",
+    "memoryUsedMiB": "memory_used_mib",
+    "temperatureC": "temperature_c",
+    "powerMilliwatts": "power_mw",
+    "eccCorrected": "ecc_corrected",
+    "eccUncorrected": "ecc_uncorrected",
+}
+
+
+def _usage_from_json(raw: Any) -> FakeUsage:
+    if not isinstance(raw, dict):
+        raise ValueError(f"usage must be an object, got {raw!r}")
+    unknown = sorted(set(raw) - set(USAGE_KEYS))
+    if unknown:
+        raise ValueError(f"unknown usage keys {unknown}; choose from {', '.join(USAGE_KEYS)}")
+    values = {}
+    for key, value in raw.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"usage.{key} must be a non-negative integer, got {value!r}")
+        values[USAGE_KEYS[key]] = value
+    return FakeUsage(**values)
+
+
 def hardware_from_file(path: Path, seed: str) -> FakeHardware:
     """Hardware from JSON. Either a synthetic layout:
 
@@ -197,9 +238,12 @@ def hardware_from_file(path: Path, seed: str) -> FakeHardware:
                    "pciePath": ["numa:0", "hostbridge:0", "switch:0"],
                    "nvlinkPeers": {"1": 4}, "nvswitchLanes": 0, "nvlinkMax": 0,
                    "migEnabled": false, "lost": false, "unsupported": ["nvmlDeviceGetTopologyCommonAncestor"],
-                   "failing": {"nvmlDeviceGetPciInfo": "GpuIsLost"}}]}
+                   "failing": {"nvmlDeviceGetPciInfo": "GpuIsLost"},
+                   "usage": {"utilizationPercent": 40, "memoryUtilizationPercent": 10, "memoryUsedMiB": 2048,
+                             "temperatureC": 50, "powerMilliwatts": 120000, "eccCorrected": 0,
+                             "eccUncorrected": 0}}]}
 
-    ("failing" error names: the keys of ERRORS.)
+    ("failing" error names: the keys of ERRORS; "usage" keys: USAGE_KEYS, each optional.)
     """
     try:
         doc = json.loads(path.read_text())
@@ -246,6 +290,7 @@ def hardware_from_file(path: Path, seed: str) -> FakeHardware:
                     lost=bool(raw.get("lost", False)),
                     unsupported=frozenset(raw.get("unsupported", ())),
                     failing=tuple(sorted((str(fn), str(err)) for fn, err in raw.get("failing", {}).items())),
+                    usage=_usage_from_json(raw.get("usage", {})),
                 )
             )
         except (KeyError, TypeError, ValueError) as exc:
@@ -277,6 +322,12 @@ class FakeMemory:  # pynvml.c_nvmlMemory_t
     total: int
     free: int
     used: int
+
+
+@dataclass(frozen=True, slots=True)
+class FakeUtilization:  # pynvml.c_nvmlUtilization_t
+    gpu: int
+    memory: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,6 +367,7 @@ class FakeNvml:
         self._lost: set[int] = {position for position, gpu in enumerate(hardware.gpus) if gpu.lost}
         self._event_sets: list[FakeEventSet] = []
         self._link_tables = [self._links(gpu) for gpu in hardware.gpus]  # discovery asks per link: build once
+        self._usage: list[FakeUsage] = [gpu.usage for gpu in hardware.gpus]
         self.calls: dict[str, int] = {}  # function name -> call count (tests look at what was queried)
 
     # Constants, error classes (NVMLError_*), event masks: exactly pynvml's, so `except` clauses and
@@ -338,6 +390,11 @@ class FakeNvml:
                         FakeEventData(FakeHandle(position), pynvml.nvmlEventTypeXidCriticalError, xid)
                     )
             self._lock.notify_all()
+
+    def set_usage(self, position: int, usage: FakeUsage) -> None:
+        """From now on the GPU at `position` reports `usage` (utilisation, memory used, temperature, power, ECC)."""
+        with self._lock:
+            self._usage[position] = usage
 
     def lose_gpu(self, position: int) -> None:
         """The GPU falls off the bus: every later query about it answers GpuIsLost."""
@@ -413,7 +470,34 @@ class FakeNvml:
 
     def nvmlDeviceGetMemoryInfo(self, handle: FakeHandle, version: int | None = None) -> FakeMemory:
         total = self._gpu("nvmlDeviceGetMemoryInfo", handle).memory_mib * BYTES_PER_MIB
-        return FakeMemory(total=total, free=total, used=0)
+        used = min(total, self._usage[handle.position].memory_used_mib * BYTES_PER_MIB)
+        return FakeMemory(total=total, free=total - used, used=used)
+
+    def nvmlDeviceGetUtilizationRates(self, handle: FakeHandle) -> FakeUtilization:
+        self._gpu("nvmlDeviceGetUtilizationRates", handle)
+        usage = self._usage[handle.position]
+        return FakeUtilization(gpu=usage.utilization_percent, memory=usage.memory_utilization_percent)
+
+    def nvmlDeviceGetTemperature(self, handle: FakeHandle, sensor: int) -> int:
+        self._gpu("nvmlDeviceGetTemperature", handle)
+        if sensor != pynvml.NVML_TEMPERATURE_GPU:
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return self._usage[handle.position].temperature_c
+
+    def nvmlDeviceGetPowerUsage(self, handle: FakeHandle) -> int:
+        self._gpu("nvmlDeviceGetPowerUsage", handle)
+        return self._usage[handle.position].power_mw
+
+    def nvmlDeviceGetTotalEccErrors(self, handle: FakeHandle, errorType: int, counterType: int) -> int:
+        self._gpu("nvmlDeviceGetTotalEccErrors", handle)
+        usage = self._usage[handle.position]
+        if counterType != pynvml.NVML_VOLATILE_ECC:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)  # the fake keeps only the since-driver-load counts
+        if errorType == pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED:
+            return usage.ecc_corrected
+        if errorType == pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED:
+            return usage.ecc_uncorrected
+        raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
 
     def nvmlDeviceGetPciInfo(self, handle: FakeHandle) -> FakePciInfo:
         gpu = self._gpu("nvmlDeviceGetPciInfo", handle)

@@ -46,6 +46,9 @@ class HealthMonitor:
         self._thread: threading.Thread | None = None
         self._event_set: Any = None
         self._uuid_by_handle = {nvml.handle_key(handle): uuid for uuid, handle in self.handles.items()}
+        #: (GPU UUID, "" when NVML could not say, XID) -> events seen since start, ignored ones included (metrics)
+        self._xid_counts: dict[tuple[str, int], int] = {}
+        self._counts_lock = threading.Lock()
         #: set once the event set is registered; tests wait for it before injecting events
         self.ready = threading.Event()
 
@@ -106,10 +109,13 @@ class HealthMonitor:
         if not int(event.eventType) & nv.EVENT_XID_CRITICAL_ERROR:
             return
         xid = int(event.eventData)
+        uuid = self._uuid_by_handle.get(self.nvml.handle_key(event.device))
+        with self._counts_lock:
+            key = (uuid or "", xid)
+            self._xid_counts[key] = self._xid_counts.get(key, 0) + 1
         if xid in self.ignored_xids:
             log.info("ignoring application-level XID %d", xid)
             return
-        uuid = self._uuid_by_handle.get(self.nvml.handle_key(event.device))
         if uuid is None:
             # NVML could not say which GPU: like NVIDIA's plugin, distrust all of them rather than none
             log.error("critical XID %d from an unidentified GPU: marking every GPU unhealthy", xid)
@@ -117,6 +123,11 @@ class HealthMonitor:
                 self.state.mark_unhealthy(each, f"critical XID {xid} (GPU unidentified)")
             return
         self.state.mark_unhealthy(uuid, f"critical XID {xid}")
+
+    def xid_counts(self) -> dict[tuple[str, int], int]:
+        """(GPU UUID or "" for an unidentified GPU, XID) -> XID events seen since the monitor started."""
+        with self._counts_lock:
+            return dict(self._xid_counts)
 
     def poll_lost(self) -> None:
         for uuid, handle in self.handles.items():

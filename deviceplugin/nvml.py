@@ -119,6 +119,29 @@ class Nvml:
     def common_ancestor(self, first: Any, second: Any) -> int:
         return int(self.lib.nvmlDeviceGetTopologyCommonAncestor(first, second))
 
+    # current use (metrics)
+
+    def utilization_percent(self, handle: Any) -> tuple[int, int]:
+        """(percent of the last sample period a kernel ran, percent memory was read or written)."""
+        rates = self.lib.nvmlDeviceGetUtilizationRates(handle)
+        return int(rates.gpu), int(rates.memory)
+
+    def memory_bytes(self, handle: Any) -> tuple[int, int]:
+        """(used, total) device memory in bytes."""
+        info = self.lib.nvmlDeviceGetMemoryInfo(handle)
+        return int(info.used), int(info.total)
+
+    def temperature_celsius(self, handle: Any) -> int:
+        return int(self.lib.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU))
+
+    def power_milliwatts(self, handle: Any) -> int:
+        return int(self.lib.nvmlDeviceGetPowerUsage(handle))
+
+    def ecc_errors(self, handle: Any, *, corrected: bool) -> int:
+        """Memory ECC errors since the driver loaded (NVML's volatile counter)."""
+        kind = pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED if corrected else pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
+        return int(self.lib.nvmlDeviceGetTotalEccErrors(handle, kind, pynvml.NVML_VOLATILE_ECC))
+
     # events (health)
 
     def event_set_create(self) -> Any:

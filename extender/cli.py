@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -192,8 +193,9 @@ def _quota_mode(args: argparse.Namespace, api_client: Any) -> str:
     return mode
 
 
-def build(args: argparse.Namespace) -> Extender:
-    """Everything but the HTTP listener; tests and the dev cluster build in-process through this."""
+def build(args: argparse.Namespace, *, clock: Callable[[], float] = time.time) -> Extender:
+    """Everything but the HTTP listener; tests and the dev cluster build in-process through this. `clock` (POSIX
+    seconds) is what the state reads for heartbeat ages and usage accounting; tests pass their own."""
     from kube_vgpu.extender.server import create_app
     from kube_vgpu.extender.sources.metrics import SourceCollector
 
@@ -203,7 +205,7 @@ def build(args: argparse.Namespace) -> Extender:
             raise SystemExit(f"kube-vgpu extender: unknown policy {name!r}; known: {', '.join(known)}")
     # a snapshot is a still picture: its heartbeats are as old as the file, never "stale"
     ttl_s = float("inf") if args.snapshot else args.heartbeat_ttl_seconds
-    state = ClusterState(heartbeat_ttl_s=ttl_s, freeze_gc_when_synced=True)
+    state = ClusterState(heartbeat_ttl_s=ttl_s, freeze_gc_when_synced=True, clock=clock)
     gates: list[Gate] = []
     quota_config: str | None = args.quota_config
     source: ClusterSource

@@ -28,6 +28,7 @@ from starlette.types import Receive, Scope, Send
 from kube_vgpu.extender.gangs import gangs_view
 from kube_vgpu.extender.scheduler import BindError, Scheduler
 from kube_vgpu.extender.state import ClusterState
+from kube_vgpu.extender.usage_metrics import UsageCollector
 from kube_vgpu.kubeapi import InvalidObject, check_pod
 from kube_vgpu.probes import ProbeServer, Reply, Route
 from kube_vgpu.probes import serve_probes as serve_probe_routes
@@ -71,20 +72,25 @@ class GpuCollector(Collector):
             "shares_used": GaugeMetricFamily("kube_vgpu_gpu_vgpus_allocated", "vGPUs on the GPU", labels=labels),
             "healthy": GaugeMetricFamily("kube_vgpu_gpu_healthy", "1 if the GPU is healthy", labels=labels),
         }
+        # only plain tuples are copied under the lock (filter waits for it); building the samples, most of a
+        # scrape's cost (~0.5 s at 5000 nodes of 8 GPUs), happens outside it
         with self.state.lock:
-            for node in self.state.nodes.values():
-                for gpu in node.gpus:
-                    values = [node.name, str(gpu.index), gpu.uuid, gpu.model]
-                    families["memory_total"].add_metric(values, gpu.memory_mib)
-                    families["memory_used"].add_metric(values, gpu.used_memory_mib)
-                    families["cores_total"].add_metric(values, gpu.cores)
-                    families["cores_used"].add_metric(values, gpu.used_cores)
-                    families["shares_used"].add_metric(values, gpu.used_vgpus)
-                    families["healthy"].add_metric(values, 1 if gpu.healthy else 0)
-            nodes = GaugeMetricFamily("kube_vgpu_nodes", "GPU nodes known to the extender")
-            nodes.add_metric([], len(self.state.nodes))
-            pods = GaugeMetricFamily("kube_vgpu_assigned_pods", "pods holding GPU assignments")
-            pods.add_metric([], len(self.state.pods))
+            rows = [(node.name, gpu.index, gpu.uuid, gpu.model, gpu.memory_mib, gpu.used_memory_mib, gpu.cores,
+                     gpu.used_cores, gpu.used_vgpus, gpu.healthy)
+                    for node in self.state.nodes.values() for gpu in node.gpus]
+            node_count, pod_count = len(self.state.nodes), len(self.state.pods)
+        for name, index, uuid, model, memory, used_memory, cores, used_cores, used_vgpus, healthy in rows:
+            values = [name, str(index), uuid, model]
+            families["memory_total"].add_metric(values, memory)
+            families["memory_used"].add_metric(values, used_memory)
+            families["cores_total"].add_metric(values, cores)
+            families["cores_used"].add_metric(values, used_cores)
+            families["shares_used"].add_metric(values, used_vgpus)
+            families["healthy"].add_metric(values, 1 if healthy else 0)
+        nodes = GaugeMetricFamily("kube_vgpu_nodes", "GPU nodes known to the extender")
+        nodes.add_metric([], node_count)
+        pods = GaugeMetricFamily("kube_vgpu_assigned_pods", "pods holding GPU assignments")
+        pods.add_metric([], pod_count)
         yield from families.values()
         yield nodes
         yield pods
@@ -267,6 +273,7 @@ def extender_metrics(scheduler: Scheduler) -> ExtenderMetrics:
                              registry=registry),
     )
     registry.register(GpuCollector(scheduler.state))
+    registry.register(UsageCollector(scheduler))
     registry.register(BindTurnCollector(scheduler))
     registry.register(PreemptionCollector(scheduler))
     for gate in scheduler.gates:  # gates may publish their own gauges (the quota gate)

@@ -72,6 +72,9 @@ class PodRecord:
     labels: dict[str, str] = field(default_factory=dict)
     #: its Binding failed and whether it was written could not be read back: kept reserved until known
     uncertain: bool = False
+    #: POSIX seconds of the bind-time annotation our bind wrote (None: not seen yet, a reservation, or unreadable);
+    #: usage accounting counts from it, so its counters survive an extender restart
+    bound_at_s: float | None = None
 
 
 def usage_from_assignment(node: NodeState, assignment: PodAssignment) -> tuple[tuple[GpuUsage, ...], list[str]]:
@@ -92,6 +95,20 @@ def usage_from_assignment(node: NodeState, assignment: PodAssignment) -> tuple[t
                 devices.append((gpu.position, device.memory_mib, device.cores))
         phases.append(devices)
     return peak_usage(node, phases), missing
+
+
+def bind_time_of(annotations: Mapping[str, Any], where: str = "") -> float | None:
+    """The bind-time annotation in POSIX seconds; None when absent or unreadable (logged when `where` names the
+    pod, so a pod's repeated updates do not log it again)."""
+    text = annotations.get(protocol.POD_BIND_TIME_ANNOTATION)
+    if not isinstance(text, str):
+        return None
+    try:
+        return protocol.parse_bind_time(text)
+    except ProtocolError as exc:
+        if where:
+            log.warning("pod %s: bind time not read, its GPU use is not accounted: %s", where, exc)
+        return None
 
 
 def pod_labels_at_bind(metadata: Mapping[str, Any]) -> dict[str, str]:
@@ -274,6 +291,8 @@ class ClusterState:
                 record.confirmed = True
                 record.bound = bool(node_name)
                 record.labels = pod_labels_at_bind(metadata)
+                if record.bound_at_s is None:
+                    record.bound_at_s = bind_time_of(annotations)
                 return
             try:
                 assignment = protocol.decode_assignment(text)
@@ -297,6 +316,7 @@ class ClusterState:
                 confirmed=True,
                 bound=bool(node_name),
                 labels=pod_labels_at_bind(metadata),
+                bound_at_s=bind_time_of(annotations, f"{metadata.get('namespace')}/{metadata.get('name')}"),
             )
             self._add(record)
 

@@ -18,6 +18,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("kube_vgpu.dev.devcluster.demo", "dev cluster + sample workload + placement table"),
     "simulate": ("kube_vgpu.dev.simulator.cli", "trace-driven placement simulator (openb traces)"),
     "quota": ("kube_vgpu.extender.quota.cli", "quota status"),
+    "top": ("kube_vgpu.extender.top", "GPUs assigned per node, GPU and pod (top nodes|gpus|pods)"),
+    "usage": ("kube_vgpu.extender.usage_report", "GPU-hours per namespace or ClusterQueue for a period (Prometheus)"),
     "certs": ("kube_vgpu.webhook.certs", "create a CA and serving certificate"),
 }
 

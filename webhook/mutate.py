@@ -34,6 +34,7 @@ from kube_vgpu.protocol import (
     LABEL_COSCHEDULING_POD_GROUP,
     LABEL_KUEUE_POD_GROUP_NAME,
     LABEL_KUEUE_QUEUE_NAME,
+    LIMITER_CACHE_VOLUME,
     POD_ADMITTED_ANNOTATION,
     RESOURCE_GPU,
     WORKLOAD_API_GROUP,
@@ -59,7 +60,7 @@ SUPPORTED_API_VERSIONS = (API_VERSION_V1, API_VERSION_V1BETA1)
 KUBERNETES_DEFAULT_SCHEDULER = "default-scheduler"
 
 # Names of what the webhook adds to GPU pods (reserved: a pod's own volume of that name is replaced).
-CACHE_VOLUME = "kube-vgpu-cache"
+CACHE_VOLUME = LIMITER_CACHE_VOLUME
 LIMITER_VOLUME = "kube-vgpu-limiter"
 LD_SO_PRELOAD_VOLUME = "kube-vgpu-ld-so-preload"
 LD_SO_PRELOAD_MOUNT_PATH = "/etc/ld.so.preload"

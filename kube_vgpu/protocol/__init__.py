@@ -62,6 +62,9 @@ LABEL_GPU_MEMORY_MIB = "nvidia.com/gpu.memory"
 ENV_MEMORY_LIMIT_PREFIX = "CUDA_DEVICE_MEMORY_LIMIT_"  # + vGPU index; value "<MiB>m"
 ENV_SM_LIMIT = "CUDA_DEVICE_SM_LIMIT"  # percent; 0 = no limit
 ENV_SHARED_CACHE = "CUDA_DEVICE_MEMORY_SHARED_CACHE"
+#: The emptyDir volume the webhook adds to GPU pods for the limiter's shared cache (one `<container>.cache` file per
+#: GPU container); the device plugin reads those files from kubelet's pods directory for usage metrics.
+LIMITER_CACHE_VOLUME = "kube-vgpu-cache"
 ENV_NVIDIA_VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
 ENV_CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 

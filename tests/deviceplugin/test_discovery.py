@@ -326,5 +326,5 @@ def test_fake_raises_pynvmls_own_exception_classes() -> None:
     with pytest.raises(pynvml.NVMLError_GpuIsLost):
         fake.nvmlDeviceGetUUID(handle)
     with pytest.raises(AttributeError, match="does not implement"):
-        fake.nvmlDeviceGetPowerUsage  # noqa: B018
+        fake.nvmlDeviceGetEnforcedPowerLimit  # noqa: B018
     assert fake.NVML_TOPOLOGY_SYSTEM == pynvml.NVML_TOPOLOGY_SYSTEM

@@ -14,9 +14,14 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from kube_vgpu.cli import build_parser
+from kube_vgpu.deviceplugin.discovery import discover
+from kube_vgpu.deviceplugin.fakenvml import FakeNvml, load_profile
+from kube_vgpu.deviceplugin.metrics import DevicePluginCollector
+from kube_vgpu.deviceplugin.nvml import Nvml
+from kube_vgpu.deviceplugin.state import DeviceState
 from kube_vgpu.extender.quota.factory import build_gate
 from kube_vgpu.extender.scheduler import Scheduler
 from kube_vgpu.extender.server import create_app
@@ -25,6 +30,7 @@ from kube_vgpu.extender.sources.snapshot import SnapshotCluster
 from kube_vgpu.extender.sources.watch import WatchHealth
 from kube_vgpu.extender.state import ClusterState
 from kube_vgpu.webhook.metrics import WebhookMetrics
+from tests.deviceplugin.regionfiles import Region
 from tests.manifests.render import INSTALLABLE, KUSTOMIZATIONS, MANIFESTS, ROOT, containers, render, workloads
 
 DOCS = ("architecture.md", "install.md", "user-guide.md", "operations.md", "troubleshooting.md",
@@ -145,8 +151,24 @@ def test_the_overlay_of_install_md_renders_and_its_patches_hit_the_flags_they_me
     build_parser(webhook["args"]).parse_args(webhook["args"])
 
 
+def device_plugin_exposition() -> str:
+    """The device plugin's /metrics on fake GPUs, with an XID seen and one container's shared region to read."""
+    fake = FakeNvml(load_profile("t4-4-pcie", "n"))
+    nvml = Nvml(fake)
+    discovery = discover(nvml)
+    state = DeviceState(discovery.inventory)
+    with tempfile.TemporaryDirectory() as cache:
+        uuid = state.uuids()[0]
+        Region(uuids=[uuid], limits_bytes=[1 << 30], sm_limits=[50]).write(Path(cache), "uid", "main")
+        registry = CollectorRegistry()
+        registry.register(DevicePluginCollector("n", nvml, discovery.handles, state, xid_counts=lambda: {(uuid, 79): 1},
+                                                cache_dir=Path(cache)))
+        return generate_latest(registry).decode()
+
+
 def exported_metrics() -> set[str]:
-    """Metric names as /metrics writes them (# TYPE lines), from the extender (with a quota gate) and the webhook."""
+    """Metric names as /metrics writes them (# TYPE lines), from the extender (with a quota gate), the webhook and
+    the device plugin."""
     state = ClusterState()
     gate = build_gate(state, quota_config=str(MANIFESTS / "examples" / "kueue" / "quota.yaml"))
     assert gate is not None
@@ -160,6 +182,7 @@ def exported_metrics() -> set[str]:
 
     exposition = asyncio.run(scrape())
     exposition += generate_latest(WebhookMetrics().registry).decode()
+    exposition += device_plugin_exposition()
     return set(re.findall(r"^# TYPE (\S+) ", exposition, flags=re.M))
 
 
