@@ -67,15 +67,22 @@ def resolve_quota_mode(requested: str, *, live: bool, evidence: str | None, forc
 def read_kueue_evidence(api_client: Any) -> str | None:
     """kueue_controller_evidence over the cluster's MutatingWebhookConfigurations; None (with a warning) when they
     cannot be read (then auto means enforce, the behaviour of a cluster without Kueue)."""
+    import urllib3
     from kubernetes import client
     from kubernetes.client.rest import ApiException
 
     admission: Any = client.AdmissionregistrationV1Api(api_client)
     try:
-        response = admission.list_mutating_webhook_configuration(_preload_content=False)
+        response = admission.list_mutating_webhook_configuration(_preload_content=False, _request_timeout=10)
     except ApiException as exc:
         log.warning("quota: cannot list MutatingWebhookConfigurations (HTTP %s) to find Kueue's controller; "
                     "assuming it is not installed", exc.status)
+        return None
+    except (OSError, urllib3.exceptions.HTTPError) as exc:
+        # the API server is not reachable yet: nothing else works either; the watches retry, and in mode enforce
+        # the gate warns once Kueue's controller shows in the ClusterQueues' status
+        log.warning("quota: cannot reach the API server to find Kueue's controller (%s); assuming it is not "
+                    "installed", exc)
         return None
     items: list[Mapping[str, Any]] = orjson.loads(response.data).get("items") or []
     return kueue_controller_evidence(items)

@@ -23,6 +23,7 @@ from kube_vgpu.deviceplugin.metrics import DevicePluginCollector
 from kube_vgpu.deviceplugin.nvml import Nvml
 from kube_vgpu.deviceplugin.state import DeviceState
 from kube_vgpu.extender.quota.factory import build_gate
+from kube_vgpu.extender.quota.kueue_mode import KueueModeGate
 from kube_vgpu.extender.scheduler import Scheduler
 from kube_vgpu.extender.server import create_app
 from kube_vgpu.extender.sources.metrics import SourceCollector
@@ -181,6 +182,10 @@ def exported_metrics() -> set[str]:
             return (await client.get("/metrics")).text
 
     exposition = asyncio.run(scrape())
+    # quota mode kueue's gate instead of the enforcing one (extender --quota-mode=kueue)
+    kueue_mode = CollectorRegistry()
+    kueue_mode.register(KueueModeGate(ClusterState(), live=False).collector())
+    exposition += generate_latest(kueue_mode).decode()
     exposition += generate_latest(WebhookMetrics().registry).decode()
     exposition += device_plugin_exposition()
     return set(re.findall(r"^# TYPE (\S+) ", exposition, flags=re.M))
