@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from kube_vgpu.dev.simulator.plot import plot_curves
-from kube_vgpu.dev.simulator.runner import Job, PolicySummary, run_jobs, summarise
+from kube_vgpu.dev.simulator.runner import BoundSummary, Job, PolicySummary, bound_summary, run_jobs, summarise
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,6 +59,7 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "simulator-default.png")
+    parser.add_argument("--no-bound", action="store_true", help="skip the ceiling (the LP upper bound, needs scipy)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     node_csv = str(args.traces / "openb_node_list_gpu_node.csv")
@@ -82,23 +83,32 @@ def main() -> int:
     summaries = summarise(results)
     for summary in summaries:
         (args.out / f"{summary.trace}-{summary.policy}.json").write_text(json.dumps(summary.to_json(), indent=1) + "\n")
-    table = render_table(summaries, policies)
+    bounds: dict[str, BoundSummary] = {}
+    if not args.no_bound:
+        for trace in [t for t in args.trace_names.split(",") if t]:
+            bounds[trace] = bound_summary(node_csv, str(args.traces / f"openb_pod_list_{trace}.csv"), seeds)
+            (args.out / f"{trace}-bound.json").write_text(json.dumps(bounds[trace].to_json(), indent=1) + "\n")
+    table = render_table(summaries, policies, bounds)
     (args.out / "results.md").write_text(table)
     print(table)
     default = [s for s in summaries if s.trace == "default"]
     if default and args.plot:
         plot_curves(default, args.plot, "openb default trace: allocated vs arrived GPU (mean over seeds)")
     print(f"{len(jobs)} runs in {time.time() - started:.0f} s wall; "
-          f"mean {sum(r.seconds for r in results) / len(results):.1f} s per run")
+          f"mean {sum(r.seconds for r in results) / max(1, len(results)):.1f} s per run")
     return 0
 
 
-def render_table(summaries: list[PolicySummary], policies: list[str]) -> str:
+def render_table(
+    summaries: list[PolicySummary], policies: list[str], bounds: dict[str, BoundSummary] | None = None
+) -> str:
+    bounds = bounds or {}
     by_key = {(s.trace, s.policy): s for s in summaries}
-    traces = [t for t in TRACES if any(s.trace == t for s in summaries)]
+    traces = [t for t in TRACES if any(s.trace == t for s in summaries) or t in bounds]
+    extra = ["bound (ceiling)", f"{OURS}: residual closed"] if bounds else []
     lines = [
-        "| trace | " + " | ".join(policies) + " |",
-        "|---|" + "---|" * len(policies),
+        "| trace | " + " | ".join([*policies, *extra]) + " |",
+        "|---|" + "---|" * (len(policies) + len(extra)),
     ]
     for trace in traces:
         cells = []
@@ -112,12 +122,29 @@ def render_table(summaries: list[PolicySummary], policies: list[str]) -> str:
             if published:
                 cell += f" ({s.alloc_at_130 - published[1]:+.2f})"
             cells.append(cell)
+        if bounds:
+            bound = bounds.get(trace)
+            if bound is None or bound.bound_at_100 is None or bound.bound_at_130 is None:
+                cells.append("-")
+            else:
+                cells.append(f"{bound.bound_at_100:.2f} / {bound.bound_at_130:.2f}")
+            cells.append(residual_closed(by_key.get((trace, OURS)), PUBLISHED.get(trace, {}).get("fgd")))
         lines.append(f"| {trace} | " + " | ".join(cells) + " |")
     seeds = {p: max((len(s.seeds) for s in summaries if s.policy == p), default=0) for p in policies}
     lines.append("")
     lines.append("Cells: mean allocated % at arrived 100 % / at 130 % (difference at 130 % from the published mean). "
                  "Seeds per policy: " + ", ".join(f"{p} {n}" for p, n in seeds.items()) + ".")
+    if bounds:
+        lines.append("bound: the LP ceiling (docs/simulator.md, \"The ceiling\"), mean over the seeds of an upper "
+                     "bound that no policy can pass on that seed's arrivals. Residual closed: (ours - FGD) / "
+                     "(100 - FGD) at 130 %, FGD's published mean.")
     return "\n".join(lines) + "\n"
+
+
+def residual_closed(ours: PolicySummary | None, fgd: tuple[float, float] | None) -> str:
+    if ours is None or ours.alloc_at_130 is None or fgd is None:
+        return "-"
+    return f"{100 * (ours.alloc_at_130 - fgd[1]) / (100 - fgd[1]):+.1f} %"
 
 
 if __name__ == "__main__":

@@ -10,8 +10,10 @@ from pathlib import Path
 
 from kube_vgpu.dev.simulator.runner import (
     DEFAULT_SEEDS,
+    BoundSummary,
     Job,
     PolicySummary,
+    bound_summary,
     default_workers,
     resolve_policy_name,
     run_jobs,
@@ -51,6 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--jobs", type=int, default=default_workers(), help="worker processes (default: min(2, CPUs))"
     )
+    parser.add_argument(
+        "--bound",
+        action="store_true",
+        help="also report the ceiling: an upper bound (LP relaxation, HiGHS) on what any policy can allocate "
+        "from each seed's arrivals (needs scipy, the sim extra)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no table")
 
 
@@ -58,7 +66,7 @@ def _fmt(value: float | None, digits: int = 2) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
-def print_table(summaries: list[PolicySummary]) -> None:
+def print_table(summaries: list[PolicySummary], bound: BoundSummary | None = None) -> None:
     print(
         f"{'trace':<12} {'policy':<12} {'seeds':>5} {'alloc@100':>10} {'alloc@130':>10} {'frag@100':>9} {'s/run':>7}"
     )
@@ -66,6 +74,11 @@ def print_table(summaries: list[PolicySummary]) -> None:
         print(
             f"{s.trace:<12} {s.policy:<12} {len(s.seeds):>5} {_fmt(s.alloc_at_100):>10} {_fmt(s.alloc_at_130):>10} "
             f"{_fmt(s.frag_at_100):>9} {s.seconds:>7.1f}"
+        )
+    if bound is not None:
+        print(
+            f"{bound.trace:<12} {'(bound)':<12} {len(bound.seeds):>5} {_fmt(bound.bound_at_100):>10} "
+            f"{_fmt(bound.bound_at_130):>10} {'':>9} {bound.seconds:>7.1f}"
         )
 
 
@@ -103,10 +116,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"bad trace: {error}", file=sys.stderr)
         return 2
     summaries = summarise(results)
+    bound = bound_summary(str(args.node_csv), str(args.pod_csv), args.seed, args.inflate) if args.bound else None
     if not args.quiet:
-        print_table(summaries)
+        print_table(summaries, bound)
     if args.output_json:
-        documents = [s.to_json() for s in summaries]
+        documents = [s.to_json() for s in summaries] + ([bound.to_json()] if bound else [])
         args.output_json.write_text(json.dumps(documents[0] if len(documents) == 1 else documents, indent=1) + "\n")
     if args.curve_csv:
         write_curve_csv(summaries, args.curve_csv)

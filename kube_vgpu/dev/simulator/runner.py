@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+from kube_vgpu.dev.simulator.bound import prefix_through, upper_bound
 from kube_vgpu.dev.simulator.engine import GPU_CORES, simulate
 from kube_vgpu.dev.simulator.metrics import curve, mean_curve
 from kube_vgpu.dev.simulator.trace import NodeSpec, Task, arrival_sequence, load_nodes, load_tasks, trace_name
@@ -75,6 +76,63 @@ class PolicySummary:
             "tie_break": self.tie_break,
             "inflate": self.inflate,
         }
+
+
+@dataclass
+class BoundSummary:
+    """The ceiling (bound.py) of each seed's arrivals: no policy allocates more at arrived = 100 / 130 %."""
+
+    trace: str
+    seeds: list[int]
+    bound_at_100_per_seed: list[float | None]
+    bound_at_130_per_seed: list[float | None]
+    seconds: float  # mean wall seconds per seed (both LPs)
+
+    @property
+    def bound_at_100(self) -> float | None:
+        return _mean(self.bound_at_100_per_seed)
+
+    @property
+    def bound_at_130(self) -> float | None:
+        return _mean(self.bound_at_130_per_seed)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "policy": "bound",
+            "trace": self.trace,
+            "seeds": self.seeds,
+            "alloc_at_100": self.bound_at_100,
+            "alloc_at_130": self.bound_at_130,
+            "alloc_at_100_per_seed": self.bound_at_100_per_seed,
+            "alloc_at_130_per_seed": self.bound_at_130_per_seed,
+            "seconds": round(self.seconds, 3),
+        }
+
+
+def bound_for(job: Job, pct: int) -> float | None:
+    """Upper bound (% of capacity) on the metric at arrived = pct % for the job's arrivals, None when no event
+    falls in that bucket (then no policy has a value there either)."""
+    nodes, _, _ = _load(job.node_csv, job.pod_csv)
+    capacity = sum(spec.gpu_count for spec in nodes) * GPU_CORES
+    prefix = prefix_through(arrivals_for(job), capacity, pct)
+    return None if prefix is None else upper_bound(nodes, prefix).pct
+
+
+def bound_summary(node_csv: str, pod_csv: str, seeds: Sequence[int], inflate: float = 1.3) -> BoundSummary:
+    started = time.perf_counter()
+    at100: list[float | None] = []
+    at130: list[float | None] = []
+    for seed in seeds:
+        job = Job(node_csv, pod_csv, "bound", seed, inflate)
+        at100.append(bound_for(job, 100))
+        at130.append(bound_for(job, 130))
+    return BoundSummary(
+        trace=trace_name(pod_csv),
+        seeds=list(seeds),
+        bound_at_100_per_seed=at100,
+        bound_at_130_per_seed=at130,
+        seconds=(time.perf_counter() - started) / max(1, len(seeds)),
+    )
 
 
 def resolve_policy_name(name: str) -> str:
