@@ -3,6 +3,7 @@
 
     python bench/simulate_openb.py --traces /work/shared/traces/openb --jobs 2 \
         --seeds 42-51 --reference-seeds 42-44 --out bench/out
+    python bench/simulate_openb.py --churn 0.5,0.25 --seeds 42-51 --out bench/out     # the churn tables
 
 Writes one JSON per (trace, policy) under --out, a Markdown table (results.md) next to them with the published
 reference numbers for comparison, and the plot of the default trace (docs/simulator-default.png unless --plot).
@@ -19,7 +20,18 @@ import time
 from pathlib import Path
 
 from kube_vgpu.dev.simulator.plot import plot_curves
-from kube_vgpu.dev.simulator.runner import BoundSummary, Job, PolicySummary, bound_summary, run_jobs, summarise
+from kube_vgpu.dev.simulator.runner import (
+    BoundSummary,
+    ChurnJob,
+    ChurnSummary,
+    Job,
+    PolicySummary,
+    bound_summary,
+    run_churn_jobs,
+    run_jobs,
+    summarise,
+    summarise_churn,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -60,8 +72,16 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "simulator-default.png")
     parser.add_argument("--no-bound", action="store_true", help="skip the ceiling (the LP upper bound, needs scipy)")
+    parser.add_argument(
+        "--churn",
+        default="",
+        help="instead of the arrivals table: the churn protocol at these capacities (fractions of peak demand, "
+        "comma-separated), every policy on every seed; traces without creation/deletion times are skipped",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.churn:
+        return churn_tables(args)
     node_csv = str(args.traces / "openb_node_list_gpu_node.csv")
     seeds, reference_seeds = seed_range(args.seeds), seed_range(args.reference_seeds)
     policies = [p for p in args.policies.split(",") if p]
@@ -97,6 +117,64 @@ def main() -> int:
     print(f"{len(jobs)} runs in {time.time() - started:.0f} s wall; "
           f"mean {sum(r.seconds for r in results) / max(1, len(results)):.1f} s per run")
     return 0
+
+
+def churn_tables(args: argparse.Namespace) -> int:
+    node_csv = str(args.traces / "openb_node_list_gpu_node.csv")
+    policies = [p for p in args.policies.split(",") if p]
+    traces = []
+    for trace in [t for t in args.trace_names.split(",") if t]:
+        pod_csv = args.traces / f"openb_pod_list_{trace}.csv"
+        if "deletion_time" in pod_csv.read_text().split("\n", 1)[0]:
+            traces.append(trace)
+        else:
+            print(f"{trace}: no creation_time/deletion_time columns, skipped")
+    started = time.time()
+    output = []
+    for fraction in [float(f) for f in args.churn.split(",") if f]:
+        jobs = [
+            ChurnJob(node_csv, str(args.traces / f"openb_pod_list_{trace}.csv"), policy, seed, fraction)
+            for trace in traces
+            for policy in policies
+            for seed in seed_range(args.seeds)
+        ]
+        summaries = summarise_churn(jobs, run_churn_jobs(jobs, args.jobs))
+        for summary in summaries:
+            name = f"churn{fraction:g}-{summary.trace}-{summary.policy}.json"
+            (args.out / name).write_text(json.dumps(summary.to_json(), indent=1) + "\n")
+        output.append(render_churn_table(summaries, policies, fraction))
+    text = "\n".join(output)
+    (args.out / "churn.md").write_text(text)
+    print(text)
+    print(f"churn tables in {time.time() - started:.0f} s wall")
+    return 0
+
+
+def render_churn_table(summaries: list[ChurnSummary], policies: list[str], fraction: float) -> str:
+    by_key = {(s.trace, s.policy): s for s in summaries}
+    traces = [t for t in TRACES if any(s.trace == t for s in summaries)]
+    lines = [f"Capacity {fraction:g} x peak GPU demand.", ""]
+    lines.append("| trace (GPUs, ceiling, oversubscribed) | policy | alloc % | alloc % oversubscribed | "
+                 "GPU tasks never placed | tasks delayed | mean pending s |")
+    lines.append("|---|---|---|---|---|---|---|")
+    for trace in traces:
+        first = next(s for s in summaries if s.trace == trace)
+        label = (f"{trace} ({first.capacity_gpus:.1f}, {first.ceiling_pct:.2f}, "
+                 f"{100 * first.full_fraction:.1f} %)")
+        ranked = sorted((by_key[(trace, p)] for p in policies if (trace, p) in by_key), key=lambda s: -s.alloc_pct)
+        for s in ranked:
+            full = "n/a" if s.alloc_pct_when_full is None else f"{s.alloc_pct_when_full:.2f}"
+            name = f"**{s.policy}**" if s.policy == OURS else s.policy
+            lines.append(f"| {label} | {name} | {s.alloc_pct:.2f} | {full} | {s.never_placed_gpu:.1f} | "
+                         f"{s.delayed:.1f} | {s.pending_mean_s:.0f} |")
+            label = ""
+    seeds = max((len(s.seeds) for s in summaries), default=0)
+    lines.append("")
+    lines.append(f"Means over {seeds} seeds (a seed draws the cluster's nodes and the tie-break order), policies "
+                 "sorted by alloc %. GPUs: mean cluster size; ceiling: time-averaged min(capacity, GPU asked by "
+                 "live tasks), % of capacity; oversubscribed: share of the time the live tasks ask more than the "
+                 "cluster.")
+    return "\n".join(lines) + "\n"
 
 
 def render_table(
