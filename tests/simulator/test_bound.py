@@ -11,7 +11,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kube_vgpu.cli import main
-from kube_vgpu.dev.simulator.bound import dff, node_classes, prefix_through, upper_bound
+from kube_vgpu.dev.simulator.bound import (
+    dff,
+    node_classes,
+    offline_order,
+    offline_packing,
+    prefix_through,
+    upper_bound,
+)
 from kube_vgpu.dev.simulator.engine import simulate
 from kube_vgpu.dev.simulator.metrics import curve
 from kube_vgpu.dev.simulator.trace import NodeSpec, Task
@@ -104,6 +111,17 @@ def test_bound_is_above_the_optimum_where_the_relaxation_splits_a_task():
     assert bound.pct == pytest.approx(66.666667, abs=1e-6) and bound.pct >= float(Fraction(400, 6))
 
 
+def test_offline_packing_goes_largest_first_and_beats_the_arrival_order():
+    # in arrival order the 300s spread and block the 800s; largest first packs 800 + 200 twice
+    nodes = [NodeSpec("a", 32000, 65536, 2, "T4")]
+    tasks = [task(1000, 1, 300), task(1000, 1, 300), task(1000, 1, 800), task(1000, 1, 800), task(1000, 1, 200),
+             task(1000, 1, 200), task(1000, 0, 0)]
+    assert [t.gpu_milli for t in offline_order(tasks)] == [800, 800, 300, 300, 200, 200]
+    assert simulate(nodes, tasks, make_policy("spread"), seed=0).allocated_milli[-1] == 1000  # 300+200 twice
+    assert offline_packing(nodes, tasks, make_policy("bestfit")) == 2000 == brute_force(nodes, tasks)
+    assert upper_bound(nodes, tasks).bound_milli == 2000
+
+
 def test_dual_feasible_functions_sum_to_at_most_one_gpu():
     # every way to fill one GPU with shares: f_e sums to <= 1000 for each threshold
     for threshold in (500, 334, 250, 200):
@@ -148,9 +166,10 @@ task_strategy = st.one_of(
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(nodes=nodes_strategy, tasks=st.lists(task_strategy, max_size=6))
-def test_bound_is_never_below_the_brute_force_optimum(nodes, tasks):
+def test_the_optimum_lies_between_the_offline_packing_and_the_bound(nodes, tasks):
     nodes = [NodeSpec(f"n{i}", n.cpu_milli, n.memory_mib, n.gpu_count, n.model) for i, n in enumerate(nodes)]
-    assert upper_bound(nodes, tasks).bound_milli >= brute_force(nodes, tasks)
+    optimum = brute_force(nodes, tasks)
+    assert offline_packing(nodes, tasks, make_policy("bfgd")) <= optimum <= upper_bound(nodes, tasks).bound_milli
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

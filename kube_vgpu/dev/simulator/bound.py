@@ -32,9 +32,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
+from kube_vgpu.dev.simulator.engine import simulate
 from kube_vgpu.dev.simulator.metrics import bucket
 from kube_vgpu.dev.simulator.trace import NodeSpec, Task
 from kube_vgpu.extender.engine.fragmentation import MILLI_PER_GPU
+from kube_vgpu.extender.engine.policies import Policy
 
 #: e of the dual feasible functions f_e (Fekete & Schepers): a per-GPU share s counts 1000 if s > 1000 - e, s if
 #: e <= s <= 1000 - e, 0 if s < e. Valid for 0 < e <= 500: a GPU holding a share above 1000 - e has under e left
@@ -201,3 +203,21 @@ def prefix_through(arrivals: Sequence[Task], capacity_milli: int, pct: int) -> l
         elif point > pct:
             break
     return None if end is None else list(arrivals[:end])
+
+
+def offline_order(arrivals: Sequence[Task]) -> list[Task]:
+    """The GPU tasks of `arrivals` largest first (GPU count, then share, then least CPU): first-fit decreasing's
+    order. CPU-only tasks are left out (they only take resources)."""
+    return sorted(
+        (task for task in arrivals if task.gpu_milli_total),
+        key=lambda task: (-task.gpu_count, -task.gpu_milli, task.cpu_milli),
+    )
+
+
+def offline_packing(node_specs: Sequence[NodeSpec], arrivals: Sequence[Task], policy: Policy) -> int:
+    """GPU milli of a real packing of a subset of `arrivals`, found offline (the policy places the GPU tasks in
+    `offline_order`): a LOWER bound on the offline optimum that `upper_bound` bounds from above."""
+    ordered = offline_order(arrivals)
+    if not ordered:
+        return 0
+    return simulate(node_specs, ordered, policy, seed=0).allocated_milli[-1]

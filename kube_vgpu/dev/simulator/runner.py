@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from kube_vgpu.dev.simulator.bound import prefix_through, upper_bound
+from kube_vgpu.dev.simulator.bound import offline_packing, prefix_through, upper_bound
 from kube_vgpu.dev.simulator.churn import ChurnResult, replay, size_cluster
 from kube_vgpu.dev.simulator.engine import GPU_CORES, simulate
 from kube_vgpu.dev.simulator.metrics import curve, mean_curve
@@ -97,6 +97,9 @@ class BoundSummary:
     bound_at_100_per_seed: list[float | None]
     bound_at_130_per_seed: list[float | None]
     seconds: float  # mean wall seconds per seed (both LPs)
+    #: an offline packing of the same arrivals (bound.offline_packing, a lower bound on the offline optimum)
+    offline_policy: str | None = None
+    offline_at_130_per_seed: list[float | None] = field(default_factory=list)
 
     @property
     def bound_at_100(self) -> float | None:
@@ -105,6 +108,10 @@ class BoundSummary:
     @property
     def bound_at_130(self) -> float | None:
         return _mean(self.bound_at_130_per_seed)
+
+    @property
+    def offline_at_130(self) -> float | None:
+        return _mean(self.offline_at_130_per_seed)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -116,7 +123,21 @@ class BoundSummary:
             "alloc_at_100_per_seed": self.bound_at_100_per_seed,
             "alloc_at_130_per_seed": self.bound_at_130_per_seed,
             "seconds": round(self.seconds, 3),
+            "offline_policy": self.offline_policy,
+            "offline_at_130": self.offline_at_130,
+            "offline_at_130_per_seed": self.offline_at_130_per_seed,
         }
+
+
+def offline_for(job: Job, pct: int, policy: str) -> float | None:
+    """% of capacity an offline packing (largest first, `policy` choosing nodes) gets from the arrivals of the
+    metric's bucket `pct`: the offline optimum is at least this."""
+    nodes, _, shapes = _load(job.node_csv, job.pod_csv)
+    capacity = sum(spec.gpu_count for spec in nodes) * GPU_CORES
+    prefix = prefix_through(arrivals_for(job), capacity, pct)
+    if prefix is None:
+        return None
+    return 100.0 * offline_packing(nodes, prefix, build_policy(resolve_policy_name(policy), shapes)) / capacity
 
 
 def bound_for(job: Job, pct: int) -> float | None:
@@ -128,7 +149,15 @@ def bound_for(job: Job, pct: int) -> float | None:
     return None if prefix is None else upper_bound(nodes, prefix).pct
 
 
-def bound_summary(node_csv: str, pod_csv: str, seeds: Sequence[int], inflate: float = 1.3) -> BoundSummary:
+def bound_summary(
+    node_csv: str,
+    pod_csv: str,
+    seeds: Sequence[int],
+    inflate: float = 1.3,
+    *,
+    offline_policy: str | None = None,
+    offline_seeds: Sequence[int] = (),
+) -> BoundSummary:
     started = time.perf_counter()
     at100: list[float | None] = []
     at130: list[float | None] = []
@@ -136,12 +165,20 @@ def bound_summary(node_csv: str, pod_csv: str, seeds: Sequence[int], inflate: fl
         job = Job(node_csv, pod_csv, "bound", seed, inflate)
         at100.append(bound_for(job, 100))
         at130.append(bound_for(job, 130))
+    seconds = (time.perf_counter() - started) / max(1, len(seeds))
+    offline = (
+        [offline_for(Job(node_csv, pod_csv, "offline", seed, inflate), 130, offline_policy) for seed in offline_seeds]
+        if offline_policy
+        else []
+    )
     return BoundSummary(
         trace=trace_name(pod_csv),
         seeds=list(seeds),
         bound_at_100_per_seed=at100,
         bound_at_130_per_seed=at130,
-        seconds=(time.perf_counter() - started) / max(1, len(seeds)),
+        seconds=seconds,
+        offline_policy=offline_policy,
+        offline_at_130_per_seed=offline,
     )
 
 
