@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from kube_vgpu.cli import main
 from kube_vgpu.dev.simulator.bound import (
+    cpu_rich_first,
     dff,
     node_classes,
     offline_order,
@@ -118,8 +119,16 @@ def test_offline_packing_goes_largest_first_and_beats_the_arrival_order():
              task(1000, 1, 200), task(1000, 0, 0)]
     assert [t.gpu_milli for t in offline_order(tasks)] == [800, 800, 300, 300, 200, 200]
     assert simulate(nodes, tasks, make_policy("spread"), seed=0).allocated_milli[-1] == 1000  # 300+200 twice
-    assert offline_packing(nodes, tasks, make_policy("bestfit")) == 2000 == brute_force(nodes, tasks)
+    assert offline_packing(nodes, tasks, lambda: make_policy("bestfit")) == 2000 == brute_force(nodes, tasks)
     assert upper_bound(nodes, tasks).bound_milli == 2000
+
+
+def test_cpu_rich_first_sends_cpu_hungry_tasks_to_cpu_rich_nodes():
+    # an 8-core and a 32-core node of one GPU each: if the 4-core task took the big node, the 30-core one would
+    # fit nowhere; CPU-rich first places the 30-core task first, on the big node, and the 4-core one on the small
+    nodes = [NodeSpec("small", 8000, 65536, 1, "T4"), NodeSpec("big", 32000, 65536, 1, "T4")]
+    tasks = [task(4000, 1, 1000), task(30000, 1, 1000)]
+    assert cpu_rich_first(nodes, tasks, lambda: make_policy("bestfit")) == 2000 == brute_force(nodes, tasks)
 
 
 def test_dual_feasible_functions_sum_to_at_most_one_gpu():
@@ -169,7 +178,8 @@ task_strategy = st.one_of(
 def test_the_optimum_lies_between_the_offline_packing_and_the_bound(nodes, tasks):
     nodes = [NodeSpec(f"n{i}", n.cpu_milli, n.memory_mib, n.gpu_count, n.model) for i, n in enumerate(nodes)]
     optimum = brute_force(nodes, tasks)
-    assert offline_packing(nodes, tasks, make_policy("bfgd")) <= optimum <= upper_bound(nodes, tasks).bound_milli
+    assert offline_packing(nodes, tasks, lambda: make_policy("bfgd")) <= optimum
+    assert optimum <= upper_bound(nodes, tasks).bound_milli
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -28,11 +28,11 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
-from kube_vgpu.dev.simulator.engine import simulate
+from kube_vgpu.dev.simulator.engine import Cluster, simulate
 from kube_vgpu.dev.simulator.metrics import bucket
 from kube_vgpu.dev.simulator.trace import NodeSpec, Task
 from kube_vgpu.extender.engine.fragmentation import MILLI_PER_GPU
@@ -214,10 +214,38 @@ def offline_order(arrivals: Sequence[Task]) -> list[Task]:
     )
 
 
-def offline_packing(node_specs: Sequence[NodeSpec], arrivals: Sequence[Task], policy: Policy) -> int:
-    """GPU milli of a real packing of a subset of `arrivals`, found offline (the policy places the GPU tasks in
-    `offline_order`): a LOWER bound on the offline optimum that `upper_bound` bounds from above."""
+def cpu_rich_first(node_specs: Sequence[NodeSpec], arrivals: Sequence[Task], make: Callable[[], Policy]) -> int:
+    """GPU milli of an offline packing that sends CPU-hungry tasks to CPU-rich nodes: node classes are filled in
+    falling order of CPU per GPU, each task going to the first class that takes it; whole-GPU tasks first (most
+    GPUs, then most CPU first), then sharing tasks (largest share, then most CPU first)."""
+    groups: dict[tuple[int, int, int, str], list[NodeSpec]] = {}
+    for spec in node_specs:
+        if spec.gpu_count:
+            groups.setdefault((spec.cpu_milli, spec.memory_mib, spec.gpu_count, spec.model), []).append(spec)
+    order = sorted(groups, key=lambda key: (-key[0] / key[2], key))
+    clusters = [Cluster(groups[key], make(), seed=0) for key in order]
+    whole = sorted(
+        (t for t in arrivals if t.gpu_count and t.gpu_milli >= MILLI_PER_GPU),
+        key=lambda t: (-t.gpu_count, -t.cpu_milli),
+    )
+    share = sorted(
+        (t for t in arrivals if t.gpu_count and t.gpu_milli < MILLI_PER_GPU), key=lambda t: (-t.gpu_milli, -t.cpu_milli)
+    )
+    allocated = 0
+    for task in whole + share:
+        for cluster in clusters:
+            if cluster.place(task) is not None:
+                allocated += task.gpu_milli_total
+                break
+    return allocated
+
+
+def offline_packing(node_specs: Sequence[NodeSpec], arrivals: Sequence[Task], make: Callable[[], Policy]) -> int:
+    """GPU milli of a real packing of a subset of `arrivals`, found offline: the better of first-fit decreasing
+    (a fresh `make()` policy placing `offline_order`) and `cpu_rich_first`. A LOWER bound on the offline optimum
+    that `upper_bound` bounds from above. Both go through the simulator's engine, so they obey every fit rule."""
     ordered = offline_order(arrivals)
     if not ordered:
         return 0
-    return simulate(node_specs, ordered, policy, seed=0).allocated_milli[-1]
+    decreasing = simulate(node_specs, ordered, make(), seed=0).allocated_milli[-1]
+    return max(decreasing, cpu_rich_first(node_specs, arrivals, make))

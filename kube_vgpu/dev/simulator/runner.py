@@ -130,14 +130,15 @@ class BoundSummary:
 
 
 def offline_for(job: Job, pct: int, policy: str) -> float | None:
-    """% of capacity an offline packing (largest first, `policy` choosing nodes) gets from the arrivals of the
+    """% of capacity an offline packing (bound.offline_packing, `policy` choosing nodes) gets from the arrivals of the
     metric's bucket `pct`: the offline optimum is at least this."""
     nodes, _, shapes = _load(job.node_csv, job.pod_csv)
     capacity = sum(spec.gpu_count for spec in nodes) * GPU_CORES
     prefix = prefix_through(arrivals_for(job), capacity, pct)
     if prefix is None:
         return None
-    return 100.0 * offline_packing(nodes, prefix, build_policy(resolve_policy_name(policy), shapes)) / capacity
+    name = resolve_policy_name(policy)
+    return 100.0 * offline_packing(nodes, prefix, lambda: build_policy(name, shapes)) / capacity
 
 
 def bound_for(job: Job, pct: int) -> float | None:
