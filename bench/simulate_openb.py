@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from kube_vgpu.dev.simulator.plot import plot_curves
+from kube_vgpu.dev.simulator.plot import plot_churn, plot_curves
 from kube_vgpu.dev.simulator.runner import (
     BoundSummary,
     ChurnJob,
@@ -154,6 +154,12 @@ def churn_tables(args: argparse.Namespace) -> int:
             name = f"churn{fraction:g}-{summary.trace}-{summary.policy}.json"
             (args.out / name).write_text(json.dumps(summary.to_json(), indent=1) + "\n")
         output.append(render_churn_table(summaries, policies, fraction))
+        if args.plot:
+            plot_churn(
+                summaries,
+                args.plot.with_name(f"simulator-churn-{fraction:g}.png"),
+                f"churn, capacity {fraction:g} x peak demand ({len(seed_range(args.seeds))} seeds)",
+            )
     text = "\n".join(output)
     (args.out / "churn.md").write_text(text)
     print(text)

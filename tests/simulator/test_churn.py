@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 
 from kube_vgpu.cli import main
 from kube_vgpu.dev.simulator.churn import peak_gpu_demand, replay, size_cluster
+from kube_vgpu.dev.simulator.plot import plot_churn
+from kube_vgpu.dev.simulator.runner import ChurnJob, run_churn_jobs, summarise_churn
 from kube_vgpu.dev.simulator.trace import NodeSpec, Task, TimedTask, load_timed_tasks
 from kube_vgpu.extender.engine.policies import make_policy, policy_names
 
@@ -129,3 +131,21 @@ def test_load_timed_tasks_and_the_churn_command(tmp_path, capsys):
     assert doc["protocol"] == "churn" and doc["capacity_gpus"] == 1.0
     assert doc["alloc_pct"] == pytest.approx(100.0) and doc["never_placed_gpu"] == 1
     assert doc["pending_mean_s"] == pytest.approx((0 + 10 + 5) / 3)
+
+
+def test_churn_summary_and_plot(tmp_path):
+    nodes = tmp_path / "nodes.csv"
+    nodes.write_text("sn,cpu_milli,memory_mib,gpu,model\nn1,32000,131072,2,T4\n")
+    pods = tmp_path / "pods.csv"
+    pods.write_text(
+        "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,creation_time,deletion_time\n"
+        "a,1000,1024,1,1000,,0,10\nb,1000,1024,1,600,,0,10\nc,1000,1024,1,600,,5,20\n"
+    )
+    jobs = [ChurnJob(str(nodes), str(pods), policy, seed, 1.0) for policy in ("bfgd", "spread") for seed in (1, 2)]
+    summaries = summarise_churn(jobs, run_churn_jobs(jobs, 1))
+    assert [(s.policy, s.seeds) for s in summaries] == [("bfgd", [1, 2]), ("spread", [1, 2])]
+    # a, b on their own GPUs; c (600) fits beside neither until b leaves at 10: 1600 on [0, 10), 600 on [10, 20)
+    assert all(s.alloc_pct == pytest.approx(100 * (16000 + 6000) / (2000 * 20)) for s in summaries)
+    assert all(s.delayed == 1 and s.never_placed_gpu == 0 and s.capacity_gpus == 2 for s in summaries)
+    plot_churn(summaries, tmp_path / "churn.png", "test")
+    assert (tmp_path / "churn.png").stat().st_size > 0
