@@ -233,9 +233,10 @@ def render_table(
                  "Seeds per policy: " + ", ".join(f"{p} {n}" for p, n in seeds.items()) + ".")
     if bounds:
         lines.append("bound: the LP ceiling (docs/simulator.md, \"The ceiling\"), mean over the seeds of an upper "
-                     "bound that no policy can pass on that seed's arrivals. Offline packing: GPU tasks of the same "
-                     f"arrivals placed largest first by {OURS}, a packing any offline optimum beats. Residual "
-                     "closed: (ours - FGD) / (100 - FGD) at 130 %, FGD's published mean.")
+                     "bound that no policy can pass on that seed's arrivals. Offline packing: a real packing of the "
+                     f"GPU tasks of the same arrivals (the better of first-fit decreasing with {OURS} and "
+                     "CPU-rich-first), which the offline optimum is at least. Residual closed: (ours - FGD) / "
+                     "(100 - FGD) at 130 %, FGD's published mean.")
     return "\n".join(lines) + "\n"
 
 
