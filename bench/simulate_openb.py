@@ -70,7 +70,12 @@ def main() -> int:
     parser.add_argument("--trace-names", default=",".join(TRACES))
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
-    parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "simulator-default.png")
+    parser.add_argument(
+        "--plot",
+        type=lambda text: Path(text) if text else None,
+        default=ROOT / "docs" / "simulator-default.png",
+        help="where the plots go (the churn plots beside it); an empty string: no plots",
+    )
     parser.add_argument("--no-bound", action="store_true", help="skip the ceiling (the LP upper bound, needs scipy)")
     parser.add_argument(
         "--offline-seeds",
