@@ -3,6 +3,7 @@
 
     python bench/simulate_openb.py --traces /work/shared/traces/openb --jobs 2 \
         --seeds 42-51 --reference-seeds 42-44 --out bench/out
+    python bench/simulate_openb.py --churn 0.5,0.25 --seeds 42-51 --out bench/out     # the churn tables
 
 Writes one JSON per (trace, policy) under --out, a Markdown table (results.md) next to them with the published
 reference numbers for comparison, and the plot of the default trace (docs/simulator-default.png unless --plot).
@@ -18,8 +19,19 @@ import sys
 import time
 from pathlib import Path
 
-from kube_vgpu.dev.simulator.plot import plot_curves
-from kube_vgpu.dev.simulator.runner import Job, PolicySummary, run_jobs, summarise
+from kube_vgpu.dev.simulator.plot import plot_churn, plot_curves
+from kube_vgpu.dev.simulator.runner import (
+    BoundSummary,
+    ChurnJob,
+    ChurnSummary,
+    Job,
+    PolicySummary,
+    bound_summary,
+    run_churn_jobs,
+    run_jobs,
+    summarise,
+    summarise_churn,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -58,9 +70,28 @@ def main() -> int:
     parser.add_argument("--trace-names", default=",".join(TRACES))
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
-    parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "simulator-default.png")
+    parser.add_argument(
+        "--plot",
+        type=lambda text: Path(text) if text else None,
+        default=ROOT / "docs" / "simulator-default.png",
+        help="where the plots go (the churn plots beside it); an empty string: no plots",
+    )
+    parser.add_argument("--no-bound", action="store_true", help="skip the ceiling (the LP upper bound, needs scipy)")
+    parser.add_argument(
+        "--offline-seeds",
+        default="42-43",
+        help="seeds on which an offline packing (largest first, bfgd) brackets the offline optimum from below",
+    )
+    parser.add_argument(
+        "--churn",
+        default="",
+        help="instead of the arrivals table: the churn protocol at these capacities (fractions of peak demand, "
+        "comma-separated), every policy on every seed; traces without creation/deletion times are skipped",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.churn:
+        return churn_tables(args)
     node_csv = str(args.traces / "openb_node_list_gpu_node.csv")
     seeds, reference_seeds = seed_range(args.seeds), seed_range(args.reference_seeds)
     policies = [p for p in args.policies.split(",") if p]
@@ -82,23 +113,102 @@ def main() -> int:
     summaries = summarise(results)
     for summary in summaries:
         (args.out / f"{summary.trace}-{summary.policy}.json").write_text(json.dumps(summary.to_json(), indent=1) + "\n")
-    table = render_table(summaries, policies)
+    bounds: dict[str, BoundSummary] = {}
+    if not args.no_bound:
+        for trace in [t for t in args.trace_names.split(",") if t]:
+            bounds[trace] = bound_summary(
+                node_csv,
+                str(args.traces / f"openb_pod_list_{trace}.csv"),
+                seeds,
+                offline_policy=OURS,
+                offline_seeds=seed_range(args.offline_seeds) if args.offline_seeds else [],
+            )
+            (args.out / f"{trace}-bound.json").write_text(json.dumps(bounds[trace].to_json(), indent=1) + "\n")
+    table = render_table(summaries, policies, bounds)
     (args.out / "results.md").write_text(table)
     print(table)
     default = [s for s in summaries if s.trace == "default"]
     if default and args.plot:
         plot_curves(default, args.plot, "openb default trace: allocated vs arrived GPU (mean over seeds)")
     print(f"{len(jobs)} runs in {time.time() - started:.0f} s wall; "
-          f"mean {sum(r.seconds for r in results) / len(results):.1f} s per run")
+          f"mean {sum(r.seconds for r in results) / max(1, len(results)):.1f} s per run")
     return 0
 
 
-def render_table(summaries: list[PolicySummary], policies: list[str]) -> str:
+def churn_tables(args: argparse.Namespace) -> int:
+    node_csv = str(args.traces / "openb_node_list_gpu_node.csv")
+    policies = [p for p in args.policies.split(",") if p]
+    traces = []
+    for trace in [t for t in args.trace_names.split(",") if t]:
+        pod_csv = args.traces / f"openb_pod_list_{trace}.csv"
+        if "deletion_time" in pod_csv.read_text().split("\n", 1)[0]:
+            traces.append(trace)
+        else:
+            print(f"{trace}: no creation_time/deletion_time columns, skipped")
+    started = time.time()
+    output = []
+    for fraction in [float(f) for f in args.churn.split(",") if f]:
+        jobs = [
+            ChurnJob(node_csv, str(args.traces / f"openb_pod_list_{trace}.csv"), policy, seed, fraction)
+            for trace in traces
+            for policy in policies
+            for seed in seed_range(args.seeds)
+        ]
+        summaries = summarise_churn(jobs, run_churn_jobs(jobs, args.jobs))
+        for summary in summaries:
+            name = f"churn{fraction:g}-{summary.trace}-{summary.policy}.json"
+            (args.out / name).write_text(json.dumps(summary.to_json(), indent=1) + "\n")
+        output.append(render_churn_table(summaries, policies, fraction))
+        if args.plot:
+            plot_churn(
+                summaries,
+                args.plot.with_name(f"simulator-churn-{fraction:g}.png"),
+                f"churn, capacity {fraction:g} x peak demand ({len(seed_range(args.seeds))} seeds)",
+            )
+    text = "\n".join(output)
+    (args.out / "churn.md").write_text(text)
+    print(text)
+    print(f"churn tables in {time.time() - started:.0f} s wall")
+    return 0
+
+
+def render_churn_table(summaries: list[ChurnSummary], policies: list[str], fraction: float) -> str:
     by_key = {(s.trace, s.policy): s for s in summaries}
     traces = [t for t in TRACES if any(s.trace == t for s in summaries)]
+    lines = [f"Capacity {fraction:g} x peak GPU demand.", ""]
+    lines.append("| trace (GPUs, ceiling, oversubscribed) | policy | alloc % | alloc % oversubscribed | "
+                 "GPU tasks never placed | tasks delayed | mean pending s |")
+    lines.append("|---|---|---|---|---|---|---|")
+    for trace in traces:
+        first = next(s for s in summaries if s.trace == trace)
+        label = (f"{trace} ({first.capacity_gpus:.1f}, {first.ceiling_pct:.2f}, "
+                 f"{100 * first.full_fraction:.1f} %)")
+        ranked = sorted((by_key[(trace, p)] for p in policies if (trace, p) in by_key), key=lambda s: -s.alloc_pct)
+        for s in ranked:
+            full = "n/a" if s.alloc_pct_when_full is None else f"{s.alloc_pct_when_full:.2f}"
+            name = f"**{s.policy}**" if s.policy == OURS else s.policy
+            lines.append(f"| {label} | {name} | {s.alloc_pct:.2f} | {full} | {s.never_placed_gpu:.1f} | "
+                         f"{s.delayed:.1f} | {s.pending_mean_s:.0f} |")
+            label = ""
+    seeds = max((len(s.seeds) for s in summaries), default=0)
+    lines.append("")
+    lines.append(f"Means over {seeds} seeds (a seed draws the cluster's nodes and the tie-break order), policies "
+                 "sorted by alloc %. GPUs: mean cluster size; ceiling: time-averaged min(capacity, GPU asked by "
+                 "live tasks), % of capacity; oversubscribed: share of the time the live tasks ask more than the "
+                 "cluster.")
+    return "\n".join(lines) + "\n"
+
+
+def render_table(
+    summaries: list[PolicySummary], policies: list[str], bounds: dict[str, BoundSummary] | None = None
+) -> str:
+    bounds = bounds or {}
+    by_key = {(s.trace, s.policy): s for s in summaries}
+    traces = [t for t in TRACES if any(s.trace == t for s in summaries) or t in bounds]
+    extra = ["bound (ceiling)", "offline packing at 130", f"{OURS}: residual closed"] if bounds else []
     lines = [
-        "| trace | " + " | ".join(policies) + " |",
-        "|---|" + "---|" * len(policies),
+        "| trace | " + " | ".join([*policies, *extra]) + " |",
+        "|---|" + "---|" * (len(policies) + len(extra)),
     ]
     for trace in traces:
         cells = []
@@ -112,12 +222,33 @@ def render_table(summaries: list[PolicySummary], policies: list[str]) -> str:
             if published:
                 cell += f" ({s.alloc_at_130 - published[1]:+.2f})"
             cells.append(cell)
+        if bounds:
+            bound = bounds.get(trace)
+            if bound is None or bound.bound_at_100 is None or bound.bound_at_130 is None:
+                cells.append("-")
+            else:
+                cells.append(f"{bound.bound_at_100:.2f} / {bound.bound_at_130:.2f}")
+            offline = bound.offline_at_130 if bound is not None else None
+            cells.append("-" if offline is None else f"{offline:.2f} ({len(bound.offline_at_130_per_seed)} seeds)")
+            cells.append(residual_closed(by_key.get((trace, OURS)), PUBLISHED.get(trace, {}).get("fgd")))
         lines.append(f"| {trace} | " + " | ".join(cells) + " |")
     seeds = {p: max((len(s.seeds) for s in summaries if s.policy == p), default=0) for p in policies}
     lines.append("")
     lines.append("Cells: mean allocated % at arrived 100 % / at 130 % (difference at 130 % from the published mean). "
                  "Seeds per policy: " + ", ".join(f"{p} {n}" for p, n in seeds.items()) + ".")
+    if bounds:
+        lines.append("bound: the LP ceiling (docs/simulator.md, \"The ceiling\"), mean over the seeds of an upper "
+                     "bound that no policy can pass on that seed's arrivals. Offline packing: a real packing of the "
+                     f"GPU tasks of the same arrivals (the better of first-fit decreasing with {OURS} and "
+                     "CPU-rich-first), which the offline optimum is at least. Residual closed: (ours - FGD) / "
+                     "(100 - FGD) at 130 %, FGD's published mean.")
     return "\n".join(lines) + "\n"
+
+
+def residual_closed(ours: PolicySummary | None, fgd: tuple[float, float] | None) -> str:
+    if ours is None or ours.alloc_at_130 is None or fgd is None:
+        return "-"
+    return f"{100 * (ours.alloc_at_130 - fgd[1]) / (100 - fgd[1]):+.1f} %"
 
 
 if __name__ == "__main__":

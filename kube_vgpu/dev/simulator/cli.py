@@ -10,12 +10,18 @@ from pathlib import Path
 
 from kube_vgpu.dev.simulator.runner import (
     DEFAULT_SEEDS,
+    BoundSummary,
+    ChurnJob,
+    ChurnSummary,
     Job,
     PolicySummary,
+    bound_summary,
     default_workers,
     resolve_policy_name,
+    run_churn_jobs,
     run_jobs,
     summarise,
+    summarise_churn,
 )
 from kube_vgpu.dev.simulator.trace import TraceError, trace_name
 from kube_vgpu.extender.engine.policies import policy_names
@@ -51,6 +57,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--jobs", type=int, default=default_workers(), help="worker processes (default: min(2, CPUs))"
     )
+    parser.add_argument(
+        "--bound",
+        action="store_true",
+        help="also report the ceiling: an upper bound (LP relaxation, HiGHS) on what any policy can allocate "
+        "from each seed's arrivals (needs scipy, the sim extra)",
+    )
+    parser.add_argument(
+        "--protocol",
+        choices=("arrivals", "churn"),
+        default="arrivals",
+        help="arrivals: METHOD.md's (shuffled, inflated, no departures; default); churn: tasks arrive at their "
+        "creation_time and leave at their deletion_time on a cluster smaller than the peak demand "
+        "(docs/simulator.md, 'Churn')",
+    )
+    parser.add_argument(
+        "--capacity-of-peak",
+        type=float,
+        default=0.5,
+        help="churn: the cluster's GPU capacity as a fraction of the trace's peak GPU demand; each seed draws "
+        "its nodes in a random order until this is reached (default 0.5)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no table")
 
 
@@ -58,7 +85,7 @@ def _fmt(value: float | None, digits: int = 2) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
-def print_table(summaries: list[PolicySummary]) -> None:
+def print_table(summaries: list[PolicySummary], bound: BoundSummary | None = None) -> None:
     print(
         f"{'trace':<12} {'policy':<12} {'seeds':>5} {'alloc@100':>10} {'alloc@130':>10} {'frag@100':>9} {'s/run':>7}"
     )
@@ -67,6 +94,44 @@ def print_table(summaries: list[PolicySummary]) -> None:
             f"{s.trace:<12} {s.policy:<12} {len(s.seeds):>5} {_fmt(s.alloc_at_100):>10} {_fmt(s.alloc_at_130):>10} "
             f"{_fmt(s.frag_at_100):>9} {s.seconds:>7.1f}"
         )
+    if bound is not None:
+        print(
+            f"{bound.trace:<12} {'(bound)':<12} {len(bound.seeds):>5} {_fmt(bound.bound_at_100):>10} "
+            f"{_fmt(bound.bound_at_130):>10} {'':>9} {bound.seconds:>7.1f}"
+        )
+
+
+def print_churn_table(summaries: list[ChurnSummary]) -> None:
+    print(
+        f"{'trace':<12} {'policy':<12} {'seeds':>5} {'GPUs':>6} {'alloc%':>7} {'ceiling%':>8} {'full%':>6} "
+        f"{'alloc%@full':>11} {'never(gpu)':>10} {'delayed':>8} {'pending s':>9} {'s/run':>6}"
+    )
+    for s in summaries:
+        print(
+            f"{s.trace:<12} {s.policy:<12} {len(s.seeds):>5} {s.capacity_gpus:>6.1f} {s.alloc_pct:>7.2f} "
+            f"{s.ceiling_pct:>8.2f} {100 * s.full_fraction:>6.1f} {_fmt(s.alloc_pct_when_full):>11} "
+            f"{s.never_placed_gpu:>10.1f} {s.delayed:>8.1f} {s.pending_mean_s:>9.1f} {s.seconds:>6.1f}"
+        )
+
+
+def run_churn(args: argparse.Namespace, policies: list[str]) -> int:
+    jobs = [
+        ChurnJob(str(args.node_csv), str(args.pod_csv), policy, seed, args.capacity_of_peak, args.tie_break)
+        for policy in policies
+        for seed in args.seed
+    ]
+    try:
+        results = run_churn_jobs(jobs, max(1, args.jobs))
+    except TraceError as error:
+        print(f"bad trace: {error}", file=sys.stderr)
+        return 2
+    summaries = summarise_churn(jobs, results)
+    if not args.quiet:
+        print_churn_table(summaries)
+    if args.output_json:
+        documents = [s.to_json() for s in summaries]
+        args.output_json.write_text(json.dumps(documents[0] if len(documents) == 1 else documents, indent=1) + "\n")
+    return 0
 
 
 def write_curve_csv(summaries: list[PolicySummary], path: Path) -> None:
@@ -92,6 +157,11 @@ def run(args: argparse.Namespace) -> int:
         if not Path(path).is_file():
             print(f"no such file: {path}", file=sys.stderr)
             return 2
+    if args.protocol == "churn":
+        if args.bound or args.curve_csv or args.plot:
+            print("--bound, --curve-csv and --plot belong to the arrivals protocol", file=sys.stderr)
+            return 2
+        return run_churn(args, policies)
     jobs = [
         Job(str(args.node_csv), str(args.pod_csv), policy, seed, args.inflate, args.tie_break)
         for policy in policies
@@ -103,10 +173,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"bad trace: {error}", file=sys.stderr)
         return 2
     summaries = summarise(results)
+    bound = bound_summary(str(args.node_csv), str(args.pod_csv), args.seed, args.inflate) if args.bound else None
     if not args.quiet:
-        print_table(summaries)
+        print_table(summaries, bound)
     if args.output_json:
-        documents = [s.to_json() for s in summaries]
+        documents = [s.to_json() for s in summaries] + ([bound.to_json()] if bound else [])
         args.output_json.write_text(json.dumps(documents[0] if len(documents) == 1 else documents, indent=1) + "\n")
     if args.curve_csv:
         write_curve_csv(summaries, args.curve_csv)

@@ -90,8 +90,156 @@ class RunResult:
 ProgressFn = Callable[[int], None]
 
 
-# complexity: the simulator's event loop, inlined on purpose (one experiment in seconds)
-def simulate(  # noqa: C901
+class Cluster:
+    """The simulated cluster: nodes kept as groups in identical state, placement through the engine and the
+    policy (see the module docstring), commit and release. Shared by the arrivals-only protocol (`simulate`)
+    and the churn protocol (`churn.replay`).
+
+    tie_break: among the best-scoring nodes, "order" takes the first in a per-seed random order of the nodes
+    (what the FGD reference simulator's scheduler does; its published numbers depend on it), "random" a
+    uniformly random one (stock kube-scheduler's selectHost)."""
+
+    def __init__(self, node_specs: Sequence[NodeSpec], policy: Policy, *, seed: int, tie_break: str = "order") -> None:
+        self.policy = policy
+        self.rng = random.Random(seed ^ 0x5EED)  # tie-breaks; independent of the arrival generator's stream
+        self.nodes = [build_node(spec) for spec in node_specs]
+        self.rank = list(range(len(self.nodes)))
+        self.rng.shuffle(self.rank)
+        # the random policy needs a uniform choice even where ties otherwise go by node order
+        self.by_order = tie_break == "order" and not policy.random_tie_break
+        self.capacity = sum(len(node.gpus) for node in self.nodes) * GPU_CORES
+        self.uses_kinds = policy.uses_pod_kinds
+        # hardware classes: nodes that are interchangeable when empty
+        hw_ids: dict[tuple[Any, ...], int] = {}
+        self.hw_of = [
+            hw_ids.setdefault((s.cpu_milli, s.memory_mib, s.gpu_count, s.model), len(hw_ids)) for s in node_specs
+        ]
+        self.interned: dict[tuple[Any, ...], int] = {}
+        self.members: dict[int, list[int]] = {}  # state id -> node indices in that state (insertion-ordered)
+        self.memo: dict[int, dict[int, Any]] = {}  # state id -> task shape id -> Placement | FitFailure
+        self.state_of = [0] * len(self.nodes)
+        for index in range(len(self.nodes)):
+            self._enter(index)
+        self.shape_ids: dict[tuple[Any, ...], int] = {}
+        self.requests: list[PlacementRequest] = []
+        self.cacheable = policy.cacheable
+        self.epoch = policy.epoch()
+        self.calls = 0
+
+    def _state_key(self, index: int) -> tuple[Any, ...]:
+        node = self.nodes[index]
+        gpus = node.gpus
+        return (
+            self.hw_of[index],
+            node.cpu_milli_used,
+            node.memory_mib_used,
+            tuple([g.used_cores for g in gpus]),
+            tuple([g.used_vgpus for g in gpus]),
+            tuple([g.used_memory_mib for g in gpus]),
+            tuple([g.exclusive_holders for g in gpus]),
+            tuple(sorted(node.pod_kinds.items())) if self.uses_kinds else (),
+        )
+
+    def _enter(self, index: int) -> None:
+        key = self._state_key(index)
+        sid = self.interned.get(key)
+        if sid is None:
+            sid = self.interned[key] = len(self.interned)
+        self.state_of[index] = sid
+        group = self.members.get(sid)
+        if group is None:
+            self.members[sid] = [index]
+            self.memo[sid] = {}
+        elif self.by_order:
+            bisect.insort(group, index, key=self.rank.__getitem__)
+        else:
+            group.append(index)
+
+    def _leave(self, index: int) -> None:
+        sid = self.state_of[index]
+        group = self.members[sid]
+        group.remove(index)
+        if not group:
+            del self.members[sid]
+            del self.memo[sid]
+
+    def request_of(self, task: Task) -> tuple[int, PlacementRequest]:
+        shape_id = self.shape_ids.get(task.key)
+        if shape_id is None:
+            shape_id = self.shape_ids[task.key] = len(self.requests)
+            self.requests.append(build_request(task))
+        return shape_id, self.requests[shape_id]
+
+    def place(self, task: Task, *, observe: bool = True) -> tuple[int, Placement] | None:
+        """Place the task on the best node and commit it: (node index, placement), or None when it fits
+        nowhere. observe: show the request to the policy first (a learning policy sees each pod once)."""
+        shape_id, request = self.request_of(task)
+        policy = self.policy
+        if observe:
+            policy.observe(request)
+        current = policy.epoch()
+        memo = self.memo
+        if current != self.epoch or not self.cacheable:
+            self.epoch = current
+            for sid in memo:
+                memo[sid] = {}
+
+        nodes = self.nodes
+        members = self.members
+        best = -float("inf")
+        tied: list[int] = []
+        for sid, group in members.items():
+            results = memo[sid]
+            result = results.get(shape_id)
+            if result is None:
+                result = place(nodes[group[0]], request, policy, policy, check_host=True)
+                results[shape_id] = result
+                self.calls += 1
+            if type(result) is Placement:
+                score = result.score
+                if score > best:
+                    best = score
+                    tied = [sid]
+                elif score == best:
+                    tied.append(sid)
+        if not tied:
+            return None
+        rank = self.rank
+        # uniform over the tied nodes (not states): weight each state by its node count
+        if self.by_order:
+            sid = min(tied, key=lambda s: rank[members[s][0]])
+            index = members[sid][0]
+        elif len(tied) == 1 and len(members[tied[0]]) == 1:
+            sid = tied[0]
+            index = members[sid][0]
+        else:
+            pick = self.rng.randrange(sum(len(members[s]) for s in tied))
+            for sid in tied:
+                group = members[sid]
+                if pick < len(group):
+                    index = group[pick]
+                    break
+                pick -= len(group)
+        chosen: Placement = memo[sid][shape_id]
+        node = nodes[index]
+        self._leave(index)
+        node.cpu_milli_used += request.cpu_milli
+        node.memory_mib_used += request.memory_mib
+        node.apply_usage(chosen.usage)  # also touches the node (its caches are dropped)
+        self._enter(index)
+        return index, chosen
+
+    def release(self, index: int, task: Task, placement: Placement) -> None:
+        """Remove a placed task from its node: exactly what `place` added."""
+        node = self.nodes[index]
+        self._leave(index)
+        node.cpu_milli_used -= task.cpu_milli
+        node.memory_mib_used -= task.memory_mib
+        node.apply_usage(placement.usage, sign=-1)
+        self._enter(index)
+
+
+def simulate(
     node_specs: Sequence[NodeSpec],
     arrivals: Sequence[Task],
     policy: Policy,
@@ -102,134 +250,20 @@ def simulate(  # noqa: C901
     progress_every: int = 250,
     tie_break: str = "order",
 ) -> RunResult:
-    """Place `arrivals` one by one (no departures); a task that fits nowhere is dropped.
-
-    tie_break: among the best-scoring nodes, "order" takes the first in a per-seed random order of the nodes
-    (what the FGD reference simulator's scheduler does; its published numbers depend on it), "random" a
-    uniformly random one (stock kube-scheduler's selectHost)."""
+    """Place `arrivals` one by one (no departures); a task that fits nowhere is dropped. tie_break: see
+    `Cluster`."""
     started = time.perf_counter()
-    rng = random.Random(seed ^ 0x5EED)  # tie-breaks; independent of the arrival generator's stream
-    nodes = [build_node(spec) for spec in node_specs]
-    rank = list(range(len(nodes)))
-    rng.shuffle(rank)
-    # the random policy needs a uniform choice even where ties otherwise go by node order
-    by_order = tie_break == "order" and not policy.random_tie_break
-    capacity = sum(len(node.gpus) for node in nodes) * GPU_CORES
-    uses_kinds = policy.uses_pod_kinds
-
-    # hardware classes: nodes that are interchangeable when empty
-    hw_ids: dict[tuple[Any, ...], int] = {}
-    hw_of = [hw_ids.setdefault((s.cpu_milli, s.memory_mib, s.gpu_count, s.model), len(hw_ids)) for s in node_specs]
-
-    def state_key(index: int) -> tuple[Any, ...]:
-        node = nodes[index]
-        gpus = node.gpus
-        return (
-            hw_of[index],
-            node.cpu_milli_used,
-            node.memory_mib_used,
-            tuple([g.used_cores for g in gpus]),
-            tuple([g.used_vgpus for g in gpus]),
-            tuple([g.used_memory_mib for g in gpus]),
-            tuple([g.exclusive_holders for g in gpus]),
-            tuple(sorted(node.pod_kinds.items())) if uses_kinds else (),
-        )
-
-    interned: dict[tuple[Any, ...], int] = {}
-    members: dict[int, list[int]] = {}  # state id -> node indices in that state (insertion-ordered)
-    memo: dict[int, dict[int, Any]] = {}  # state id -> task shape id -> Placement | FitFailure
-    state_of = [0] * len(nodes)
-
-    def enter(index: int) -> None:
-        key = state_key(index)
-        sid = interned.get(key)
-        if sid is None:
-            sid = interned[key] = len(interned)
-        state_of[index] = sid
-        group = members.get(sid)
-        if group is None:
-            members[sid] = [index]
-            memo[sid] = {}
-        elif by_order:
-            bisect.insort(group, index, key=rank.__getitem__)
-        else:
-            group.append(index)
-
-    def leave(index: int) -> None:
-        sid = state_of[index]
-        group = members[sid]
-        group.remove(index)
-        if not group:
-            del members[sid]
-            del memo[sid]
-
-    for index in range(len(nodes)):
-        enter(index)
-
-    shape_ids: dict[tuple[Any, ...], int] = {}
-    requests: list[PlacementRequest] = []
-    cacheable = policy.cacheable
-    epoch = policy.epoch()
-    arrived = allocated = placed = failed = calls = 0
+    cluster = Cluster(node_specs, policy, seed=seed, tie_break=tie_break)
+    capacity = cluster.capacity
+    arrived = allocated = placed = failed = 0
     arrived_series: list[int] = []
     allocated_series: list[int] = []
     frag_at_100: float | None = None
     frag_model = FragModel(frag_shapes) if frag_shapes else None
 
     for number, task in enumerate(arrivals, start=1):
-        shape_id = shape_ids.get(task.key)
-        if shape_id is None:
-            shape_id = shape_ids[task.key] = len(requests)
-            requests.append(build_request(task))
-        request = requests[shape_id]
-        policy.observe(request)
-        current = policy.epoch()
-        if current != epoch or not cacheable:
-            epoch = current
-            for sid in memo:
-                memo[sid] = {}
-
-        best = -float("inf")
-        tied: list[int] = []
-        for sid, group in members.items():
-            results = memo[sid]
-            result = results.get(shape_id)
-            if result is None:
-                result = place(nodes[group[0]], request, policy, policy, check_host=True)
-                results[shape_id] = result
-                calls += 1
-            if type(result) is Placement:
-                score = result.score
-                if score > best:
-                    best = score
-                    tied = [sid]
-                elif score == best:
-                    tied.append(sid)
-
         arrived += task.gpu_milli_total
-        if tied:
-            # uniform over the tied nodes (not states): weight each state by its node count
-            if by_order:
-                sid = min(tied, key=lambda s: rank[members[s][0]])
-                index = members[sid][0]
-            elif len(tied) == 1 and len(members[tied[0]]) == 1:
-                sid = tied[0]
-                index = members[sid][0]
-            else:
-                pick = rng.randrange(sum(len(members[s]) for s in tied))
-                for sid in tied:
-                    group = members[sid]
-                    if pick < len(group):
-                        index = group[pick]
-                        break
-                    pick -= len(group)
-            chosen: Placement = memo[sid][shape_id]
-            node = nodes[index]
-            leave(index)
-            node.cpu_milli_used += request.cpu_milli
-            node.memory_mib_used += request.memory_mib
-            node.apply_usage(chosen.usage)  # also touches the node (its caches are dropped)
-            enter(index)
+        if cluster.place(task) is not None:
             allocated += task.gpu_milli_total
             placed += 1
         else:
@@ -237,7 +271,7 @@ def simulate(  # noqa: C901
         arrived_series.append(arrived)
         allocated_series.append(allocated)
         if frag_at_100 is None and frag_model is not None and arrived >= capacity:
-            frag_at_100 = 100.0 * cluster_frag(nodes, frag_model)[0] / capacity
+            frag_at_100 = 100.0 * cluster_frag(cluster.nodes, frag_model)[0] / capacity
         if progress is not None and number % progress_every == 0:
             progress(progress_every)
     if progress is not None:
@@ -252,5 +286,5 @@ def simulate(  # noqa: C901
         failed=failed,
         seconds=time.perf_counter() - started,
         frag_at_100=frag_at_100,
-        engine_calls=calls,
+        engine_calls=cluster.calls,
     )

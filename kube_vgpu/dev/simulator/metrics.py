@@ -6,16 +6,21 @@ import math
 from collections.abc import Sequence
 
 
+def bucket(arrived_milli: int, capacity_milli: int) -> int:
+    """The integer arrived % an event counts for (rounded half up)."""
+    return math.floor(arrived_milli * (100.0 / capacity_milli) + 0.5)
+
+
 def curve(arrived_milli: Sequence[int], allocated_milli: Sequence[int], capacity_milli: int) -> dict[int, float]:
     """{arrived % (integer): mean allocated % of the events whose arrived % rounds (half up) to it}."""
     sums: dict[int, float] = {}
     counts: dict[int, int] = {}
     scale = 100.0 / capacity_milli
     for arrived, allocated in zip(arrived_milli, allocated_milli, strict=True):
-        bucket = math.floor(arrived * scale + 0.5)
-        sums[bucket] = sums.get(bucket, 0.0) + allocated * scale
-        counts[bucket] = counts.get(bucket, 0) + 1
-    return {bucket: sums[bucket] / counts[bucket] for bucket in sorted(sums)}
+        point = bucket(arrived, capacity_milli)
+        sums[point] = sums.get(point, 0.0) + allocated * scale
+        counts[point] = counts.get(point, 0) + 1
+    return {point: sums[point] / counts[point] for point in sorted(sums)}
 
 
 def mean_curve(curves: Sequence[dict[int, float]]) -> dict[int, float]:

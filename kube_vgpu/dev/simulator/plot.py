@@ -1,11 +1,12 @@
-"""A plot of allocated % vs. arrived % per policy (matplotlib, headless)."""
+"""Plots of the simulator's results (matplotlib, headless): allocated % vs. arrived % per policy, and the churn
+protocol's results."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
 
-from kube_vgpu.dev.simulator.runner import PolicySummary
+from kube_vgpu.dev.simulator.runner import ChurnSummary, PolicySummary
 
 
 def plot_curves(summaries: Sequence[PolicySummary], path: str | Path, title: str = "") -> None:
@@ -38,6 +39,40 @@ def plot_curves(summaries: Sequence[PolicySummary], path: str | Path, title: str
     full.legend(fontsize=8, loc="lower right")
     if title:
         fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_churn(summaries: Sequence[ChurnSummary], path: str | Path, title: str = "") -> None:
+    """The churn protocol: per trace, each policy's allocated % while the cluster is oversubscribed (bars) and
+    its GPU tasks never placed (dots, right axis). Means over seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    traces = list(dict.fromkeys(s.trace for s in summaries))
+    policies = sorted({s.policy for s in summaries})
+    by_key = {(s.trace, s.policy): s for s in summaries}
+    fig, axes = plt.subplots(1, len(traces), figsize=(3.2 * len(traces), 3.6), dpi=80, squeeze=False)
+    for axis, trace in zip(axes[0], traces, strict=True):
+        rows = [by_key[(trace, p)] for p in policies if (trace, p) in by_key]
+        rows.sort(key=lambda s: s.alloc_pct_when_full or 0.0, reverse=True)
+        names = [s.policy for s in rows]
+        values = [s.alloc_pct_when_full or 0.0 for s in rows]
+        colors = ["tab:red" if name == "bfgd" else "tab:blue" for name in names]
+        axis.bar(range(len(rows)), values, color=colors)
+        axis.set_xticks(range(len(rows)), names, rotation=60, fontsize=8)
+        axis.set_ylim(min(values) - 3 if values else 0, 100)
+        axis.set_title(trace, fontsize=10)
+        axis.grid(axis="y", alpha=0.3)
+        never = axis.twinx()
+        never.plot(range(len(rows)), [s.never_placed_gpu for s in rows], "ko", markersize=3)
+        never.tick_params(labelsize=7)
+    axes[0][0].set_ylabel("allocated % while oversubscribed")
+    if title:
+        fig.suptitle(title + "  (dots, right axis: GPU tasks never placed)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -9,13 +9,24 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Any
 
+from kube_vgpu.dev.simulator.bound import offline_packing, prefix_through, upper_bound
+from kube_vgpu.dev.simulator.churn import ChurnResult, replay, size_cluster
 from kube_vgpu.dev.simulator.engine import GPU_CORES, simulate
 from kube_vgpu.dev.simulator.metrics import curve, mean_curve
-from kube_vgpu.dev.simulator.trace import NodeSpec, Task, arrival_sequence, load_nodes, load_tasks, trace_name
+from kube_vgpu.dev.simulator.trace import (
+    NodeSpec,
+    Task,
+    TimedTask,
+    arrival_sequence,
+    load_nodes,
+    load_tasks,
+    load_timed_tasks,
+    trace_name,
+)
 from kube_vgpu.extender.engine.fragmentation import WeightedShapes, typical_shapes
 from kube_vgpu.extender.engine.policies import DEFAULT_NODE_POLICY, Policy, make_policy
 
@@ -75,6 +86,101 @@ class PolicySummary:
             "tie_break": self.tie_break,
             "inflate": self.inflate,
         }
+
+
+@dataclass
+class BoundSummary:
+    """The ceiling (bound.py) of each seed's arrivals: no policy allocates more at arrived = 100 / 130 %."""
+
+    trace: str
+    seeds: list[int]
+    bound_at_100_per_seed: list[float | None]
+    bound_at_130_per_seed: list[float | None]
+    seconds: float  # mean wall seconds per seed (both LPs)
+    #: an offline packing of the same arrivals (bound.offline_packing, a lower bound on the offline optimum)
+    offline_policy: str | None = None
+    offline_at_130_per_seed: list[float | None] = field(default_factory=list)
+
+    @property
+    def bound_at_100(self) -> float | None:
+        return _mean(self.bound_at_100_per_seed)
+
+    @property
+    def bound_at_130(self) -> float | None:
+        return _mean(self.bound_at_130_per_seed)
+
+    @property
+    def offline_at_130(self) -> float | None:
+        return _mean(self.offline_at_130_per_seed)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "policy": "bound",
+            "trace": self.trace,
+            "seeds": self.seeds,
+            "alloc_at_100": self.bound_at_100,
+            "alloc_at_130": self.bound_at_130,
+            "alloc_at_100_per_seed": self.bound_at_100_per_seed,
+            "alloc_at_130_per_seed": self.bound_at_130_per_seed,
+            "seconds": round(self.seconds, 3),
+            "offline_policy": self.offline_policy,
+            "offline_at_130": self.offline_at_130,
+            "offline_at_130_per_seed": self.offline_at_130_per_seed,
+        }
+
+
+def offline_for(job: Job, pct: int, policy: str) -> float | None:
+    """% of capacity an offline packing (bound.offline_packing, `policy` choosing nodes) gets from the arrivals of the
+    metric's bucket `pct`: the offline optimum is at least this."""
+    nodes, _, shapes = _load(job.node_csv, job.pod_csv)
+    capacity = sum(spec.gpu_count for spec in nodes) * GPU_CORES
+    prefix = prefix_through(arrivals_for(job), capacity, pct)
+    if prefix is None:
+        return None
+    name = resolve_policy_name(policy)
+    return 100.0 * offline_packing(nodes, prefix, lambda: build_policy(name, shapes)) / capacity
+
+
+def bound_for(job: Job, pct: int) -> float | None:
+    """Upper bound (% of capacity) on the metric at arrived = pct % for the job's arrivals, None when no event
+    falls in that bucket (then no policy has a value there either)."""
+    nodes, _, _ = _load(job.node_csv, job.pod_csv)
+    capacity = sum(spec.gpu_count for spec in nodes) * GPU_CORES
+    prefix = prefix_through(arrivals_for(job), capacity, pct)
+    return None if prefix is None else upper_bound(nodes, prefix).pct
+
+
+def bound_summary(
+    node_csv: str,
+    pod_csv: str,
+    seeds: Sequence[int],
+    inflate: float = 1.3,
+    *,
+    offline_policy: str | None = None,
+    offline_seeds: Sequence[int] = (),
+) -> BoundSummary:
+    started = time.perf_counter()
+    at100: list[float | None] = []
+    at130: list[float | None] = []
+    for seed in seeds:
+        job = Job(node_csv, pod_csv, "bound", seed, inflate)
+        at100.append(bound_for(job, 100))
+        at130.append(bound_for(job, 130))
+    seconds = (time.perf_counter() - started) / max(1, len(seeds))
+    offline = (
+        [offline_for(Job(node_csv, pod_csv, "offline", seed, inflate), 130, offline_policy) for seed in offline_seeds]
+        if offline_policy
+        else []
+    )
+    return BoundSummary(
+        trace=trace_name(pod_csv),
+        seeds=list(seeds),
+        bound_at_100_per_seed=at100,
+        bound_at_130_per_seed=at130,
+        seconds=seconds,
+        offline_policy=offline_policy,
+        offline_at_130_per_seed=offline,
+    )
 
 
 def resolve_policy_name(name: str) -> str:
@@ -237,6 +343,96 @@ def summarise(results: Sequence[ExperimentResult]) -> list[PolicySummary]:
                 tie_break=group[0].job.tie_break,
                 inflate=group[0].job.inflate,
                 per_seed_curves=curves,
+            )
+        )
+    return summaries
+
+
+@dataclass(frozen=True)
+class ChurnJob:
+    node_csv: str
+    pod_csv: str
+    policy: str
+    seed: int
+    capacity_of_peak: float = 0.5
+    tie_break: str = "order"
+
+
+@lru_cache(maxsize=8)
+def _load_timed(node_csv: str, pod_csv: str) -> tuple[list[NodeSpec], list[TimedTask], WeightedShapes]:
+    timed = load_timed_tasks(pod_csv)
+    return load_nodes(node_csv), timed, typical_shapes(item.task.shape for item in timed)
+
+
+def run_churn(job: ChurnJob) -> ChurnResult:
+    """One churn replay (churn.py): the seed picks the cluster's nodes and the tie-break order."""
+    nodes, timed, shapes = _load_timed(job.node_csv, job.pod_csv)
+    cluster = size_cluster(nodes, timed, job.capacity_of_peak, job.seed)
+    policy = build_policy(resolve_policy_name(job.policy), shapes)
+    return replay(cluster, timed, policy, seed=job.seed, tie_break=job.tie_break)
+
+
+def run_churn_jobs(jobs: Sequence[ChurnJob], workers: int) -> list[ChurnResult]:
+    """Run churn replays, `workers` at a time in separate processes (1: in this process); results in job order."""
+    if workers <= 1:
+        return [run_churn(job) for job in jobs]
+    context = multiprocessing.get_context("fork" if sys.platform != "win32" else "spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+        return list(pool.map(run_churn, jobs))
+
+
+@dataclass
+class ChurnSummary:
+    """Means over seeds of one policy's churn replays."""
+
+    policy: str
+    trace: str
+    seeds: list[int]
+    capacity_of_peak: float
+    capacity_gpus: float
+    alloc_pct: float
+    ceiling_pct: float
+    alloc_pct_when_full: float | None
+    full_fraction: float
+    never_placed: float
+    never_placed_gpu: float
+    delayed: float
+    pending_mean_s: float
+    seconds: float
+    alloc_pct_per_seed: list[float]
+    never_placed_gpu_per_seed: list[int]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"protocol": "churn", **asdict(self)}
+
+
+def summarise_churn(jobs: Sequence[ChurnJob], results: Sequence[ChurnResult]) -> list[ChurnSummary]:
+    groups: dict[tuple[str, str], list[tuple[ChurnJob, ChurnResult]]] = {}
+    for job, result in zip(jobs, results, strict=True):
+        groups.setdefault((job.pod_csv, job.policy), []).append((job, result))
+    summaries = []
+    for (pod_csv, policy), group in groups.items():
+        group.sort(key=lambda pair: pair[0].seed)
+        runs = [result for _, result in group]
+        full = [r.alloc_pct_when_full for r in runs]
+        summaries.append(
+            ChurnSummary(
+                policy=policy,
+                trace=trace_name(pod_csv),
+                seeds=[job.seed for job, _ in group],
+                capacity_of_peak=group[0][0].capacity_of_peak,
+                capacity_gpus=sum(r.capacity_milli for r in runs) / len(runs) / GPU_CORES,
+                alloc_pct=sum(r.alloc_pct for r in runs) / len(runs),
+                ceiling_pct=sum(r.ceiling_pct for r in runs) / len(runs),
+                alloc_pct_when_full=_mean(full),
+                full_fraction=sum(r.full_fraction for r in runs) / len(runs),
+                never_placed=sum(r.never_placed for r in runs) / len(runs),
+                never_placed_gpu=sum(r.never_placed_gpu for r in runs) / len(runs),
+                delayed=sum(r.delayed for r in runs) / len(runs),
+                pending_mean_s=sum(r.pending_mean_s for r in runs) / len(runs),
+                seconds=sum(r.seconds for r in runs) / len(runs),
+                alloc_pct_per_seed=[r.alloc_pct for r in runs],
+                never_placed_gpu_per_seed=[r.never_placed_gpu for r in runs],
             )
         )
     return summaries

@@ -48,6 +48,15 @@ class Task:
         return TaskShape(self.cpu_milli, self.gpu_milli if self.gpu_count else 0, self.gpu_count, self.gpu_spec)
 
 
+@dataclass(frozen=True, slots=True)
+class TimedTask:
+    """A task with its lifetime in the trace (seconds): it exists on [created, deleted)."""
+
+    task: Task
+    created: int
+    deleted: int
+
+
 class TraceError(ValueError):
     pass
 
@@ -105,6 +114,17 @@ def load_tasks(path: str | Path) -> list[Task]:
     if not tasks:
         raise TraceError(f"{path}: no tasks")
     return tasks
+
+
+def load_timed_tasks(path: str | Path) -> list[TimedTask]:
+    """The tasks with their `creation_time` and `deletion_time` columns (the churn protocol)."""
+    tasks = load_tasks(path)
+    timed = []
+    with open(path, newline="") as handle:
+        for number, (row, task) in enumerate(zip(csv.DictReader(handle), tasks, strict=True), start=2):
+            where = f"{path}:{number}"
+            timed.append(TimedTask(task, _int(row, "creation_time", where), _int(row, "deletion_time", where)))
+    return timed
 
 
 def trace_name(pod_csv: str | Path) -> str:
