@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="who admits pods against Kueue's queues: enforce (our gate, with Kueue's objects and no "
                              "Kueue controller), kueue (Kueue's controller admits Workloads; we place the pods of "
                              "admitted ones and report what landed), off, or auto (kueue when Kueue's controller is "
-                             "installed, else enforce); docs/quota.md#quota-modes")
+                             "installed, else enforce); docs/quota.md, Quota modes")
     parser.add_argument("--force-quota-mode", action="store_true",
                         help="run --quota-mode=enforce even though Kueue's controller is installed (two admission "
                              "layers; refused without this)")
@@ -193,6 +193,17 @@ def _quota_mode(args: argparse.Namespace, api_client: Any) -> str:
     return mode
 
 
+def unused_quota_flags(args: argparse.Namespace, mode: str) -> list[str]:
+    """The quota gate's flags given with a mode that has no gate of ours (kueue: Kueue's controller admits; off):
+    said in the log, never silently ignored."""
+    if mode == "enforce":
+        return []
+    given = [("--quota-config", bool(args.quota_config)), ("--quota-unqueued", args.quota_unqueued != "admit"),
+             ("--quota-check-strategy", args.quota_check_strategy != "BlockUndeclared"),
+             ("--fair-sharing", bool(args.fair_sharing))]
+    return [flag for flag, set_ in given if set_]
+
+
 def build(args: argparse.Namespace, *, clock: Callable[[], float] = time.time) -> Extender:
     """Everything but the HTTP listener; tests and the dev cluster build in-process through this. `clock` (POSIX
     seconds) is what the state reads for heartbeat ages and usage accounting; tests pass their own."""
@@ -218,12 +229,13 @@ def build(args: argparse.Namespace, *, clock: Callable[[], float] = time.time) -
     # the gate before the source: it learns each pod (CPU, memory, priority) as the state receives it, and a
     # snapshot's pods arrive when the source is built
     quota_mode = _quota_mode(args, api_client)
+    for flag in unused_quota_flags(args, quota_mode):
+        log.warning("quota mode %s: %s is not used (it configures kube-vgpu's own quota gate, which runs only in "
+                    "mode enforce)", quota_mode, flag)
     if quota_mode == "kueue":
         from kube_vgpu.extender.quota.factory import build_kueue_mode_gate
 
         assert api_client is not None  # resolve_quota_mode refuses kueue without a cluster
-        if quota_config:
-            log.warning("quota mode kueue: --quota-config %s is not read (Kueue's controller admits)", quota_config)
         gates.append(build_kueue_mode_gate(state, api_client))
     elif quota_mode == "enforce" and (quota_config or api_client is not None):
         from kube_vgpu.extender.quota.factory import build_gate

@@ -256,3 +256,12 @@ def test_enforce_mode_warns_when_kueues_controller_writes_the_queues_status() ->
     (warning,) = quota_view(gate)["warnings"]
     assert "ClusterQueue gpu-queue carries status written by Kueue's controller" in warning
     assert "warning: ClusterQueue gpu-queue" in quota_cli.render(quota_view(gate))
+
+
+def test_the_gates_flags_given_with_a_mode_without_our_gate_are_named() -> None:
+    from kube_vgpu.extender.cli import parse_args, unused_quota_flags
+
+    args = parse_args(["--quota-mode=kueue", "--quota-config=q.yaml", "--fair-sharing", "--quota-unqueued=refuse"])
+    assert unused_quota_flags(args, "kueue") == ["--quota-config", "--quota-unqueued", "--fair-sharing"]
+    assert unused_quota_flags(args, "enforce") == []
+    assert unused_quota_flags(parse_args(["--quota-mode=off"]), "off") == []
