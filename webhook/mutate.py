@@ -24,18 +24,23 @@ from kube_vgpu.kubeapi import InvalidObject, check_pod
 from kube_vgpu.protocol import (
     ADMISSION_MARK_VALUE,
     ANNOTATION_GANG_TIMEOUT_SECONDS,
+    ANNOTATION_GPU_POLICY,
     ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT,
+    ANNOTATION_NODE_POLICY,
     ENV_LD_PRELOAD,
     ENV_MEMORY_LIMIT_PREFIX,
     ENV_NVIDIA_VISIBLE_DEVICES,
     ENV_SHARED_CACHE,
     ENV_SM_LIMIT,
+    ENV_TASK_PRIORITY,
     GPU_RESOURCES,
     LABEL_COSCHEDULING_POD_GROUP,
     LABEL_KUEUE_POD_GROUP_NAME,
     LABEL_KUEUE_QUEUE_NAME,
     POD_ADMITTED_ANNOTATION,
+    POLICY_NAMES,
     RESOURCE_GPU,
+    RESOURCE_TASK_PRIORITY,
     WORKLOAD_API_GROUP,
     WORKLOAD_API_VERSION,
     WORKLOAD_POD_GROUPS,
@@ -259,6 +264,7 @@ def admit_create(
         return ALLOW
     try:
         request = parse_pod_gpu_request(pod)
+        _check_policy_names(request)
     except InvalidGpuRequest as exc:
         return _deny(400, str(exc))
     if request.is_empty:  # every container asks for nvidia.com/gpu: 0
@@ -304,6 +310,18 @@ def admit_create(
             return _deny(403, refusal)
     decision.warnings.extend(_unread_gang_timeout(pod, decision))
     return decision
+
+
+def _check_policy_names(request: PodGpuRequest) -> None:
+    """A GPU pod naming a policy the extender does not know would fail every scheduling attempt: refused here
+    instead (InvalidGpuRequest)."""
+    if request.is_empty:
+        return
+    for key, name in ((ANNOTATION_GPU_POLICY, request.gpu_policy), (ANNOTATION_NODE_POLICY, request.node_policy)):
+        if name is not None and name not in POLICY_NAMES:
+            shown = repr(name) if len(name) <= 40 else repr(name[:40]) + "..."
+            known = ", ".join(POLICY_NAMES)
+            raise InvalidGpuRequest(f"annotation {key}: unknown policy {shown}; known policies: {known}")
 
 
 def _unread_gang_timeout(pod: dict[str, Any], decision: Decision) -> list[str]:
@@ -539,6 +557,10 @@ def _patch_resources(ops: list[dict[str, Any]], container: dict[str, Any], base:
         if not current:
             _set(ops, resources, section, _pointer(*base, "resources", section), dict(wanted))
             continue
+        # HAMi's task priority is no resource a node advertises (kube-scheduler would keep the pod Pending with
+        # "Insufficient nvidia.com/priority"): it becomes the limiter's env (_desired_env) and leaves the resources
+        if RESOURCE_TASK_PRIORITY in current:
+            ops.append({"op": "remove", "path": _pointer(*base, "resources", section, RESOURCE_TASK_PRIORITY)})
         for name, value in wanted.items():
             if current.get(name) != value:
                 _set(ops, current, name, _pointer(*base, "resources", section, name), value)
@@ -553,6 +575,8 @@ def _desired_env(gpu: ContainerGpuRequest, config: WebhookConfig) -> dict[str, s
             env[f"{ENV_MEMORY_LIMIT_PREFIX}{index}"] = f"{gpu.memory_mib}m"
     # Per container: the limiter's processes in one container share this file; containers must not.
     env[ENV_SHARED_CACHE] = f"{config.cache_dir}/{gpu.name}.cache"
+    if gpu.task_priority is not None:  # HAMi's nvidia.com/priority, as HAMi's webhook passes it
+        env[ENV_TASK_PRIORITY] = str(gpu.task_priority)
     return env
 
 

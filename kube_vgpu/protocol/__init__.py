@@ -43,6 +43,13 @@ RESOURCE_GPU_MEMORY = "nvidia.com/gpumem"  # MiB per vGPU
 RESOURCE_GPU_MEMORY_PERCENTAGE = "nvidia.com/gpumem-percentage"  # % of the GPU's memory per vGPU
 RESOURCE_GPU_CORES = "nvidia.com/gpucores"  # % of one GPU's compute per vGPU; 100 = exclusive
 GPU_RESOURCES = (RESOURCE_GPU, RESOURCE_GPU_MEMORY, RESOURCE_GPU_MEMORY_PERCENTAGE, RESOURCE_GPU_CORES)
+#: HAMi's task priority of a container's vGPUs (0 = high, 1 = low), read by the limiter as ENV_TASK_PRIORITY. Not a
+#: resource any node advertises: the webhook turns it into that env and removes it from the container's resources.
+RESOURCE_TASK_PRIORITY = "nvidia.com/priority"
+TASK_PRIORITY_HIGH = 0
+TASK_PRIORITY_LOW = 1
+#: NVIDIA's mixed-strategy MIG resources: nvidia.com/mig-<profile>, e.g. nvidia.com/mig-3g.20gb.
+MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
 
 # Selector / policy annotations of the HAMi-compatible pod API.
 ANNOTATION_USE_GPU_TYPE = "nvidia.com/use-gputype"
@@ -52,6 +59,20 @@ ANNOTATION_NOUSE_GPU_UUID = "nvidia.com/nouse-gpuuuid"
 ANNOTATION_NUMA_BIND = "nvidia.com/numa-bind"
 ANNOTATION_GPU_POLICY = "hami.io/gpu-scheduler-policy"
 ANNOTATION_NODE_POLICY = "hami.io/node-scheduler-policy"
+#: HAMi's per-pod sharing mode: "hami-core" (the in-container limiter, what kube-vgpu does), "mig", "mps".
+ANNOTATION_VGPU_MODE = "nvidia.com/vgpu-mode"
+VGPU_MODE_HAMI_CORE = "hami-core"
+
+#: The placement policies of the extender's registry (extender/engine/policies/registry.py; a test keeps the two
+#: equal), for the webhook, which must refuse a name the extender would not know without importing the extender.
+POLICY_NAMES = ("bestfit", "bfgd", "binpack", "clustering", "dotprod", "fgd", "packing", "random", "spread", "topology")
+#: HAMi's policy names that mean one of ours: topology-aware picks the best-connected GPUs, as `topology` does.
+POLICY_ALIASES = {"topology-aware": "topology"}
+#: HAMi's GPU policies kube-vgpu does not implement, each with what to write instead (refused at admission).
+UNSUPPORTED_HAMI_POLICIES = {
+    "mutex": "for GPUs no other pod shares, ask for nvidia.com/gpucores: 100 (the GPU exclusively)",
+    "numa": 'for GPUs of one NUMA node, set the annotation nvidia.com/numa-bind: "true"',
+}
 
 # GPU node labels in the style of NVIDIA's GPU feature discovery, which people already query.
 LABEL_GPU_PRODUCT = "nvidia.com/gpu.product"
@@ -64,6 +85,7 @@ ENV_SM_LIMIT = "CUDA_DEVICE_SM_LIMIT"  # percent; 0 = no limit
 ENV_SHARED_CACHE = "CUDA_DEVICE_MEMORY_SHARED_CACHE"
 ENV_NVIDIA_VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
 ENV_CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+ENV_TASK_PRIORITY = "CUDA_TASK_PRIORITY"  # 0 = high, 1 = low (HAMi-core's default when unset)
 
 #: Compute units of one physical GPU (gpucores are percent of one GPU).
 CORES_PER_GPU = 100
@@ -644,6 +666,8 @@ class ContainerGpuRequest:
     #: a native sidecar: an init container with restartPolicy Always (init is True too). kubelet starts it in init
     #: order and it keeps running, beside every later init container and the app containers.
     sidecar: bool = False
+    #: HAMi's nvidia.com/priority (TASK_PRIORITY_HIGH or TASK_PRIORITY_LOW); None when the container does not set it
+    task_priority: int | None = None
 
     @property
     def exclusive(self) -> bool:
@@ -826,14 +850,41 @@ def _parse_gpu_memory_mib(value: Any, what: str) -> int:
     return memory_mib
 
 
+def mig_resources(resources: Iterable[str]) -> list[str]:
+    """The MIG resources (nvidia.com/mig-<profile>) among resource names, sorted."""
+    return sorted(name for name in resources if isinstance(name, str) and name.startswith(MIG_RESOURCE_PREFIX))
+
+
+def _parse_task_priority(value: Any, what: str) -> int:
+    priority = parse_count_quantity(value, what=what)
+    if priority not in (TASK_PRIORITY_HIGH, TASK_PRIORITY_LOW):
+        raise InvalidGpuRequest(
+            f"{what} must be {TASK_PRIORITY_HIGH} (high priority) or {TASK_PRIORITY_LOW} (low priority), got {priority}"
+        )
+    return priority
+
+
 def parse_container_request(container: Mapping[str, Any], *, init: bool) -> ContainerGpuRequest | None:
     """The container's GPU request, or None when it asks for no GPU resource. An init container with
     restartPolicy Always is a native sidecar."""
     name = str(container.get("name", "?"))
     resources = _container_resources(container)
-    if not any(key in resources for key in GPU_RESOURCES):
-        return None
     prefix = f"container {name}: "
+    mig = mig_resources(resources)
+    if mig:
+        raise InvalidGpuRequest(
+            f"{prefix}{', '.join(mig)}: MIG slices are not placed by kube-vgpu yet, and a pod asking for them must "
+            f"not silently get a shared GPU instead; ask for a share ({RESOURCE_GPU}, {RESOURCE_GPU_MEMORY}, "
+            f"{RESOURCE_GPU_CORES}) or run the pod with NVIDIA's device plugin's scheduler"
+        )
+    asks = any(key in resources for key in GPU_RESOURCES)
+    if RESOURCE_TASK_PRIORITY in resources and not asks:
+        raise InvalidGpuRequest(
+            f"{prefix}{RESOURCE_TASK_PRIORITY} is the priority of a container's vGPUs, and this container asks for "
+            f"none: add {RESOURCE_GPU} (or {RESOURCE_GPU_MEMORY} / {RESOURCE_GPU_CORES}) or remove it"
+        )
+    if not asks:
+        return None
     count = parse_count_quantity(resources.get(RESOURCE_GPU, 1), what=prefix + RESOURCE_GPU)
     memory_mib = memory_percent = None
     if RESOURCE_GPU_MEMORY in resources:
@@ -842,7 +893,9 @@ def parse_container_request(container: Mapping[str, Any], *, init: bool) -> Cont
         memory_percent = parse_count_quantity(
             resources[RESOURCE_GPU_MEMORY_PERCENTAGE], what=prefix + RESOURCE_GPU_MEMORY_PERCENTAGE
         )
-        if not 1 <= memory_percent <= 100:
+        if memory_percent == 0:  # as in HAMi: 0 is "not set" (gpumem, else the whole GPU's memory)
+            memory_percent = None
+        elif memory_percent > 100:
             raise InvalidGpuRequest(
                 f"{prefix}{RESOURCE_GPU_MEMORY_PERCENTAGE} must be between 1 and 100, got {memory_percent}"
             )
@@ -853,9 +906,14 @@ def parse_container_request(container: Mapping[str, Any], *, init: bool) -> Cont
     cores = parse_count_quantity(resources.get(RESOURCE_GPU_CORES, 0), what=prefix + RESOURCE_GPU_CORES)
     if cores > CORES_PER_GPU:
         raise InvalidGpuRequest(f"{prefix}{RESOURCE_GPU_CORES} must be between 0 and 100, got {cores}")
+    task_priority = None
+    if RESOURCE_TASK_PRIORITY in resources:
+        task_priority = _parse_task_priority(resources[RESOURCE_TASK_PRIORITY], prefix + RESOURCE_TASK_PRIORITY)
     if count == 0:
         if memory_mib is not None or memory_percent is not None or RESOURCE_GPU_CORES in resources:
             raise InvalidGpuRequest(f"{prefix}{RESOURCE_GPU} is 0 but GPU memory or cores are requested")
+        if task_priority is not None:
+            raise InvalidGpuRequest(f"{prefix}{RESOURCE_GPU} is 0 but {RESOURCE_TASK_PRIORITY} is set")
         return None
     return ContainerGpuRequest(
         name=name,
@@ -865,6 +923,7 @@ def parse_container_request(container: Mapping[str, Any], *, init: bool) -> Cont
         cores=cores,
         init=init,
         sidecar=init and kubeapi.is_sidecar(container),
+        task_priority=task_priority,
     )
 
 
@@ -886,22 +945,78 @@ def parse_pod_gpu_request(pod: Mapping[str, Any]) -> PodGpuRequest:
         nouse_uuids=_annotation_list(annotations, ANNOTATION_NOUSE_GPU_UUID, lower=False),
         numa_bind=str(annotations.get(ANNOTATION_NUMA_BIND, "")).lower() == "true",
     )
+    _check_vgpu_mode(annotations)
     return PodGpuRequest(
         containers=tuple(containers),
         selectors=selectors,
-        gpu_policy=annotations.get(ANNOTATION_GPU_POLICY) or None,
-        node_policy=annotations.get(ANNOTATION_NODE_POLICY) or None,
+        gpu_policy=_policy_annotation(annotations, ANNOTATION_GPU_POLICY),
+        node_policy=_policy_annotation(annotations, ANNOTATION_NODE_POLICY),
     )
 
 
+def _check_vgpu_mode(annotations: Mapping[str, Any]) -> None:
+    """HAMi's nvidia.com/vgpu-mode: hami-core is what kube-vgpu does; mig and mps are refused, never silently
+    turned into a shared vGPU."""
+    mode = annotations.get(ANNOTATION_VGPU_MODE)
+    if mode is None:
+        return
+    if not isinstance(mode, str):
+        raise InvalidGpuRequest(f"annotation {ANNOTATION_VGPU_MODE} must be a string")
+    if mode.strip().lower() == VGPU_MODE_HAMI_CORE:
+        return
+    if mode.strip().lower() == "mig":
+        raise InvalidGpuRequest(
+            f"annotation {ANNOTATION_VGPU_MODE}: mig (HAMi's dynamic MIG) is not supported by kube-vgpu yet, and the "
+            f"pod must not silently get a shared GPU without MIG isolation instead; remove the annotation for a "
+            f"shared vGPU (in-container limiter)"
+        )
+    raise InvalidGpuRequest(
+        f"annotation {ANNOTATION_VGPU_MODE}: {_shown(mode)} is not supported; kube-vgpu shares GPUs with the "
+        f"in-container limiter only ({VGPU_MODE_HAMI_CORE}): remove the annotation or set it to {VGPU_MODE_HAMI_CORE}"
+    )
+
+
+def _policy_annotation(annotations: Mapping[str, Any], key: str) -> str | None:
+    """A policy annotation's name, HAMi's aliases read as ours (topology-aware is topology). HAMi's comma chains
+    and the HAMi policies kube-vgpu does not implement are refused with what to write instead; other unknown names
+    are the extender's to judge (its registry may hold more), and the webhook's (protocol.POLICY_NAMES)."""
+    raw = annotations.get(key)
+    if raw is None:
+        return None
+    if not isinstance(raw, str):
+        raise InvalidGpuRequest(f"annotation {key} must be a string")
+    name = raw.strip()
+    if not name:
+        return None
+    names = ", ".join(POLICY_NAMES)
+    if "," in name:
+        parts = [part.strip() for part in name.split(",") if part.strip()]
+        hints = [UNSUPPORTED_HAMI_POLICIES[part] for part in parts if part in UNSUPPORTED_HAMI_POLICIES]
+        raise InvalidGpuRequest(
+            f"annotation {key}: {_shown(name)} is a chain of policies, which kube-vgpu does not read; name one policy "
+            f"({names})" + "".join(f"; {hint}" for hint in hints)
+        )
+    name = POLICY_ALIASES.get(name, name)
+    if name in UNSUPPORTED_HAMI_POLICIES:
+        raise InvalidGpuRequest(
+            f"annotation {key}: HAMi's policy {name!r} is not implemented by kube-vgpu: "
+            f"{UNSUPPORTED_HAMI_POLICIES[name]}, or name one policy ({names})"
+        )
+    return name
+
+
 def pod_asks_for_gpu(pod: Mapping[str, Any]) -> bool:
-    """Cheap check (no parsing) whether any container names a GPU resource."""
+    """Cheap check (no parsing) whether any container names a GPU resource, HAMi's task priority or a MIG slice."""
     spec = pod.get("spec") or {}
     for key in ("initContainers", "containers"):
         for container in spec.get(key) or ():
             resources = container.get("resources") or {}
             for section in ("limits", "requests"):
                 names = resources.get(section)
-                if names and any(r in names for r in GPU_RESOURCES):
+                if names and any(
+                    isinstance(r, str)
+                    and (r in GPU_RESOURCES or r == RESOURCE_TASK_PRIORITY or r.startswith(MIG_RESOURCE_PREFIX))
+                    for r in names
+                ):
                     return True
     return False

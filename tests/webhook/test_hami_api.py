@@ -1,0 +1,195 @@
+"""The rest of HAMi's pod API (issue 16): nvidia.com/priority becomes the limiter's CUDA_TASK_PRIORITY and leaves the
+resources; HAMi's policy names are read as ours or refused at admission with what to write instead;
+gpumem-percentage: 0 is "not set"; MIG resources and nvidia.com/vgpu-mode: mig are refused, never silently turned
+into a shared vGPU. In-process through `mutate.review` (the function the HTTPS server calls)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kube_vgpu import protocol
+from kube_vgpu.extender.engine.policies import REGISTRY
+from kube_vgpu.webhook.mutate import Result
+from tests.webhook.builders import GPU, MEM, PCT, apply_response, container, gpu_container, pod, run_review
+
+PRIORITY = "nvidia.com/priority"  # written out, not imported from the code under test
+
+
+def _admitted(sent: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The pod the API server stores, and the warnings."""
+    outcome, response = run_review(sent)
+    assert response["allowed"] is True, response.get("status")
+    assert outcome.result is Result.MUTATED
+    return apply_response(sent, response), list(response.get("warnings", []))
+
+
+def _denied(sent: dict[str, Any]) -> tuple[int, str]:
+    outcome, response = run_review(sent)
+    assert outcome.result is Result.DENIED and response["allowed"] is False
+    assert "patch" not in response
+    return response["status"]["code"], response["status"]["message"]
+
+
+def _env(stored: dict[str, Any], index: int = 0) -> dict[str, str]:
+    return {entry["name"]: entry.get("value", "") for entry in stored["spec"]["containers"][index].get("env", [])}
+
+
+# -- nvidia.com/priority
+
+
+@pytest.mark.parametrize("value", ["0", "1", 0, 1])
+def test_priority_becomes_the_limiters_env_and_leaves_the_resources(value: str | int) -> None:
+    sent = pod(container("trainer", limits={GPU: "1", MEM: "4096", PRIORITY: value},
+                         requests={GPU: "1", MEM: "4096", PRIORITY: value}))
+    stored, warnings = _admitted(sent)
+    resources = stored["spec"]["containers"][0]["resources"]
+    assert resources == {"limits": {GPU: "1", MEM: "4096"}, "requests": {GPU: "1", MEM: "4096"}}
+    assert _env(stored)["CUDA_TASK_PRIORITY"] == str(value)
+    assert warnings == []
+    # a reinvocation on the stored pod changes nothing (the priority lives on in the env alone)
+    outcome, response = run_review(stored)
+    assert outcome.result is Result.ALLOWED and "patch" not in response
+
+
+def test_priority_in_limits_only_is_read_and_removed() -> None:
+    sent = pod(container("trainer", limits={GPU: "1", PRIORITY: "1"}))
+    stored, _warnings = _admitted(sent)
+    resources = stored["spec"]["containers"][0]["resources"]
+    assert PRIORITY not in resources["limits"] and PRIORITY not in resources["requests"]
+    assert _env(stored)["CUDA_TASK_PRIORITY"] == "1"
+
+
+def test_priority_of_one_container_is_not_given_to_another() -> None:
+    sent = pod(container("high", limits={GPU: "1", PRIORITY: "0"}), container("plain", limits={GPU: "1"}))
+    stored, _warnings = _admitted(sent)
+    assert _env(stored, 0)["CUDA_TASK_PRIORITY"] == "0"
+    assert "CUDA_TASK_PRIORITY" not in _env(stored, 1)
+
+
+def test_the_resource_wins_over_the_pods_own_env_with_a_warning() -> None:
+    sent = pod(container("trainer", limits={GPU: "1", PRIORITY: "1"},
+                         env=[{"name": "CUDA_TASK_PRIORITY", "value": "0"}]))
+    stored, warnings = _admitted(sent)
+    assert _env(stored)["CUDA_TASK_PRIORITY"] == "1"
+    assert any("CUDA_TASK_PRIORITY" in warning for warning in warnings)
+
+
+@pytest.mark.parametrize(
+    ("limits", "message"),
+    [
+        ({GPU: "1", PRIORITY: "2"},
+         "container trainer: nvidia.com/priority must be 0 (high priority) or 1 (low priority), got 2"),
+        ({GPU: "1", PRIORITY: "0.5"}, "container trainer: nvidia.com/priority must be a non-negative whole number, "
+                                      "got '0.5'"),
+        ({PRIORITY: "1"}, "container trainer: nvidia.com/priority is the priority of a container's vGPUs, and this "
+                          "container asks for none: add nvidia.com/gpu (or nvidia.com/gpumem / nvidia.com/gpucores) "
+                          "or remove it"),
+        ({GPU: "0", PRIORITY: "0"}, "container trainer: nvidia.com/gpu is 0 but nvidia.com/priority is set"),
+    ],
+)
+def test_bad_priorities_are_refused(limits: dict[str, str], message: str) -> None:
+    assert _denied(pod(container("trainer", limits=limits))) == (400, message)
+
+
+# -- gpumem-percentage: 0 is "not set", as in HAMi
+
+
+def test_gpumem_percentage_zero_is_unset() -> None:
+    stored, _warnings = _admitted(pod(gpu_container(gpu="1", gpumem_percentage="0")))
+    request = protocol.parse_pod_gpu_request(stored)
+    (gpu,) = request.containers
+    assert gpu.memory_percent is None and gpu.memory_mib is None  # the whole GPU's memory
+    assert not any(name.startswith("CUDA_DEVICE_MEMORY_LIMIT") for name in _env(stored))
+
+
+def test_gpumem_percentage_zero_beside_gpumem_is_not_both() -> None:
+    stored, _warnings = _admitted(pod(gpu_container(gpu="1", gpumem="2048", gpumem_percentage="0")))
+    (gpu,) = protocol.parse_pod_gpu_request(stored).containers
+    assert gpu.memory_mib == 2048 and gpu.memory_percent is None
+    assert _env(stored)["CUDA_DEVICE_MEMORY_LIMIT_0"] == "2048m"
+    assert stored["spec"]["containers"][0]["resources"]["limits"][PCT] == "0"  # kept as sent
+
+
+# -- policies
+
+
+def test_the_webhooks_policy_list_is_the_extenders_registry() -> None:
+    assert tuple(sorted(REGISTRY)) == protocol.POLICY_NAMES
+
+
+@pytest.mark.parametrize("key", ["hami.io/gpu-scheduler-policy", "hami.io/node-scheduler-policy"])
+@pytest.mark.parametrize(("written", "read"), [("binpack", "binpack"), ("spread", "spread"),
+                                               ("topology-aware", "topology"), (" bfgd ", "bfgd")])
+def test_policy_names_we_know_are_admitted_and_read_as_ours(key: str, written: str, read: str) -> None:
+    stored, _warnings = _admitted(pod(gpu_container(gpu="1"), annotations={key: written}))
+    request = protocol.parse_pod_gpu_request(stored)
+    assert (request.gpu_policy if key.startswith("hami.io/gpu") else request.node_policy) == read
+
+
+KNOWN = "bestfit, bfgd, binpack, clustering, dotprod, fgd, packing, random, spread, topology"
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("mutex", "annotation hami.io/gpu-scheduler-policy: HAMi's policy 'mutex' is not implemented by kube-vgpu: "
+                  "for GPUs no other pod shares, ask for nvidia.com/gpucores: 100 (the GPU exclusively), or name one "
+                  f"policy ({KNOWN})"),
+        ("numa", "annotation hami.io/gpu-scheduler-policy: HAMi's policy 'numa' is not implemented by kube-vgpu: for "
+                 'GPUs of one NUMA node, set the annotation nvidia.com/numa-bind: "true", or name one policy '
+                 f"({KNOWN})"),
+        ("binpack,numa", "annotation hami.io/gpu-scheduler-policy: 'binpack,numa' is a chain of policies, which "
+                         f"kube-vgpu does not read; name one policy ({KNOWN}); for GPUs of one NUMA node, set the "
+                         'annotation nvidia.com/numa-bind: "true"'),
+        ("mutex,topology-aware", "annotation hami.io/gpu-scheduler-policy: 'mutex,topology-aware' is a chain of "
+                                 f"policies, which kube-vgpu does not read; name one policy ({KNOWN}); for GPUs no "
+                                 "other pod shares, ask for nvidia.com/gpucores: 100 (the GPU exclusively)"),
+        ("fastest", f"annotation hami.io/gpu-scheduler-policy: unknown policy 'fastest'; known policies: {KNOWN}"),
+    ],
+)
+def test_policies_the_extender_would_not_know_are_refused_at_admission(value: str, message: str) -> None:
+    sent = pod(gpu_container(gpu="1"), annotations={"hami.io/gpu-scheduler-policy": value})
+    assert _denied(sent) == (400, message)
+
+
+def test_an_unknown_node_policy_is_refused_at_admission() -> None:
+    sent = pod(gpu_container(gpu="1"), annotations={"hami.io/node-scheduler-policy": "x" * 200})
+    code, message = _denied(sent)
+    assert code == 400 and message.startswith("annotation hami.io/node-scheduler-policy: unknown policy 'xxxx")
+    assert len(message) < 200 + len(KNOWN)  # a long value is cut short
+
+
+# -- MIG: refused, never silently a shared vGPU
+
+
+@pytest.mark.parametrize("resource", ["nvidia.com/mig-3g.20gb", "nvidia.com/mig-1g.10gb"])
+def test_mig_resources_are_refused(resource: str) -> None:
+    code, message = _denied(pod(container("trainer", limits={resource: "1"})))
+    assert code == 400
+    assert message.startswith(f"container trainer: {resource}: MIG slices are not placed by kube-vgpu yet")
+
+
+def test_mig_beside_a_share_is_refused_too() -> None:
+    code, message = _denied(pod(container("trainer", limits={GPU: "1", "nvidia.com/mig-1g.5gb": "1"})))
+    assert code == 400 and "nvidia.com/mig-1g.5gb: MIG slices are not placed" in message
+
+
+@pytest.mark.parametrize(
+    ("mode", "message"),
+    [
+        ("mig", "annotation nvidia.com/vgpu-mode: mig (HAMi's dynamic MIG) is not supported by kube-vgpu yet, and the "
+                "pod must not silently get a shared GPU without MIG isolation instead; remove the annotation for a "
+                "shared vGPU (in-container limiter)"),
+        ("mps", "annotation nvidia.com/vgpu-mode: 'mps' is not supported; kube-vgpu shares GPUs with the in-container "
+                "limiter only (hami-core): remove the annotation or set it to hami-core"),
+    ],
+)
+def test_vgpu_modes_other_than_hami_core_are_refused(mode: str, message: str) -> None:
+    sent = pod(gpu_container(gpu="1", gpumem="4096"), annotations={"nvidia.com/vgpu-mode": mode})
+    assert _denied(sent) == (400, message)
+
+
+def test_vgpu_mode_hami_core_is_what_we_do() -> None:
+    _admitted(pod(gpu_container(gpu="1"), annotations={"nvidia.com/vgpu-mode": "hami-core"}))
