@@ -204,6 +204,20 @@ class GpuLink:
 
 
 @dataclass(frozen=True, slots=True)
+class MigDevice:
+    """One MIG device (a GPU instance with its compute instance) of a GPU in MIG mode, as NVML describes it."""
+
+    uuid: str  # "MIG-...": what NVIDIA_VISIBLE_DEVICES takes
+    profile: str  # e.g. "3g.20gb", the <profile> of the resource nvidia.com/mig-<profile>
+    gpu_instance: int  # NVML's GPU instance ID
+    compute_instance: int  # NVML's compute instance ID within it
+    memory_mib: int
+    multiprocessors: int
+    start: int  # first memory slot (of protocol.mig.MIG_MEMORY_SLOTS) the GPU instance occupies
+    size: int  # memory slots it occupies
+
+
+@dataclass(frozen=True, slots=True)
 class GpuInfo:
     uuid: str
     index: int
@@ -220,6 +234,10 @@ class GpuInfo:
     #: the node another way). Consumers must treat such a GPU as fully used. Encoded only when non-empty, so
     #: inventories without such pods stay byte-identical to earlier v1 producers.
     external_pods: tuple[str, ...] = ()
+    #: Static MIG (issue 16): the MIG devices of a GPU in MIG mode. Encoded only when non-empty ("migDevices"), so
+    #: inventories without MIG stay byte-identical to earlier v1 producers, and an older reader, which ignores the
+    #: field, keeps never using a GPU in MIG mode.
+    mig_devices: tuple[MigDevice, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,6 +293,9 @@ def encode_inventory(inventory: NodeInventory) -> str:
                 "mig": gpu.mig_mode,
                 "links": [[link.peer_index, link.nvlinks, link.via_nvswitch, link.pcie.value] for link in gpu.links],
                 **({"external": list(gpu.external_pods)} if gpu.external_pods else {}),
+                **({"migDevices": [[m.uuid, m.profile, m.gpu_instance, m.compute_instance, m.memory_mib,
+                                    m.multiprocessors, m.start, m.size] for m in gpu.mig_devices]}
+                   if gpu.mig_devices else {}),
             }
             for gpu in inventory.gpus
         ],
@@ -361,6 +382,8 @@ def decode_inventory(text: str) -> NodeInventory:  # noqa: C901
         max_vgpus = _require(raw, "maxShares", int, where)
         if memory_mib <= 0 or cores <= 0 or max_vgpus <= 0:
             raise ProtocolError(f"{where}: memoryMiB, cores and maxShares must be positive")
+        mig_mode = _require(raw, "mig", bool, where)
+        mig_devices = _decode_mig_devices(raw.get("migDevices", []), where, mig_mode, memory_mib, seen_uuids)
         gpus.append(
             GpuInfo(
                 uuid=uuid,
@@ -372,9 +395,10 @@ def decode_inventory(text: str) -> NodeInventory:  # noqa: C901
                 numa_node=numa,
                 pci_bus_id=_require(raw, "pciBusId", str, where),
                 healthy=_require(raw, "healthy", bool, where),
-                mig_mode=_require(raw, "mig", bool, where),
+                mig_mode=mig_mode,
                 links=tuple(links),
                 external_pods=tuple(external),
+                mig_devices=mig_devices,
             )
         )
     for position, gpu in enumerate(gpus):
@@ -384,6 +408,59 @@ def decode_inventory(text: str) -> NodeInventory:  # noqa: C901
                     f"inventory gpus[{position}]: link to GPU {link.peer_index}, which is not on this node"
                 )
     return NodeInventory(gpus=tuple(gpus), version=version)
+
+
+#: MIG memory slots of a GPU (protocol.mig.MIG_MEMORY_SLOTS; repeated here so decoding needs no table)
+_MIG_SLOTS = 8
+#: NVML numbers GPU and compute instances below this
+_MAX_MIG_INSTANCE_ID = 1023
+
+
+def _decode_mig_devices(
+    raw: Any, where: str, mig_mode: bool, gpu_memory_mib: int, seen_uuids: set[str]
+) -> tuple[MigDevice, ...]:
+    """A GPU's "migDevices": [[uuid, profile, gpuInstance, computeInstance, memoryMiB, multiprocessors, start, size]].
+    Only a GPU in MIG mode has them; UUIDs are unique on the node (GPUs' included); two devices never share a
+    memory slot or a (GPU instance, compute instance) pair."""
+    if not isinstance(raw, list):
+        raise ProtocolError(f"{where}: field 'migDevices' must be a list")
+    if raw and not mig_mode:
+        raise ProtocolError(f"{where}: lists MIG devices but is not in MIG mode ('mig' is false)")
+    devices = []
+    slots: dict[int, str] = {}
+    instances: set[tuple[int, int]] = set()
+    for position, item in enumerate(raw):
+        item_where = f"{where} migDevices[{position}]"
+        if not (isinstance(item, list) and len(item) == 8):
+            raise ProtocolError(
+                f"{item_where}: must be [uuid, profile, gpuInstance, computeInstance, memoryMiB, multiprocessors, "
+                "start, size]"
+            )
+        uuid, profile, gpu_instance, compute_instance, memory_mib, multiprocessors, start, size = item
+        if not isinstance(uuid, str) or not uuid:
+            raise ProtocolError(f"{item_where}: the UUID must be a non-empty string")
+        if uuid in seen_uuids:
+            raise ProtocolError(f"{item_where}: duplicate UUID {uuid}")
+        seen_uuids.add(uuid)
+        if not isinstance(profile, str) or not re.fullmatch(r"[1-7]g\.[0-9]+gb(\+me)?", profile):
+            raise ProtocolError(f"{item_where}: profile {profile!r} is not a MIG profile name like 3g.20gb")
+        gpu_instance = _integer(gpu_instance, item_where, "gpuInstance", 0, _MAX_MIG_INSTANCE_ID)
+        compute_instance = _integer(compute_instance, item_where, "computeInstance", 0, _MAX_MIG_INSTANCE_ID)
+        if (gpu_instance, compute_instance) in instances:
+            raise ProtocolError(f"{item_where}: GPU instance {gpu_instance} compute instance {compute_instance} "
+                                "is described twice")
+        instances.add((gpu_instance, compute_instance))
+        memory_mib = _integer(memory_mib, item_where, "memoryMiB", 1, gpu_memory_mib)
+        multiprocessors = _integer(multiprocessors, item_where, "multiprocessors", 1, 1024)
+        start = _integer(start, item_where, "start", 0, _MIG_SLOTS - 1)
+        size = _integer(size, item_where, "size", 1, _MIG_SLOTS - start)
+        for slot in range(start, start + size):
+            if slot in slots:
+                raise ProtocolError(f"{item_where}: memory slot {slot} is also used by {slots[slot]}")
+            slots[slot] = uuid
+        devices.append(MigDevice(uuid, profile, gpu_instance, compute_instance, memory_mib, multiprocessors, start,
+                                 size))
+    return tuple(devices)
 
 
 def format_heartbeat(moment: _dt.datetime) -> str:
