@@ -952,7 +952,8 @@ def parse_container_request(container: Mapping[str, Any], *, init: bool) -> Cont
         raise InvalidGpuRequest(
             f"{prefix}{', '.join(mig)}: MIG slices are not placed by kube-vgpu yet, and a pod asking for them must "
             f"not silently get a shared GPU instead; ask for a share ({RESOURCE_GPU}, {RESOURCE_GPU_MEMORY}, "
-            f"{RESOURCE_GPU_CORES}) or run the pod with NVIDIA's device plugin's scheduler"
+            f"{RESOURCE_GPU_CORES}) or run MIG pods in a namespace kube-vgpu's webhook does not serve (label "
+            f"{LABEL_WEBHOOK}={LABEL_WEBHOOK_DISABLED}) on nodes served by NVIDIA's device plugin"
         )
     asks = any(key in resources for key in GPU_RESOURCES)
     if RESOURCE_TASK_PRIORITY in resources and not asks:

@@ -68,6 +68,16 @@ def test_priority_of_one_container_is_not_given_to_another() -> None:
     assert "CUDA_TASK_PRIORITY" not in _env(stored, 1)
 
 
+def test_priority_of_an_init_container_and_a_sidecar() -> None:
+    sidecar = container("proxy", limits={GPU: "1", PRIORITY: "1"}, restartPolicy="Always")
+    sent = pod(container("app", limits={GPU: "1"}),
+               init_containers=[container("warmup", limits={GPU: "1", PRIORITY: "0"}), sidecar])
+    stored, _warnings = _admitted(sent)
+    init_env = [{e["name"]: e.get("value") for e in c.get("env", [])} for c in stored["spec"]["initContainers"]]
+    assert [env.get("CUDA_TASK_PRIORITY") for env in init_env] == ["0", "1"]
+    assert all(PRIORITY not in c["resources"]["limits"] for c in stored["spec"]["initContainers"])
+
+
 def test_the_resource_wins_over_the_pods_own_env_with_a_warning() -> None:
     sent = pod(container("trainer", limits={GPU: "1", PRIORITY: "1"},
                          env=[{"name": "CUDA_TASK_PRIORITY", "value": "0"}]))
@@ -166,9 +176,17 @@ def test_an_unknown_node_policy_is_refused_at_admission() -> None:
 
 @pytest.mark.parametrize("resource", ["nvidia.com/mig-3g.20gb", "nvidia.com/mig-1g.10gb"])
 def test_mig_resources_are_refused(resource: str) -> None:
-    code, message = _denied(pod(container("trainer", limits={resource: "1"})))
-    assert code == 400
-    assert message.startswith(f"container trainer: {resource}: MIG slices are not placed by kube-vgpu yet")
+    assert _denied(pod(container("trainer", limits={resource: "1"}))) == (
+        400, f"container trainer: {resource}: MIG slices are not placed by kube-vgpu yet, and a pod asking for them "
+             "must not silently get a shared GPU instead; ask for a share (nvidia.com/gpu, nvidia.com/gpumem, "
+             "nvidia.com/gpucores) or run MIG pods in a namespace kube-vgpu's webhook does not serve (label "
+             "kube-vgpu.io/webhook=disabled) on nodes served by NVIDIA's device plugin")
+
+
+def test_mig_in_an_init_container_is_refused_too() -> None:
+    sent = pod(gpu_container(gpu="1"), init_containers=[container("warmup", limits={"nvidia.com/mig-1g.5gb": "1"})])
+    code, message = _denied(sent)
+    assert code == 400 and message.startswith("container warmup: nvidia.com/mig-1g.5gb: MIG slices")
 
 
 def test_mig_beside_a_share_is_refused_too() -> None:
