@@ -90,6 +90,15 @@ def _place_container(
     assert candidates is not None
     if len(candidates) < container.count:
         return explain_failure(node, request, container, scratch, len(candidates))
+    if gpu_policy.only_idle_gpus:
+        candidates = [gpu for gpu in candidates if gpu.used_vgpus + scratch.vgpus[gpu.position] == 0]
+        if len(candidates) < container.count:
+            plural = "GPU" if container.count == 1 else "GPUs"
+            return FitFailure(
+                f"container {container.name}: needs {container.count} idle {plural} (GPU policy {gpu_policy.name} "
+                f"takes no GPU another vGPU uses), {len(candidates)} idle with room for it",
+                code="exclusive",
+            )
     if request.gpu.selectors.numa_bind and container.count > 1:
         candidates = _numa_group(candidates, container.count)
         if candidates is None:

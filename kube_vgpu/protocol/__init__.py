@@ -65,12 +65,13 @@ VGPU_MODE_HAMI_CORE = "hami-core"
 
 #: The placement policies of the extender's registry (extender/engine/policies/registry.py; a test keeps the two
 #: equal), for the webhook, which must refuse a name the extender would not know without importing the extender.
-POLICY_NAMES = ("bestfit", "bfgd", "binpack", "clustering", "dotprod", "fgd", "packing", "random", "spread", "topology")
+POLICY_NAMES = (
+    "bestfit", "bfgd", "binpack", "clustering", "dotprod", "fgd", "mutex", "packing", "random", "spread", "topology",
+)
 #: HAMi's policy names that mean one of ours: topology-aware picks the best-connected GPUs, as `topology` does.
 POLICY_ALIASES = {"topology-aware": "topology"}
 #: HAMi's GPU policies kube-vgpu does not implement, each with what to write instead (refused at admission).
 UNSUPPORTED_HAMI_POLICIES = {
-    "mutex": "for GPUs no other pod shares, ask for nvidia.com/gpucores: 100 (the GPU exclusively)",
     "numa": 'for GPUs of one NUMA node, set the annotation nvidia.com/numa-bind: "true"',
 }
 

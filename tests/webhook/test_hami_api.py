@@ -131,22 +131,20 @@ def test_the_webhooks_policy_list_is_the_extenders_registry() -> None:
 
 @pytest.mark.parametrize("key", ["hami.io/gpu-scheduler-policy", "hami.io/node-scheduler-policy"])
 @pytest.mark.parametrize(("written", "read"), [("binpack", "binpack"), ("spread", "spread"),
-                                               ("topology-aware", "topology"), (" bfgd ", "bfgd")])
+                                               ("topology-aware", "topology"), (" bfgd ", "bfgd"),
+                                               ("mutex", "mutex")])
 def test_policy_names_we_know_are_admitted_and_read_as_ours(key: str, written: str, read: str) -> None:
     stored, _warnings = _admitted(pod(gpu_container(gpu="1"), annotations={key: written}))
     request = protocol.parse_pod_gpu_request(stored)
     assert (request.gpu_policy if key.startswith("hami.io/gpu") else request.node_policy) == read
 
 
-KNOWN = "bestfit, bfgd, binpack, clustering, dotprod, fgd, packing, random, spread, topology"
+KNOWN = "bestfit, bfgd, binpack, clustering, dotprod, fgd, mutex, packing, random, spread, topology"
 
 
 @pytest.mark.parametrize(
     ("value", "message"),
     [
-        ("mutex", "annotation hami.io/gpu-scheduler-policy: HAMi's policy 'mutex' is not implemented by kube-vgpu: "
-                  "for GPUs no other pod shares, ask for nvidia.com/gpucores: 100 (the GPU exclusively), or name one "
-                  f"policy ({KNOWN})"),
         ("numa", "annotation hami.io/gpu-scheduler-policy: HAMi's policy 'numa' is not implemented by kube-vgpu: for "
                  'GPUs of one NUMA node, set the annotation nvidia.com/numa-bind: "true", or name one policy '
                  f"({KNOWN})"),
@@ -154,8 +152,7 @@ KNOWN = "bestfit, bfgd, binpack, clustering, dotprod, fgd, packing, random, spre
                          f"kube-vgpu does not read; name one policy ({KNOWN}); for GPUs of one NUMA node, set the "
                          'annotation nvidia.com/numa-bind: "true"'),
         ("mutex,topology-aware", "annotation hami.io/gpu-scheduler-policy: 'mutex,topology-aware' is a chain of "
-                                 f"policies, which kube-vgpu does not read; name one policy ({KNOWN}); for GPUs no "
-                                 "other pod shares, ask for nvidia.com/gpucores: 100 (the GPU exclusively)"),
+                                 f"policies, which kube-vgpu does not read; name one policy ({KNOWN})"),
         ("fastest", f"annotation hami.io/gpu-scheduler-policy: unknown policy 'fastest'; known policies: {KNOWN}"),
     ],
 )
