@@ -37,9 +37,14 @@ from kube_vgpu.protocol import (
     LABEL_COSCHEDULING_POD_GROUP,
     LABEL_KUEUE_POD_GROUP_NAME,
     LABEL_KUEUE_QUEUE_NAME,
+    LABEL_WEBHOOK,
+    LABEL_WEBHOOK_DISABLED,
+    MIG_RESOURCE_PREFIX,
     POD_ADMITTED_ANNOTATION,
     POLICY_NAMES,
     RESOURCE_GPU,
+    RESOURCE_GPU_CORES,
+    RESOURCE_GPU_MEMORY,
     RESOURCE_TASK_PRIORITY,
     WORKLOAD_API_GROUP,
     WORKLOAD_API_VERSION,
@@ -264,6 +269,7 @@ def admit_create(
         return ALLOW
     try:
         request = parse_pod_gpu_request(pod)
+        _check_no_mig(request)
         _check_policy_names(request)
     except InvalidGpuRequest as exc:
         return _deny(400, str(exc))
@@ -310,6 +316,19 @@ def admit_create(
             return _deny(403, refusal)
     decision.warnings.extend(_unread_gang_timeout(pod, decision))
     return decision
+
+
+def _check_no_mig(request: PodGpuRequest) -> None:
+    """MIG devices are discovered, published and placed by the extender, but the device plugin does not hand them to
+    containers yet: a MIG request is refused here, never turned into a shared vGPU (InvalidGpuRequest)."""
+    for gpu in request.mig_containers:
+        raise InvalidGpuRequest(
+            f"container {gpu.name}: {MIG_RESOURCE_PREFIX}{gpu.mig_profile}: MIG slices are not placed by kube-vgpu "
+            f"yet, and a pod asking for them must not silently get a shared GPU instead; ask for a share "
+            f"({RESOURCE_GPU}, {RESOURCE_GPU_MEMORY}, {RESOURCE_GPU_CORES}) or run MIG pods in a namespace "
+            f"kube-vgpu's webhook does not serve (label {LABEL_WEBHOOK}={LABEL_WEBHOOK_DISABLED}) on nodes served "
+            "by NVIDIA's device plugin"
+        )
 
 
 def _check_policy_names(request: PodGpuRequest) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kube_vgpu.extender.engine.mig import choose_mig_devices
 from kube_vgpu.extender.engine.model import (
     ContainerPlacement,
     FitFailure,
@@ -86,6 +87,8 @@ def _place_container(
     scratch: Scratch,
     gpu_policy: Policy,
 ) -> list[tuple[int, int, int]] | FitFailure:
+    if container.mig_profile is not None:
+        return _place_mig_container(node, request, container, scratch)
     candidates: Sequence[GpuState] | None = fitting_gpus(node, container, request, scratch)
     assert candidates is not None
     if len(candidates) < container.count:
@@ -122,6 +125,24 @@ def _place_container(
     return devices
 
 
+def _place_mig_container(
+    node: NodeState, request: PlacementRequest, container: ContainerGpuRequest, scratch: Scratch
+) -> list[tuple[int, int, int]] | FitFailure:
+    """Static MIG: `container.count` free MIG devices of its profile (engine/mig.py chooses), each held whole."""
+    chosen = choose_mig_devices(node, container, request.gpu.selectors, scratch)
+    if isinstance(chosen, FitFailure):
+        return FitFailure(f"container {container.name}: {chosen.reason}", chosen.unresolvable, chosen.code)
+    devices = []
+    for device in chosen:
+        position = device.position
+        scratch.memory_mib[position] += device.memory_mib
+        scratch.cores[position] += device.cores
+        scratch.vgpus[position] += 1
+        scratch.exclusive[position] = True
+        devices.append((position, device.memory_mib, device.cores))
+    return devices
+
+
 def place(
     node: NodeState,
     request: PlacementRequest,
@@ -145,7 +166,7 @@ def place(
         return Placement(node.name, (), (), node_policy.score(node, request, placement))
     if not node.gpus:
         return FitFailure("no GPUs (no kube-vgpu GPU inventory on this node)", True, "no-gpus")
-    size = len(node.gpus)
+    size = len(node.devices)  # GPUs, then MIG devices
     containers = gpu_request.containers
     init_placed: list[ContainerPlacement] = []
     running = Scratch(size)  # the sidecars started so far: they keep their GPUs

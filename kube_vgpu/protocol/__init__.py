@@ -746,6 +746,9 @@ class ContainerGpuRequest:
     sidecar: bool = False
     #: HAMi's nvidia.com/priority (TASK_PRIORITY_HIGH or TASK_PRIORITY_LOW); None when the container does not set it
     task_priority: int | None = None
+    #: static MIG: the container asks for `count` MIG devices of this profile (nvidia.com/mig-<profile>), each held
+    #: whole (cores is CORES_PER_GPU, memory the device's); None for vGPUs
+    mig_profile: str | None = None
 
     @property
     def exclusive(self) -> bool:
@@ -853,6 +856,11 @@ class PodGpuRequest:
     def is_empty(self) -> bool:
         return not self.containers
 
+    @property
+    def mig_containers(self) -> tuple[ContainerGpuRequest, ...]:
+        """The containers asking for MIG devices (static MIG)."""
+        return tuple(c for c in self.containers if c.mig_profile is not None)
+
 
 def _shown(text: str, limit: int = 80) -> str:
     """A value quoted in a message, cut short: a hostile 5000-digit quantity must not become a 5000-character
@@ -950,12 +958,7 @@ def parse_container_request(container: Mapping[str, Any], *, init: bool) -> Cont
     prefix = f"container {name}: "
     mig = mig_resources(resources)
     if mig:
-        raise InvalidGpuRequest(
-            f"{prefix}{', '.join(mig)}: MIG slices are not placed by kube-vgpu yet, and a pod asking for them must "
-            f"not silently get a shared GPU instead; ask for a share ({RESOURCE_GPU}, {RESOURCE_GPU_MEMORY}, "
-            f"{RESOURCE_GPU_CORES}) or run MIG pods in a namespace kube-vgpu's webhook does not serve (label "
-            f"{LABEL_WEBHOOK}={LABEL_WEBHOOK_DISABLED}) on nodes served by NVIDIA's device plugin"
-        )
+        return _parse_mig_request(name, resources, mig, init=init, sidecar=init and kubeapi.is_sidecar(container))
     asks = any(key in resources for key in GPU_RESOURCES)
     if RESOURCE_TASK_PRIORITY in resources and not asks:
         raise InvalidGpuRequest(
@@ -1004,6 +1007,32 @@ def parse_container_request(container: Mapping[str, Any], *, init: bool) -> Cont
         sidecar=init and kubeapi.is_sidecar(container),
         task_priority=task_priority,
     )
+
+
+_MIG_PROFILE = re.compile(r"[1-7]g\.[0-9]{1,4}gb(\+me)?")
+
+
+def _parse_mig_request(
+    name: str, resources: Mapping[str, Any], mig: list[str], *, init: bool, sidecar: bool
+) -> ContainerGpuRequest | None:
+    """A container asking for MIG devices (nvidia.com/mig-<profile>: N): one profile, no vGPU resources beside it."""
+    prefix = f"container {name}: "
+    if len(mig) > 1:
+        raise InvalidGpuRequest(f"{prefix}asks for several MIG profiles ({', '.join(mig)}); kube-vgpu places one "
+                                "MIG profile per container: split it into containers")
+    (resource,) = mig
+    vgpu = [key for key in (*GPU_RESOURCES, RESOURCE_TASK_PRIORITY) if key in resources]
+    if vgpu:
+        raise InvalidGpuRequest(f"{prefix}asks for {resource} and {', '.join(vgpu)}: a container gets either MIG "
+                                "devices or vGPU shares, not both")
+    profile = resource[len(MIG_RESOURCE_PREFIX):]
+    if not _MIG_PROFILE.fullmatch(profile):
+        raise InvalidGpuRequest(f"{prefix}{_shown(resource)} is not a MIG resource like nvidia.com/mig-3g.20gb")
+    count = parse_count_quantity(resources[resource], what=prefix + resource)
+    if count == 0:
+        return None
+    return ContainerGpuRequest(name=name, count=count, cores=CORES_PER_GPU, init=init, sidecar=sidecar,
+                               mig_profile=profile)
 
 
 def parse_pod_gpu_request(pod: Mapping[str, Any]) -> PodGpuRequest:

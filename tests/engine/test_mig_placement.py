@@ -4,21 +4,40 @@ NVML's MIG layouts, and the vGPU engine's rule that a GPU in MIG mode never take
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kube_vgpu import protocol
+from kube_vgpu.dev.fixtures import node_object
 from kube_vgpu.deviceplugin.discovery import discover
 from kube_vgpu.deviceplugin.fakenvml import FakeHardware, FakeNvml, layout_hardware, load_profile
 from kube_vgpu.deviceplugin.nvml import Nvml
 from kube_vgpu.extender.engine.fit import place
-from kube_vgpu.extender.engine.mig import mig_slots, place_mig
-from kube_vgpu.extender.engine.model import FitFailure, NodeState, Placement, PlacementRequest
+from kube_vgpu.extender.engine.model import (
+    FitFailure,
+    NodeState,
+    Placement,
+    PlacementRequest,
+    assignment_from_placement,
+)
 from kube_vgpu.extender.engine.policies import make_policy, policy_names
-from kube_vgpu.protocol import GpuSelectors, NodeInventory, mig
-from tests.helpers import pod
+from kube_vgpu.extender.quota.usage import (
+    TOTAL_GPU_CORES,
+    TOTAL_GPU_MEMORY,
+    assignment_usage,
+    named_gpu_resources,
+    request_usage_on,
+)
+from kube_vgpu.extender.scheduler import BindError, Scheduler
+from kube_vgpu.extender.sources.snapshot import SnapshotCluster
+from kube_vgpu.extender.state import ClusterState, usage_from_assignment
+from kube_vgpu.protocol import NodeInventory, mig
+from tests.helpers import gpu_node, pod
+
+BFGD = make_policy("bfgd")
 
 
 def a100_mig() -> NodeInventory:
@@ -26,72 +45,135 @@ def a100_mig() -> NodeInventory:
     return discover(Nvml(FakeNvml(load_profile("a100-mig", "node-m")))).inventory
 
 
-def test_only_healthy_gpus_in_mig_mode_offer_their_devices_in_order() -> None:
+def mig_pod(*containers: tuple[str, str, int], init: tuple[tuple[str, str, int], ...] = (),
+            annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    """A pod whose containers ask (name, resource, count): "mig-<profile>" for MIG devices, "gpu" for whole vGPUs."""
+    obj = pod(gpus=None, annotations=annotations)
+    template = obj["spec"]["containers"][0]
+
+    def build(name: str, resource: str, count: int) -> dict[str, Any]:
+        limits = {f"nvidia.com/{resource}": str(count)}
+        return {**template, "name": name, "resources": {"limits": limits, "requests": dict(limits)}}
+
+    obj["spec"]["containers"] = [build(*c) for c in containers]
+    obj["spec"]["initContainers"] = [build(*c) for c in init]
+    return obj
+
+
+def _place(node: NodeState, obj: dict[str, Any]) -> Placement | FitFailure:
+    return place(node, PlacementRequest(protocol.parse_pod_gpu_request(obj)), BFGD, BFGD)
+
+
+def _devices(node: NodeState, result: Placement | FitFailure) -> list[tuple[str, int, str | None, int]]:
+    """(container, GPU index, profile, start-ordered rank on its GPU) per device of a placement."""
+    assert isinstance(result, Placement), result
+    found = []
+    for container in result.containers:
+        for position, _memory, _cores in container.devices:
+            device = node.devices[position]
+            rank = [d.position for d in node.mig_devices if d.mig_parent == device.mig_parent].index(position) \
+                if device.mig_profile else -1
+            found.append((container.request.name, device.index, device.mig_profile, rank))
+    return found
+
+
+def test_mig_devices_follow_the_gpus_and_leave_the_gpu_totals_alone() -> None:
     inventory = a100_mig()
-    slots = mig_slots(inventory)
-    assert [(s.gpu_index, s.profile, s.device.start) for s in slots] == [
-        (0, "2g.10gb", 0), (0, "1g.5gb", 2), (0, "1g.5gb", 3), (0, "3g.20gb", 4),
-        *[(1, "1g.5gb", start) for start in range(7)]]
-    sick = replace(inventory, gpus=(replace(inventory.gpus[0], healthy=False), *inventory.gpus[1:]))
-    assert {s.gpu_index for s in mig_slots(sick)} == {1}
-    foreign = replace(inventory, gpus=(inventory.gpus[0], replace(inventory.gpus[1], external_pods=("ns/p",)),
-                                       *inventory.gpus[2:]))
-    assert {s.gpu_index for s in mig_slots(foreign)} == {0}
+    node = NodeState("n", inventory)
+    assert len(node.gpus) == 4 and len(node.mig_devices) == 11
+    assert [d.position for d in node.mig_devices] == list(range(4, 15))
+    assert [(d.index, d.mig_profile, d.memory_mib) for d in node.mig_devices[:4]] == [
+        (0, "2g.10gb", 9984), (0, "1g.5gb", 4864), (0, "1g.5gb", 4864), (0, "3g.20gb", 20096)]  # by start slot
+    assert all(node.gpu_by_uuid[d.uuid] is d and d.mig_mode and not d.schedulable for d in node.mig_devices)
+    assert node.total_memory_mib == 4 * 40960  # the GPUs alone
+    twin = node.copy()
+    twin.apply_usage(_usage(twin, "mig-1g.5gb"))
+    assert sum(d.used_vgpus for d in twin.mig_devices) == 1 and not any(d.used_vgpus for d in node.mig_devices)
 
 
-def _profiles(chosen: tuple[object, ...] | FitFailure) -> list[tuple[int, str, int]]:
-    assert not isinstance(chosen, FitFailure), chosen
-    return [(s.gpu_index, s.profile, s.device.start) for s in chosen]  # type: ignore[attr-defined]
+def _usage(node: NodeState, resource: str, count: int = 1) -> tuple[Any, ...]:
+    result = _place(node, mig_pod(("main", resource, count)))
+    assert isinstance(result, Placement), result
+    return result.usage
 
 
 def test_best_fit_takes_the_gpu_with_the_fewest_free_devices() -> None:
-    slots = mig_slots(a100_mig())
-    # GPU 0 has 4 free devices, GPU 1 has 7: a 1g.5gb goes to GPU 0, keeping GPU 1 whole
-    assert _profiles(place_mig(slots, set(), "1g.5gb")) == [(0, "1g.5gb", 2)]
-    assert _profiles(place_mig(slots, set(), "1g.5gb", count=3)) == [(0, "1g.5gb", 2), (0, "1g.5gb", 3),
-                                                                     (1, "1g.5gb", 0)]
-    assert _profiles(place_mig(slots, set(), "3g.20gb")) == [(0, "3g.20gb", 4)]
+    node = NodeState("n", a100_mig())
+    # GPU 0 has 4 free devices, GPU 1 has 7: 1g.5gb devices go to GPU 0 first, keeping GPU 1 whole
+    assert _devices(node, _place(node, mig_pod(("main", "mig-1g.5gb", 1)))) == [("main", 0, "1g.5gb", 1)]
+    assert _devices(node, _place(node, mig_pod(("main", "mig-1g.5gb", 3)))) == [
+        ("main", 0, "1g.5gb", 1), ("main", 0, "1g.5gb", 2), ("main", 1, "1g.5gb", 0)]
+    assert _devices(node, _place(node, mig_pod(("main", "mig-3g.20gb", 1)))) == [("main", 0, "3g.20gb", 3)]
 
 
-def test_held_devices_are_never_offered() -> None:
-    slots = mig_slots(a100_mig())
-    three = next(s for s in slots if s.profile == "3g.20gb")
-    failure = place_mig(slots, {three.uuid}, "3g.20gb")
-    assert failure == FitFailure(
-        "needs 1 free MIG 3g.20gb device, 0 free (free MIG devices here: 1g.5gb x9, 2g.10gb x1)", code="mig")
-    assert not failure.unresolvable  # the device is back once its pod ends
+def test_the_assignment_names_the_mig_device_and_reads_back_to_the_same_usage() -> None:
+    node = NodeState("n", a100_mig())
+    result = _place(node, mig_pod(("main", "mig-3g.20gb", 1), ("side", "gpu", 1)))
+    assert isinstance(result, Placement)
+    assignment = assignment_from_placement(node, result)
+    three = next(d for d in node.mig_devices if d.mig_profile == "3g.20gb")
+    main, side = assignment.containers
+    assert main.devices == (protocol.DeviceShare(three.uuid, 20096, 100),)
+    assert node.gpu_by_uuid[side.devices[0].uuid] in node.gpus[2:]  # the vGPU on a GPU outside MIG mode
+    usage, missing = usage_from_assignment(node, protocol.decode_assignment(protocol.encode_assignment(assignment)))
+    assert missing == [] and usage == result.usage
 
 
-@pytest.mark.parametrize(("profile", "count", "selectors", "reason"), [
-    ("3g.40gb", 1, None, "needs 1 MIG 3g.40gb device, node has 0 (its MIG devices: 1g.5gb x9, 2g.10gb x1, "
-                         "3g.20gb x1)"),
-    ("3g.20gb", 2, None, "needs 2 MIG 3g.20gb devices, node has 1 (its MIG devices: 1g.5gb x9, 2g.10gb x1, "
-                         "3g.20gb x1)"),
-    ("1g.5gb", 1, GpuSelectors(use_types=("h100",)), "needs 1 MIG 1g.5gb device, node has 0 (its MIG devices: "
-                                                     "none)"),
+def test_held_devices_are_never_offered_and_the_reason_lists_the_free_ones() -> None:
+    node = NodeState("n", a100_mig())
+    node.apply_usage(_usage(node, "mig-3g.20gb"))
+    failure = _place(node, mig_pod(("main", "mig-3g.20gb", 1)))
+    assert failure == FitFailure("container main: needs 1 free MIG 3g.20gb device, 0 free (free MIG devices here: "
+                                 "1g.5gb x9, 2g.10gb x1)", code="mig")
+    assert not failure.unresolvable and "%" not in failure.reason  # the device is back once its pod ends
+
+
+@pytest.mark.parametrize(("resource", "count", "annotations", "reason"), [
+    ("mig-3g.40gb", 1, None, "container main: needs 1 MIG 3g.40gb device, node has 0 (its MIG devices: 1g.5gb x9, "
+                             "2g.10gb x1, 3g.20gb x1)"),
+    ("mig-3g.20gb", 2, None, "container main: needs 2 MIG 3g.20gb devices, node has 1 (its MIG devices: 1g.5gb x9, "
+                             "2g.10gb x1, 3g.20gb x1)"),
+    ("mig-1g.5gb", 1, {protocol.ANNOTATION_USE_GPU_TYPE: "h100"},
+     "container main: needs 1 MIG 1g.5gb device, node has 0 (its MIG devices: none)"),
 ])  # fmt: skip
 def test_a_profile_the_node_cannot_offer_is_unresolvable_and_names_what_it_has(
-    profile: str, count: int, selectors: GpuSelectors | None, reason: str
+    resource: str, count: int, annotations: dict[str, str] | None, reason: str
 ) -> None:
-    failure = place_mig(mig_slots(a100_mig()), set(), profile, count, selectors)
+    failure = _place(NodeState("n", a100_mig()), mig_pod(("main", resource, count), annotations=annotations))
     assert failure == FitFailure(reason, unresolvable=True, code="mig")
+
+
+def test_unhealthy_or_foreign_held_gpus_offer_no_mig_device() -> None:
+    inventory = a100_mig()
+    sick = replace(inventory, gpus=(replace(inventory.gpus[0], healthy=False), *inventory.gpus[1:]))
+    failure = _place(NodeState("n", sick), mig_pod(("main", "mig-3g.20gb", 1)))
+    assert failure == FitFailure("container main: needs 1 MIG 3g.20gb device, 1 of 1 unhealthy or held by pods "
+                                 "outside kube-vgpu", code="mig")
+    foreign = replace(inventory, gpus=(inventory.gpus[0], replace(inventory.gpus[1], external_pods=("ns/p",)),
+                                       *inventory.gpus[2:]))
+    node = NodeState("n", foreign)
+    assert {index for _c, index, _p, _r in _devices(node, _place(node, mig_pod(("main", "mig-1g.5gb", 2))))} == {0}
 
 
 def test_uuid_selectors_name_the_gpu_or_the_mig_device() -> None:
     inventory = a100_mig()
-    slots = mig_slots(inventory)
-    gpu1 = inventory.gpus[1].uuid
-    assert {s.gpu_index for s in place_mig(slots, set(), "1g.5gb", 2, GpuSelectors(use_uuids=(gpu1,)))} == {1}  # type: ignore[union-attr]
-    target = slots[-1].uuid
-    chosen = place_mig(slots, set(), "1g.5gb", 1, GpuSelectors(use_uuids=(target,)))
-    assert not isinstance(chosen, FitFailure) and chosen[0].uuid == target
-    avoided = place_mig(slots, set(), "1g.5gb", 1, GpuSelectors(nouse_uuids=(inventory.gpus[0].uuid,)))
-    assert not isinstance(avoided, FitFailure) and avoided[0].gpu_index == 1
+    node = NodeState("n", inventory)
+    on_gpu1 = mig_pod(("main", "mig-1g.5gb", 2), annotations={protocol.ANNOTATION_USE_GPU_UUID: inventory.gpus[1].uuid})
+    assert {index for _c, index, _p, _r in _devices(node, _place(node, on_gpu1))} == {1}
+    target = node.mig_devices[-1]
+    exact = mig_pod(("main", "mig-1g.5gb", 1), annotations={protocol.ANNOTATION_USE_GPU_UUID: target.uuid})
+    result = _place(node, exact)
+    assert isinstance(result, Placement) and result.containers[0].devices[0][0] == target.position
+    avoid = mig_pod(("main", "mig-1g.5gb", 1), annotations={protocol.ANNOTATION_NOUSE_GPU_UUID: inventory.gpus[0].uuid})
+    assert _devices(node, _place(node, avoid))[0][1] == 1
 
 
-def test_a_request_for_no_device_is_a_mistake() -> None:
-    with pytest.raises(ValueError, match="at least one device"):
-        place_mig(mig_slots(a100_mig()), set(), "1g.5gb", 0)
+def test_containers_running_at_once_never_share_a_device_and_an_init_container_hands_its_own_on() -> None:
+    node = NodeState("n", NodeInventory((a100_mig().gpus[0],)))  # one 3g.20gb on the node
+    assert isinstance(_place(node, mig_pod(("a", "mig-3g.20gb", 1), ("b", "mig-3g.20gb", 1))), FitFailure)
+    result = _place(node, mig_pod(("app", "mig-3g.20gb", 1), init=(("warmup", "mig-3g.20gb", 1),)))
+    assert isinstance(result, Placement)
+    assert [u.vgpus for u in result.usage] == [1]  # the init container's device is the app's afterwards
 
 
 # -- properties --------------------------------------------------------------------------------------------------
@@ -129,25 +211,27 @@ def _node(gpus: list[tuple[mig.MigModel, list[tuple[str, int]]]]) -> NodeInvento
 def test_no_two_pods_ever_hold_one_mig_device(
     gpus: list[tuple[mig.MigModel, list[tuple[str, int]]]], asks: list[tuple[bool, int, int]]
 ) -> None:
-    """Property: any sequence of placements and releases hands out only free devices of the asked profile, so no
-    MIG device is ever held by two pods, and a failure means there really were too few free devices."""
-    slots = mig_slots(_node(gpus))
-    profiles = sorted({slot.profile for slot in slots} | {"7g.80gb"})
-    holders: dict[int, tuple[str, ...]] = {}
+    """Property: any sequence of MIG placements and releases hands out only free devices of the asked profile, so
+    no MIG device is ever held by two pods; a failure means there really were too few free ones."""
+    node = NodeState("n", _node(gpus))
+    profiles = sorted({d.mig_profile for d in node.mig_devices if d.mig_profile} | {"7g.80gb"})
+    holders: dict[int, tuple[Any, ...]] = {}
     for pod_id, (release, pick, count) in enumerate(asks):
         if release and holders:
-            holders.pop(sorted(holders)[pick % len(holders)])
+            node.apply_usage(holders.pop(sorted(holders)[pick % len(holders)]), -1)
             continue
-        held = {uuid for uuids in holders.values() for uuid in uuids}
         profile = profiles[pick % len(profiles)]
-        chosen = place_mig(slots, held, profile, count)
-        free = [s for s in slots if s.profile == profile and s.uuid not in held]
-        if isinstance(chosen, FitFailure):
+        result = _place(node, mig_pod(("main", f"mig-{profile}", count)))
+        free = [d for d in node.mig_devices if d.mig_profile == profile and d.used_vgpus == 0]
+        if isinstance(result, FitFailure):
             assert len(free) < count
             continue
-        assert len(chosen) == count and len({s.uuid for s in chosen}) == count
-        assert all(s.profile == profile and s.uuid not in held for s in chosen)
-        holders[pod_id] = tuple(s.uuid for s in chosen)
+        chosen = [node.devices[u.position] for u in result.usage]
+        assert len(chosen) == count and all(d in free for d in chosen)
+        node.apply_usage(result.usage)
+        holders[pod_id] = result.usage
+        assert all(d.used_vgpus <= 1 for d in node.mig_devices)
+        assert not any(g.used_vgpus for g in node.gpus)  # nothing spills onto the GPUs themselves
 
 
 @settings(max_examples=100, deadline=None)
@@ -171,3 +255,51 @@ def test_a_gpu_in_mig_mode_never_gets_a_shared_vgpu(
         # and it fails only where the GPUs outside MIG mode alone could not take it either
         plain = replace(inventory, gpus=tuple(replace(gpu, links=()) for gpu in inventory.gpus if not gpu.mig_mode))
         assert isinstance(place(NodeState("n", plain), request, chosen, chosen), FitFailure)
+
+
+# -- quota and the extender's filter / prioritize / bind ---------------------------------------------------------
+
+
+def test_quota_counts_a_mig_device_as_one_gpu_with_its_memory_and_whole_compute() -> None:
+    node = NodeState("n", a100_mig())
+    request = protocol.parse_pod_gpu_request(mig_pod(("main", "mig-3g.20gb", 1), ("side", "mig-1g.5gb", 2)))
+    result = place(node, PlacementRequest(request), BFGD, BFGD)
+    assert isinstance(result, Placement)
+    counted = assignment_usage(assignment_from_placement(node, result))
+    assert request_usage_on(request, node) == counted == {
+        protocol.RESOURCE_GPU: 3, protocol.RESOURCE_GPU_MEMORY: 20096 + 2 * 4864,
+        TOTAL_GPU_MEMORY: 20096 + 2 * 4864, protocol.RESOURCE_GPU_CORES: 300, TOTAL_GPU_CORES: 300}
+    assert named_gpu_resources(request) == [protocol.RESOURCE_GPU]
+
+
+def test_filter_prioritize_and_bind_put_the_mig_device_in_the_assignment() -> None:
+    inventory = a100_mig()
+    state = ClusterState()
+    cluster = SnapshotCluster(state, [node_object("mig-node", inventory), gpu_node("plain", gpus=2)])
+    scheduler = Scheduler(state, cluster)
+    first = mig_pod(("main", "mig-3g.20gb", 1))
+    cluster.add_pod(first)
+    outcome = scheduler.filter(first, ["mig-node", "plain"])
+    assert outcome.passed == ["mig-node"]
+    assert outcome.unresolvable == {"plain": "container main: needs 1 MIG 3g.20gb device, node has 0 (its MIG "
+                                             "devices: none)"}
+    assert [name for name, _score in scheduler.prioritize(first, ["mig-node"])] == ["mig-node"]
+    meta = first["metadata"]
+    scheduler.bind(meta["namespace"], meta["name"], meta["uid"], "mig-node")
+    stored = cluster.pods[(meta["namespace"], meta["name"])]
+    assignment = protocol.decode_assignment(stored["metadata"]["annotations"][protocol.POD_ASSIGNMENT_ANNOTATION])
+    three = next(d for d in inventory.gpus[0].mig_devices if d.profile == "3g.20gb")
+    assert assignment.containers[0].devices == (protocol.DeviceShare(three.uuid, three.memory_mib, 100),)
+    # the device is held now: a second pod asking for it is told which devices are free
+    second = mig_pod(("main", "mig-3g.20gb", 1))
+    cluster.add_pod(second)
+    outcome = scheduler.filter(second, ["mig-node"])
+    assert outcome.passed == [] and "needs 1 free MIG 3g.20gb device, 0 free" in outcome.failed["mig-node"]
+    with pytest.raises(BindError):
+        scheduler.bind(second["metadata"]["namespace"], second["metadata"]["name"], second["metadata"]["uid"],
+                       "mig-node")
+    # a restarted extender reads the same from the API server's objects
+    restarted = ClusterState()
+    SnapshotCluster(restarted, [node_object("mig-node", inventory), *cluster.pods.values()])
+    held = restarted.nodes["mig-node"].gpu_by_uuid[three.uuid]
+    assert (held.used_vgpus, held.used_memory_mib) == (1, three.memory_mib)

@@ -186,9 +186,24 @@ def test_mig_in_an_init_container_is_refused_too() -> None:
     assert code == 400 and message.startswith("container warmup: nvidia.com/mig-1g.5gb: MIG slices")
 
 
-def test_mig_beside_a_share_is_refused_too() -> None:
-    code, message = _denied(pod(container("trainer", limits={GPU: "1", "nvidia.com/mig-1g.5gb": "1"})))
-    assert code == 400 and "nvidia.com/mig-1g.5gb: MIG slices are not placed" in message
+@pytest.mark.parametrize(("limits", "message"), [
+    ({GPU: "1", "nvidia.com/mig-1g.5gb": "1"}, "container trainer: asks for nvidia.com/mig-1g.5gb and nvidia.com/gpu: "
+                                              "a container gets either MIG devices or vGPU shares, not both"),
+    ({"nvidia.com/mig-1g.5gb": "1", "nvidia.com/mig-2g.10gb": "1"},
+     "container trainer: asks for several MIG profiles (nvidia.com/mig-1g.5gb, nvidia.com/mig-2g.10gb); kube-vgpu "
+     "places one MIG profile per container: split it into containers"),
+    ({"nvidia.com/mig-big": "1"}, "container trainer: 'nvidia.com/mig-big' is not a MIG resource like "
+                                  "nvidia.com/mig-3g.20gb"),
+    ({"nvidia.com/mig-1g.5gb": "0.5"}, "container trainer: nvidia.com/mig-1g.5gb must be a non-negative whole "
+                                       "number, got '0.5'"),
+])  # fmt: skip
+def test_malformed_mig_requests_are_refused_with_what_is_wrong(limits: dict[str, str], message: str) -> None:
+    assert _denied(pod(container("trainer", limits=limits))) == (400, message)
+
+
+def test_mig_count_zero_asks_for_nothing() -> None:
+    outcome, response = run_review(pod(container("trainer", limits={"nvidia.com/mig-1g.5gb": "0"})))
+    assert response["allowed"] is True and outcome.result is Result.ALLOWED
 
 
 @pytest.mark.parametrize(

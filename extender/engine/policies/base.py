@@ -90,6 +90,8 @@ def node_fill_after(node: NodeState, placement: Placement) -> float:
         used_memory += gpu.used_memory_mib
         used_cores += gpu.used_cores
     for usage in placement.usage:
+        if usage.position >= len(node.gpus):
+            continue  # a MIG device (node.devices): not part of the GPUs' totals
         used_memory += usage.memory_mib
         used_cores += usage.cores
     if not total_memory:
