@@ -442,7 +442,8 @@ class Allocator:
                 continue  # a MIG device is isolated by the hardware: no limiter memory limit
             # concrete MiB from the assignment; the only source for gpumem-percentage requests
             envs[f"{protocol.ENV_MEMORY_LIMIT_PREFIX}{position}"] = f"{device.memory_mib}m"
-        if delivery.limiter_library_path:
+        mig_only = all(self.state.mig_device(uuid) is not None for uuid in uuids)
+        if delivery.limiter_library_path and not mig_only:  # a MIG device is isolated by the hardware: no limiter
             present = not delivery.check_host_paths or os.path.isfile(delivery.limiter_library_path)
             if present:
                 mounts.append((delivery.limiter_library_path, delivery.limiter_library_path, True))
@@ -456,7 +457,7 @@ class Allocator:
                 log.warning(
                     "limiter library %s missing; exclusive GPUs delivered without it", delivery.limiter_library_path
                 )
-        if delivery.ld_so_preload_path:
+        if delivery.ld_so_preload_path and not mig_only:
             mounts.append(("/etc/ld.so.preload", delivery.ld_so_preload_path, True))
         if delivery.cache_host_dir:
             host_dir = os.path.join(delivery.cache_host_dir, f"{claimed.uid or claimed.name}_{claimed.container.name}")

@@ -37,14 +37,10 @@ from kube_vgpu.protocol import (
     LABEL_COSCHEDULING_POD_GROUP,
     LABEL_KUEUE_POD_GROUP_NAME,
     LABEL_KUEUE_QUEUE_NAME,
-    LABEL_WEBHOOK,
-    LABEL_WEBHOOK_DISABLED,
     MIG_RESOURCE_PREFIX,
     POD_ADMITTED_ANNOTATION,
     POLICY_NAMES,
     RESOURCE_GPU,
-    RESOURCE_GPU_CORES,
-    RESOURCE_GPU_MEMORY,
     RESOURCE_TASK_PRIORITY,
     WORKLOAD_API_GROUP,
     WORKLOAD_API_VERSION,
@@ -269,7 +265,6 @@ def admit_create(
         return ALLOW
     try:
         request = parse_pod_gpu_request(pod)
-        _check_no_mig(request)
         _check_policy_names(request)
     except InvalidGpuRequest as exc:
         return _deny(400, str(exc))
@@ -316,19 +311,6 @@ def admit_create(
             return _deny(403, refusal)
     decision.warnings.extend(_unread_gang_timeout(pod, decision))
     return decision
-
-
-def _check_no_mig(request: PodGpuRequest) -> None:
-    """MIG devices are discovered, published and placed by the extender, but the device plugin does not hand them to
-    containers yet: a MIG request is refused here, never turned into a shared vGPU (InvalidGpuRequest)."""
-    for gpu in request.mig_containers:
-        raise InvalidGpuRequest(
-            f"container {gpu.name}: {MIG_RESOURCE_PREFIX}{gpu.mig_profile}: MIG slices are not placed by kube-vgpu "
-            f"yet, and a pod asking for them must not silently get a shared GPU instead; ask for a share "
-            f"({RESOURCE_GPU}, {RESOURCE_GPU_MEMORY}, {RESOURCE_GPU_CORES}) or run MIG pods in a namespace "
-            f"kube-vgpu's webhook does not serve (label {LABEL_WEBHOOK}={LABEL_WEBHOOK_DISABLED}) on nodes served "
-            "by NVIDIA's device plugin"
-        )
 
 
 def _check_policy_names(request: PodGpuRequest) -> None:
@@ -488,9 +470,10 @@ def mutate_gpu_pod(pod: dict[str, Any], request: PodGpuRequest, config: WebhookC
     gpu_containers = _gpu_containers(spec, request)
     for key, index, container, gpu in gpu_containers:
         base = ("spec", key, index)
-        _patch_resources(ops, container, base)
+        _patch_resources(ops, container, base, gpu)
         _patch_env(ops, warnings, container, gpu, base, config)
-        _patch_mounts(ops, warnings, container, gpu.name, base, mounts)
+        # no limiter library or /etc/ld.so.preload in a MIG container (see _patch_env), the cache volume alone
+        _patch_mounts(ops, warnings, container, gpu.name, base, mounts if gpu.mig_profile is None else mounts[:1])
     with_gpus = {(key, index) for key, index, _container, _gpu in gpu_containers}
     for key in ("initContainers", "containers"):
         for index, container in enumerate(spec.get(key) or ()):
@@ -558,16 +541,23 @@ def _patch_no_devices(
     _set(ops, container, "env", _pointer(*base, "env"), new_env)
 
 
-def _patch_resources(ops: list[dict[str, Any]], container: dict[str, Any], base: tuple[str | int, ...]) -> None:
+def _patch_resources(
+    ops: list[dict[str, Any]], container: dict[str, Any], base: tuple[str | int, ...], gpu: ContainerGpuRequest
+) -> None:
     """GPU limits and requests made equal (limits win, as in protocol); nvidia.com/gpu: 1 when only memory or cores
-    were given, so the device plugin's resource is what the scheduler and kubelet count."""
+    were given, so the device plugin's resource is what the scheduler and kubelet count. A MIG container keeps its
+    one MIG resource (the device plugin advertises it) and gets no nvidia.com/gpu."""
     resources = container.get("resources") or {}
     merged: dict[str, Any] = {}
     merged.update(resources.get("requests") or {})
     merged.update(resources.get("limits") or {})
-    wanted = {name: merged[name] for name in GPU_RESOURCES if name in merged}
-    wanted.setdefault(RESOURCE_GPU, "1")
-    wanted = {name: wanted[name] for name in GPU_RESOURCES if name in wanted}  # fixed order: stable patches
+    if gpu.mig_profile is not None:
+        mig_resource = MIG_RESOURCE_PREFIX + gpu.mig_profile
+        wanted = {mig_resource: merged[mig_resource]}
+    else:
+        wanted = {name: merged[name] for name in GPU_RESOURCES if name in merged}
+        wanted.setdefault(RESOURCE_GPU, "1")
+        wanted = {name: wanted[name] for name in GPU_RESOURCES if name in wanted}  # fixed order: stable patches
     if not container.get("resources"):
         _set(ops, container, "resources", _pointer(*base, "resources"), {"limits": wanted, "requests": dict(wanted)})
         return
@@ -586,7 +576,8 @@ def _patch_resources(ops: list[dict[str, Any]], container: dict[str, Any], base:
 
 
 def _desired_env(gpu: ContainerGpuRequest, config: WebhookConfig) -> dict[str, str]:
-    env = {ENV_SM_LIMIT: str(gpu.cores)}  # 0 = no compute limit
+    # 0 = no compute limit; a MIG device is isolated by the hardware, so the limiter (still loaded) limits nothing
+    env = {ENV_SM_LIMIT: "0" if gpu.mig_profile is not None else str(gpu.cores)}
     if gpu.memory_mib is not None:
         # "<MiB>m": a bare number would be read as bytes. Percentages are resolved by the device plugin, which
         # alone knows which GPU (and so how much memory) the container got.
@@ -608,7 +599,10 @@ def _patch_env(
     config: WebhookConfig,
 ) -> None:
     desired = _desired_env(gpu, config)
-    library = config.limiter_library_path if config.limiter_mode in _LD_PRELOAD_ENV_MODES else None
+    # a MIG device is isolated by the hardware: the limiter is not loaded into a MIG container (a pod-set LD_PRELOAD
+    # then stays the pod's own)
+    preload = config.limiter_mode in _LD_PRELOAD_ENV_MODES and gpu.mig_profile is None
+    library = config.limiter_library_path if preload else None
     env: list[dict[str, Any]] = container.get("env") or []
     new_env: list[dict[str, Any]] = []
     overridden: list[str] = []  # names whose pod-supplied entry was replaced or dropped

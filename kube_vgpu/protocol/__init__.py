@@ -20,6 +20,7 @@ from typing import Any, Protocol, TypeVar
 import orjson
 
 from kube_vgpu import kubeapi
+from kube_vgpu.protocol import mig as mig_tables
 
 # ---------------------------------------------------------------------------------------------
 # Names
@@ -1028,6 +1029,12 @@ def _parse_mig_request(
     profile = resource[len(MIG_RESOURCE_PREFIX):]
     if not _MIG_PROFILE.fullmatch(profile):
         raise InvalidGpuRequest(f"{prefix}{_shown(resource)} is not a MIG resource like nvidia.com/mig-3g.20gb")
+    if profile.endswith("+me"):
+        raise InvalidGpuRequest(f"{prefix}{resource}: media-extension MIG devices are offered under their plain "
+                                f"profile, ask for {MIG_RESOURCE_PREFIX}{profile.removesuffix('+me')}")
+    if profile not in mig_tables.MIG_PROFILE_NAMES:
+        raise InvalidGpuRequest(f"{prefix}{resource}: kube-vgpu places the MIG profiles of A100 40GB/80GB and H100 "
+                                f"80GB ({', '.join(mig_tables.MIG_PROFILE_NAMES)}), not {profile}")
     count = parse_count_quantity(resources[resource], what=prefix + resource)
     if count == 0:
         return None
@@ -1075,8 +1082,9 @@ def _check_vgpu_mode(annotations: Mapping[str, Any]) -> None:
     if mode.strip().lower() == "mig":
         raise InvalidGpuRequest(
             f"annotation {ANNOTATION_VGPU_MODE}: mig (HAMi's dynamic MIG) is not supported by kube-vgpu yet, and the "
-            f"pod must not silently get a shared GPU without MIG isolation instead; remove the annotation for a "
-            f"shared vGPU (in-container limiter)"
+            f"pod must not silently get a shared GPU without MIG isolation instead; ask for an existing MIG device "
+            f"with {MIG_RESOURCE_PREFIX}<profile> (static MIG, e.g. {MIG_RESOURCE_PREFIX}3g.20gb), or remove the "
+            f"annotation for a shared vGPU (in-container limiter)"
         )
     raise InvalidGpuRequest(
         f"annotation {ANNOTATION_VGPU_MODE}: {_shown(mode)} is not supported; kube-vgpu shares GPUs with the "

@@ -92,6 +92,13 @@ H100_80GB = MigModel(
     _profiles((10, 20, 40, 80), (9984, 20096, 40448, 81152), (16, 26, 32, 60, 64, 132)),
 )
 MIG_MODELS = (A100_40GB, A100_80GB, H100_80GB)
+#: The MIG profiles kube-vgpu places (nvidia.com/mig-<name>), smallest first. "+me" profiles are not among them:
+#: NVML reports a media-extension instance like its plain profile, so it is offered under that name. The kube-scheduler
+#: configuration names exactly these resources as the extender's (manifests/base/scheduler, checked by a test).
+MIG_PROFILE_NAMES: tuple[str, ...] = tuple(sorted(
+    {p.name for model in MIG_MODELS for p in model.profiles if not p.name.endswith("+me")},
+    key=lambda name: (int(name.split("g.")[0]), int(name.split("g.")[1].removesuffix("gb"))),
+))
 
 
 def mig_model(product_name: str, memory_mib: int) -> MigModel | None:

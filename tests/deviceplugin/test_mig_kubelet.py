@@ -109,3 +109,23 @@ def test_a_lost_gpu_makes_its_mig_devices_unhealthy(kubelet: KubeletStandIn, plu
     devices = kubelet.wait_for_devices(
         plugins[MIG_1G], lambda d: {x.ID for x in d if x.health == "Unhealthy"} == lost, "GPU 1's devices unhealthy")
     assert {d.ID for d in devices if d.health == "Healthy"} == set(mig_uuids(plugin.app, 0, "1g.5gb"))
+
+
+def test_no_limiter_is_mounted_for_a_mig_device(tmp_path: Any) -> None:
+    """The limiter library and /etc/ld.so.preload go to shared vGPUs only: a MIG device is isolated by the hardware."""
+    library = tmp_path / "libvgpu.so"
+    library.write_text("")
+    fake = FakeNvml(load_profile("a100-mig", NODE))
+    cluster = InMemoryCluster()
+    cluster.add_node({"metadata": {"name": NODE}})
+    app = DevicePluginApp(PluginConfig(node_name=NODE, kubelet_dir=str(tmp_path / "kubelet"), delivery=DeliveryConfig(
+        limiter_library_path=str(library), ld_so_preload_path=str(tmp_path / "ld.so.preload"), cache_host_dir="")),
+        Nvml(fake), cluster)
+    target = mig_uuids(app, 0, "3g.20gb")[0]
+    cluster.add_pod(mig_pod("mig-job", MIG_3G, [(target, 20096, 100)]))
+    [delivery] = app.allocator.allocate([[target]], MIG_3G)
+    assert delivery.uuids == (target,) and delivery.mounts == ()
+    share = app.state.gpus()[2].uuid  # a GPU outside MIG mode, shared
+    cluster.add_pod(gpu_pod("share-job", assignment={"main": [(share, 1000, 10)]}, bound_at=2.0))
+    [shared] = app.allocator.allocate([[f"{share}::0"]])
+    assert {container for container, _host, _ro in shared.mounts} == {str(library), "/etc/ld.so.preload"}

@@ -1,7 +1,8 @@
 """The rest of HAMi's pod API (issue 16): nvidia.com/priority becomes the limiter's CUDA_TASK_PRIORITY and leaves the
 resources; HAMi's policy names are read as ours or refused at admission with what to write instead;
-gpumem-percentage: 0 is "not set"; MIG resources and nvidia.com/vgpu-mode: mig are refused, never silently turned
-into a shared vGPU. In-process through `mutate.review` (the function the HTTPS server calls)."""
+gpumem-percentage: 0 is "not set"; MIG resources are routed with their own resource (static MIG) and
+nvidia.com/vgpu-mode: mig (dynamic MIG) is refused, never silently turned into a shared vGPU. In-process through
+`mutate.review` (the function the HTTPS server calls)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 from kube_vgpu import protocol
 from kube_vgpu.extender.engine.policies import REGISTRY
+from kube_vgpu.webhook.config import LimiterMode, WebhookConfig
 from kube_vgpu.webhook.mutate import Result
 from tests.webhook.builders import GPU, MEM, PCT, apply_response, container, gpu_container, pod, run_review
 
@@ -168,22 +170,24 @@ def test_an_unknown_node_policy_is_refused_at_admission() -> None:
     assert len(message) < 200 + len(KNOWN)  # a long value is cut short
 
 
-# -- MIG: refused, never silently a shared vGPU
+# -- MIG: static MIG devices routed with their own resource; malformed asks and HAMi's dynamic MIG refused
 
 
 @pytest.mark.parametrize("resource", ["nvidia.com/mig-3g.20gb", "nvidia.com/mig-1g.10gb"])
-def test_mig_resources_are_refused(resource: str) -> None:
-    assert _denied(pod(container("trainer", limits={resource: "1"}))) == (
-        400, f"container trainer: {resource}: MIG slices are not placed by kube-vgpu yet, and a pod asking for them "
-             "must not silently get a shared GPU instead; ask for a share (nvidia.com/gpu, nvidia.com/gpumem, "
-             "nvidia.com/gpucores) or run MIG pods in a namespace kube-vgpu's webhook does not serve (label "
-             "kube-vgpu.io/webhook=disabled) on nodes served by NVIDIA's device plugin")
-
-
-def test_mig_in_an_init_container_is_refused_too() -> None:
-    sent = pod(gpu_container(gpu="1"), init_containers=[container("warmup", limits={"nvidia.com/mig-1g.5gb": "1"})])
-    code, message = _denied(sent)
-    assert code == 400 and message.startswith("container warmup: nvidia.com/mig-1g.5gb: MIG slices")
+def test_a_mig_request_is_routed_with_its_mig_resource_and_no_limits(resource: str) -> None:
+    sent = pod(container("trainer", limits={resource: "1"}), init_containers=[
+        container("warmup", limits={"nvidia.com/mig-1g.5gb": "1"})])
+    stored, warnings = _admitted(sent)
+    assert warnings == []
+    assert stored["spec"]["schedulerName"] == "kube-vgpu-scheduler"
+    main, warmup = stored["spec"]["containers"][0], stored["spec"]["initContainers"][0]
+    # the MIG resource alone (the device plugin advertises it), never a shared nvidia.com/gpu
+    assert main["resources"] == {"limits": {resource: "1"}, "requests": {resource: "1"}}
+    assert warmup["resources"]["limits"] == {"nvidia.com/mig-1g.5gb": "1"}
+    env = _env(stored)
+    assert env["CUDA_DEVICE_SM_LIMIT"] == "0" and not any(n.startswith("CUDA_DEVICE_MEMORY_LIMIT") for n in env)
+    outcome, response = run_review(stored)  # a reinvocation changes nothing
+    assert outcome.result is Result.ALLOWED and "patch" not in response
 
 
 @pytest.mark.parametrize(("limits", "message"), [
@@ -196,6 +200,11 @@ def test_mig_in_an_init_container_is_refused_too() -> None:
                                   "nvidia.com/mig-3g.20gb"),
     ({"nvidia.com/mig-1g.5gb": "0.5"}, "container trainer: nvidia.com/mig-1g.5gb must be a non-negative whole "
                                        "number, got '0.5'"),
+    ({"nvidia.com/mig-1g.5gb+me": "1"}, "container trainer: nvidia.com/mig-1g.5gb+me: media-extension MIG devices "
+                                        "are offered under their plain profile, ask for nvidia.com/mig-1g.5gb"),
+    ({"nvidia.com/mig-1g.18gb": "1"}, "container trainer: nvidia.com/mig-1g.18gb: kube-vgpu places the MIG profiles "
+                                      "of A100 40GB/80GB and H100 80GB (1g.5gb, 1g.10gb, 1g.20gb, 2g.10gb, 2g.20gb, "
+                                      "3g.20gb, 3g.40gb, 4g.20gb, 4g.40gb, 7g.40gb, 7g.80gb), not 1g.18gb"),
 ])  # fmt: skip
 def test_malformed_mig_requests_are_refused_with_what_is_wrong(limits: dict[str, str], message: str) -> None:
     assert _denied(pod(container("trainer", limits=limits))) == (400, message)
@@ -210,8 +219,9 @@ def test_mig_count_zero_asks_for_nothing() -> None:
     ("mode", "message"),
     [
         ("mig", "annotation nvidia.com/vgpu-mode: mig (HAMi's dynamic MIG) is not supported by kube-vgpu yet, and the "
-                "pod must not silently get a shared GPU without MIG isolation instead; remove the annotation for a "
-                "shared vGPU (in-container limiter)"),
+                "pod must not silently get a shared GPU without MIG isolation instead; ask for an existing MIG device "
+                "with nvidia.com/mig-<profile> (static MIG, e.g. nvidia.com/mig-3g.20gb), or remove the annotation "
+                "for a shared vGPU (in-container limiter)"),
         ("mps", "annotation nvidia.com/vgpu-mode: 'mps' is not supported; kube-vgpu shares GPUs with the in-container "
                 "limiter only (hami-core): remove the annotation or set it to hami-core"),
     ],
@@ -223,3 +233,20 @@ def test_vgpu_modes_other_than_hami_core_are_refused(mode: str, message: str) ->
 
 def test_vgpu_mode_hami_core_is_what_we_do() -> None:
     _admitted(pod(gpu_container(gpu="1"), annotations={"nvidia.com/vgpu-mode": "hami-core"}))
+
+
+@pytest.mark.parametrize("mode", list(LimiterMode))
+def test_the_limiter_is_not_loaded_into_a_mig_container(mode: LimiterMode) -> None:
+    sent = pod(container("mig", limits={"nvidia.com/mig-3g.20gb": "1"}), container("share", limits={GPU: "1"}))
+    _outcome, response = run_review(sent, WebhookConfig(limiter_mode=mode))
+    assert response["allowed"] is True, response.get("status")
+    stored = apply_response(sent, response)
+    mig_container, share = stored["spec"]["containers"]
+    assert "LD_PRELOAD" not in _env(stored, 0)
+    assert [m["name"] for m in mig_container["volumeMounts"]] == ["kube-vgpu-cache"]
+    # the shared vGPU beside it gets the limiter as before
+    share_mounts = {m["name"] for m in share["volumeMounts"]}
+    if mode is LimiterMode.LD_SO_PRELOAD:
+        assert "kube-vgpu-ld-so-preload" in share_mounts
+    if mode in (LimiterMode.LD_PRELOAD, LimiterMode.DEVICE_PLUGIN):
+        assert _env(stored, 1)["LD_PRELOAD"].startswith("/usr/local/vgpu/libvgpu.so")
