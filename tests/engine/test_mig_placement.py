@@ -272,6 +272,13 @@ def test_quota_counts_a_mig_device_as_one_gpu_with_its_memory_and_whole_compute(
     assert named_gpu_resources(request) == [protocol.RESOURCE_GPU]
 
 
+def test_a_mig_nodes_capacity_counts_mig_devices_per_profile_as_kubelet_reports_them() -> None:
+    capacity = node_object("mig-node", a100_mig())["status"]["capacity"]
+    assert {k: v for k, v in capacity.items() if k.startswith("nvidia.com/")} == {
+        "nvidia.com/gpu": "20",  # GPUs 2 and 3, ten vGPU slots each; GPUs in MIG mode are not nvidia.com/gpu
+        "nvidia.com/mig-1g.5gb": "9", "nvidia.com/mig-2g.10gb": "1", "nvidia.com/mig-3g.20gb": "1"}
+
+
 def test_filter_prioritize_and_bind_put_the_mig_device_in_the_assignment() -> None:
     inventory = a100_mig()
     state = ClusterState()
@@ -298,6 +305,11 @@ def test_filter_prioritize_and_bind_put_the_mig_device_in_the_assignment() -> No
     with pytest.raises(BindError):
         scheduler.bind(second["metadata"]["namespace"], second["metadata"]["name"], second["metadata"]["uid"],
                        "mig-node")
+    # /state shows each MIG device and whether it is held
+    (node_view,) = [n for n in state.snapshot()["nodes"] if n["name"] == "mig-node"]
+    held = {d["profile"]: d["held"] for d in node_view["migDevices"] if d["profile"] != "1g.5gb"}
+    assert held == {"3g.20gb": True, "2g.10gb": False} and len(node_view["migDevices"]) == 11
+    assert "migDevices" not in next(n for n in state.snapshot()["nodes"] if n["name"] == "plain")
     # a restarted extender reads the same from the API server's objects
     restarted = ClusterState()
     SnapshotCluster(restarted, [node_object("mig-node", inventory), *cluster.pods.values()])
