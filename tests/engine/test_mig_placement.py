@@ -315,3 +315,35 @@ def test_filter_prioritize_and_bind_put_the_mig_device_in_the_assignment() -> No
     SnapshotCluster(restarted, [node_object("mig-node", inventory), *cluster.pods.values()])
     held = restarted.nodes["mig-node"].gpu_by_uuid[three.uuid]
     assert (held.used_vgpus, held.used_memory_mib) == (1, three.memory_mib)
+
+
+def test_a_higher_priority_mig_pod_preempts_the_holder_of_the_only_device_of_its_profile() -> None:
+    from tests.extender.preemption.test_preemption_flow import MemoryEvictor
+
+    state = ClusterState(heartbeat_ttl_s=float("inf"))
+    cluster = SnapshotCluster(state, [node_object("mig-node", a100_mig())])
+    scheduler = Scheduler(state, cluster)
+    evictor = MemoryEvictor(cluster)
+    scheduler.enable_preemption(evictor, inline=True)
+
+    def submit(name: str, priority: int) -> dict[str, Any]:
+        obj = mig_pod(("main", "mig-3g.20gb", 1))
+        obj["metadata"].update(name=name, uid=f"uid-{name}")
+        obj["spec"]["priority"] = priority
+        cluster.add_pod(obj)
+        return obj
+
+    low = submit("low", 0)
+    assert scheduler.filter(low, ["mig-node"]).passed == ["mig-node"]
+    scheduler.bind("default", "low", "uid-low", "mig-node")
+    urgent = submit("urgent", 1000)
+    first = scheduler.filter(urgent, ["mig-node"])
+    assert first.passed == [] and first.failed["mig-node"].startswith("preempting 1 pod(s) on this node for this pod")
+    assert [r.name for r in evictor.requests] == ["low"] and cluster.get_pod("default", "low") is None
+    assert scheduler.filter(urgent, ["mig-node"]).passed == ["mig-node"]
+    scheduler.bind("default", "urgent", "uid-urgent", "mig-node")
+    stored = cluster.get_pod("default", "urgent")
+    assert stored is not None
+    three = next(d for d in a100_mig().gpus[0].mig_devices if d.profile == "3g.20gb")
+    assignment = protocol.decode_assignment(stored["metadata"]["annotations"][protocol.POD_ASSIGNMENT_ANNOTATION])
+    assert assignment.containers[0].devices[0].uuid == three.uuid
