@@ -528,19 +528,23 @@ class FakeNvml:
             raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return gpu, profiles[handle.instance]
 
+    # As a real H200 answers with MIG off (driver 580): max count 0, every index and GPU instance NotFound.
+
     def nvmlDeviceGetMaxMigDeviceCount(self, handle: FakeHandle) -> int:
         gpu = self._gpu("nvmlDeviceGetMaxMigDeviceCount", handle)
         if not gpu.mig_capable:
             raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        return MAX_MIG_DEVICES
+        return MAX_MIG_DEVICES if gpu.mig_enabled else 0
 
     def nvmlDeviceGetMigDeviceHandleByIndex(self, device: FakeHandle, index: int) -> FakeMigHandle:
         gpu = self._gpu("nvmlDeviceGetMigDeviceHandleByIndex", device)
         if not gpu.mig_capable:
             raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if not gpu.mig_enabled:
+            raise _error(pynvml.NVML_ERROR_NOT_FOUND)
         if not 0 <= index < MAX_MIG_DEVICES:
             raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        if not gpu.mig_enabled or index >= len(gpu.mig_layout):
+        if index >= len(gpu.mig_layout):
             raise _error(pynvml.NVML_ERROR_NOT_FOUND)  # no MIG device at this index
         return FakeMigHandle(device.position, index)
 
@@ -573,7 +577,7 @@ class FakeNvml:
     def nvmlDeviceGetGpuInstanceById(self, device: FakeHandle, id: int) -> FakeGpuInstance:
         gpu = self._gpu("nvmlDeviceGetGpuInstanceById", device)
         if not gpu.mig_enabled:
-            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            raise _error(pynvml.NVML_ERROR_NOT_FOUND)
         for instance in range(len(gpu.mig_layout)):
             if gpu_instance_id(instance) == id:
                 return FakeGpuInstance(device.position, instance)

@@ -1033,8 +1033,8 @@ def _parse_mig_request(
         raise InvalidGpuRequest(f"{prefix}{resource}: media-extension MIG devices are offered under their plain "
                                 f"profile, ask for {MIG_RESOURCE_PREFIX}{profile.removesuffix('+me')}")
     if profile not in mig_tables.MIG_PROFILE_NAMES:
-        raise InvalidGpuRequest(f"{prefix}{resource}: kube-vgpu places the MIG profiles of A100 40GB/80GB and H100 "
-                                f"80GB ({', '.join(mig_tables.MIG_PROFILE_NAMES)}), not {profile}")
+        raise InvalidGpuRequest(f"{prefix}{resource}: kube-vgpu places the MIG profiles of A100 40GB/80GB, H100 80GB "
+                                f"and H200 141GB ({', '.join(mig_tables.MIG_PROFILE_NAMES)}), not {profile}")
     count = parse_count_quantity(resources[resource], what=prefix + resource)
     if count == 0:
         return None

@@ -1,11 +1,12 @@
 """NVIDIA's MIG profile tables: which GPU instance profiles a GPU model offers, their memory and SM counts, and the
 memory slots (eighths of the GPU's memory) where each may start. Pure data and arithmetic; shared by the fake NVML
-(deviceplugin/fakenvml.py), discovery's profile names and, later, MIG placement in the engine.
+(deviceplugin/fakenvml.py), discovery's profile names, the webhook's admitted profiles and the scheduler config.
 
 Sources: NVIDIA Multi-Instance GPU User Guide, "Supported MIG Profiles" (profiles, instance counts, fractions of
 memory and SMs) and the `nvidia-smi mig -lgip` / `-lgipp` output it shows (profile IDs, memory in GiB, SM counts,
-placements `{starts}:size`). Memory is what NVML reports for the instance (`memorySizeMB`, MiB); it differs by a
-fraction of a percent between driver releases, which no profile name or placement rule depends on.
+placements `{starts}:size`); H200's, read from NVML on a real H200. Memory is what NVML reports for the instance
+(`memorySizeMB`, MiB); it differs by a fraction of a percent between driver releases, which no profile name or
+placement rule depends on.
 """
 
 from __future__ import annotations
@@ -91,10 +92,17 @@ H100_80GB = MigModel(
     "H100-80GB", ("H100",), 76 * 1024, 88 * 1024,
     _profiles((10, 20, 40, 80), (9984, 20096, 40448, 81152), (16, 26, 32, 60, 64, 132)),
 )
-MIG_MODELS = (A100_40GB, A100_80GB, H100_80GB)
-#: The MIG profiles kube-vgpu places (nvidia.com/mig-<name>), smallest first. "+me" profiles are not among them:
-#: NVML reports a media-extension instance like its plain profile, so it is offered under that name. The kube-scheduler
-#: configuration names exactly these resources as the extender's (manifests/base/scheduler, checked by a test).
+#: Measured on an NVIDIA H200 (143771 MiB, driver 580.159.04) through NVML: nvmlDeviceGetGpuInstanceProfileInfo and
+#: nvmlDeviceGetGpuInstancePossiblePlacements (the placements are H100's).
+H200_141GB = MigModel(
+    "H200-141GB", ("H200",), 135 * 1024, 150 * 1024,
+    _profiles((18, 35, 71, 141), (16384, 33280, 71424, 143360), (16, 26, 32, 60, 64, 132)),
+)
+MIG_MODELS = (A100_40GB, A100_80GB, H100_80GB, H200_141GB)
+#: The MIG profiles kube-vgpu places (nvidia.com/mig-<name>), smallest first (by compute, then memory). "+me"
+#: profiles are not among them: NVML reports a media-extension instance like its plain profile, so it is offered
+#: under that name. The kube-scheduler configuration names exactly these resources as the extender's
+#: (manifests/base/scheduler, checked by a test).
 MIG_PROFILE_NAMES: tuple[str, ...] = tuple(sorted(
     {p.name for model in MIG_MODELS for p in model.profiles if not p.name.endswith("+me")},
     key=lambda name: (int(name.split("g.")[0]), int(name.split("g.")[1].removesuffix("gb"))),
@@ -119,7 +127,8 @@ def profile_name(compute_slices: int, instance_memory_mib: int, gpu_memory_mib: 
         raise ValueError("compute slices and memory must be positive")
     eighths = math.ceil(instance_memory_mib / gpu_memory_mib * MIG_MEMORY_SLOTS - 1e-9)
     gpu_gb = math.ceil(gpu_memory_mib / 1024)
-    return f"{compute_slices}g.{round(eighths * gpu_gb / MIG_MEMORY_SLOTS)}gb"
+    # halves round up, as Go's math.Round (H200's 3g.71gb is 70.5 GB; Python's round() would say 70)
+    return f"{compute_slices}g.{math.floor(eighths * gpu_gb / MIG_MEMORY_SLOTS + 0.5)}gb"
 
 
 def legal_layout(model: MigModel, instances: list[tuple[str, int]]) -> str | None:

@@ -55,7 +55,7 @@ def test_the_manifest_keeps_what_the_issue_requires_of_the_extender_block() -> N
         # static MIG: every profile the webhook admits, so kube-scheduler always asks the extender for MIG pods
         **{f"nvidia.com/mig-{name}": False for name in mig.MIG_PROFILE_NAMES},
     }
-    assert len(mig.MIG_PROFILE_NAMES) == 11 and "3g.20gb" in mig.MIG_PROFILE_NAMES
+    assert len(mig.MIG_PROFILE_NAMES) == 17 and {"3g.20gb", "3g.71gb"} <= set(mig.MIG_PROFILE_NAMES)
 
 
 def test_the_no_extender_variant_only_drops_the_extenders_block() -> None:

@@ -37,12 +37,17 @@ EXPECTED = {
                   ("3g.40gb", 9, 42, 2), ("4g.40gb", 5, 56, 1), ("7g.80gb", 0, 98, 1)],
     "H100-80GB": [("1g.10gb", 19, 16, 7), ("1g.10gb+me", 20, 16, 1), ("1g.20gb", 15, 26, 4), ("2g.20gb", 14, 32, 3),
                   ("3g.40gb", 9, 60, 2), ("4g.40gb", 5, 64, 1), ("7g.80gb", 0, 132, 1)],
+    # read through NVML from a real NVIDIA H200 (143771 MiB, driver 580.159.04), the placements included
+    "H200-141GB": [("1g.18gb", 19, 16, 7), ("1g.18gb+me", 20, 16, 1), ("1g.35gb", 15, 26, 4), ("2g.35gb", 14, 32, 3),
+                   ("3g.71gb", 9, 60, 2), ("4g.71gb", 5, 64, 1), ("7g.141gb", 0, 132, 1)],
 }
+#: memorySizeMB per profile ID on that H200
+H200_MEMORY_MIB = {19: 16384, 20: 16384, 15: 33280, 14: 33280, 9: 71424, 5: 71424, 0: 143360}
 PLACEMENTS = {19: ((0, 1, 2, 3, 4, 5, 6), 1), 20: ((0, 1, 2, 3, 4, 5, 6), 1), 15: ((0, 2, 4, 6), 2),
               14: ((0, 2, 4), 2), 9: ((0, 4), 4), 5: ((0,), 4), 0: ((0,), 8)}
-GPU_MEMORY_MIB = {"A100-40GB": 40960, "A100-80GB": 81920, "H100-80GB": 81559}
+GPU_MEMORY_MIB = {"A100-40GB": 40960, "A100-80GB": 81920, "H100-80GB": 81559, "H200-141GB": 143771}
 PRODUCT = {"A100-40GB": "NVIDIA A100-SXM4-40GB", "A100-80GB": "NVIDIA A100-SXM4-80GB",
-           "H100-80GB": "NVIDIA H100 80GB HBM3"}
+           "H100-80GB": "NVIDIA H100 80GB HBM3", "H200-141GB": "NVIDIA H200"}
 
 
 @pytest.mark.parametrize("model", mig.MIG_MODELS, ids=lambda m: m.key)
@@ -54,6 +59,8 @@ def test_profile_tables_are_nvidias(model: mig.MigModel) -> None:
         # the name NVIDIA's device plugin derives from NVML's numbers is the table's (+me is not told apart)
         assert mig.profile_name(profile.compute_slices, profile.memory_mib, GPU_MEMORY_MIB[model.key]) == (
             profile.name.removesuffix("+me"))
+        if model.key == "H200-141GB":
+            assert profile.memory_mib == H200_MEMORY_MIB[profile.profile_id]
         # as many instances fit on an empty GPU as there are legal placements (one media-extension instance)
         assert profile.max_instances == (1 if profile.name.endswith("+me") else len(profile.starts))
 
@@ -61,7 +68,8 @@ def test_profile_tables_are_nvidias(model: mig.MigModel) -> None:
 @pytest.mark.parametrize(("product", "memory_mib", "key"), [
     ("NVIDIA A100-SXM4-40GB", 40960, "A100-40GB"), ("NVIDIA A100-PCIE-40GB", 40960, "A100-40GB"),
     ("NVIDIA A100-SXM4-80GB", 81920, "A100-80GB"), ("NVIDIA A100 80GB PCIe", 81920, "A100-80GB"),
-    ("NVIDIA H100 80GB HBM3", 81559, "H100-80GB"), ("Tesla T4", 15360, None), ("NVIDIA H100 NVL", 95830, None),
+    ("NVIDIA H100 80GB HBM3", 81559, "H100-80GB"), ("NVIDIA H200", 143771, "H200-141GB"),
+    ("Tesla T4", 15360, None), ("NVIDIA H100 NVL", 95830, None),
 ])  # fmt: skip
 def test_models_are_found_by_name_and_memory(product: str, memory_mib: int, key: str | None) -> None:
     model = mig.mig_model(product, memory_mib)
@@ -130,9 +138,16 @@ def test_fake_answers_mig_calls_as_nvml_does() -> None:
         fake.nvmlDeviceGetMigDeviceHandleByIndex(gpu, 4)  # four instances on GPU 0
     with pytest.raises(fake.NVMLError_InvalidArgument):
         fake.nvmlDeviceGetMigDeviceHandleByIndex(gpu, 7)
-    plain = fake.nvmlDeviceGetHandleByIndex(2)  # MIG-capable, MIG off
+    # MIG-capable, MIG off: as a real H200 answers (driver 580): count 0, every index and GPU instance NotFound
+    plain = fake.nvmlDeviceGetHandleByIndex(2)
+    assert fake.nvmlDeviceGetMaxMigDeviceCount(plain) == 0
+    for index in (0, 7):
+        with pytest.raises(NotFound):
+            fake.nvmlDeviceGetMigDeviceHandleByIndex(plain, index)
     with pytest.raises(NotFound):
-        fake.nvmlDeviceGetMigDeviceHandleByIndex(plain, 0)
+        fake.nvmlDeviceGetGpuInstanceById(plain, 1)
+    with pytest.raises(fake.NVMLError_NotSupported):
+        fake.nvmlDeviceGetAttributes(plain)
     with pytest.raises(fake.NVMLError_InvalidArgument):
         fake.nvmlDeviceGetGpuInstanceId(plain)  # not a MIG device
 
@@ -154,10 +169,13 @@ def test_discovery_publishes_each_mig_device_with_profile_placement_and_uuid() -
     assert protocol.decode_inventory(protocol.encode_inventory(inventory)) == inventory
 
 
-@pytest.mark.parametrize("key", ["A100-80GB", "H100-80GB"])
-def test_discovery_names_the_profiles_of_each_model(key: str) -> None:
+@pytest.mark.parametrize(("key", "layout"), [
+    ("A100-80GB", (("3g.40gb", 0), ("2g.20gb", 4), ("1g.10gb", 6))),
+    ("H100-80GB", (("3g.40gb", 0), ("2g.20gb", 4), ("1g.10gb", 6))),
+    ("H200-141GB", (("3g.71gb", 4), ("1g.35gb", 0), ("1g.18gb", 2), ("1g.18gb", 3))),
+])  # fmt: skip
+def test_discovery_names_the_profiles_of_each_model(key: str, layout: tuple[tuple[str, int], ...]) -> None:
     model = next(m for m in mig.MIG_MODELS if m.key == key)
-    layout = (("3g.40gb", 0), ("2g.20gb", 4), ("1g.10gb", 6))
     (gpu,) = discover(Nvml(FakeNvml(FakeHardware(gpus=(_mig_gpu(key, layout),))))).inventory.gpus
     assert [(d.profile, d.start, d.memory_mib) for d in gpu.mig_devices] == [
         (name, start, p.memory_mib) for name, start in layout if (p := model.profile(name))]

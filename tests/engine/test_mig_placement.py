@@ -192,7 +192,7 @@ def layouts(draw: st.DrawFn) -> tuple[mig.MigModel, list[tuple[str, int]]]:
 
 
 PRODUCT = {"A100-40GB": ("NVIDIA A100-SXM4-40GB", 40960), "A100-80GB": ("NVIDIA A100-SXM4-80GB", 81920),
-           "H100-80GB": ("NVIDIA H100 80GB HBM3", 81559)}
+           "H100-80GB": ("NVIDIA H100 80GB HBM3", 81559), "H200-141GB": ("NVIDIA H200", 143771)}
 
 
 def _node(gpus: list[tuple[mig.MigModel, list[tuple[str, int]]]]) -> NodeInventory:

@@ -202,9 +202,10 @@ def test_a_mig_request_is_routed_with_its_mig_resource_and_no_limits(resource: s
                                        "number, got '0.5'"),
     ({"nvidia.com/mig-1g.5gb+me": "1"}, "container trainer: nvidia.com/mig-1g.5gb+me: media-extension MIG devices "
                                         "are offered under their plain profile, ask for nvidia.com/mig-1g.5gb"),
-    ({"nvidia.com/mig-1g.18gb": "1"}, "container trainer: nvidia.com/mig-1g.18gb: kube-vgpu places the MIG profiles "
-                                      "of A100 40GB/80GB and H100 80GB (1g.5gb, 1g.10gb, 1g.20gb, 2g.10gb, 2g.20gb, "
-                                      "3g.20gb, 3g.40gb, 4g.20gb, 4g.40gb, 7g.40gb, 7g.80gb), not 1g.18gb"),
+    ({"nvidia.com/mig-1g.12gb": "1"},
+     "container trainer: nvidia.com/mig-1g.12gb: kube-vgpu places the MIG profiles of A100 40GB/80GB, H100 80GB and "
+     "H200 141GB (1g.5gb, 1g.10gb, 1g.18gb, 1g.20gb, 1g.35gb, 2g.10gb, 2g.20gb, 2g.35gb, 3g.20gb, 3g.40gb, 3g.71gb, "
+     "4g.20gb, 4g.40gb, 4g.71gb, 7g.40gb, 7g.80gb, 7g.141gb), not 1g.12gb"),
 ])  # fmt: skip
 def test_malformed_mig_requests_are_refused_with_what_is_wrong(limits: dict[str, str], message: str) -> None:
     assert _denied(pod(container("trainer", limits=limits))) == (400, message)
