@@ -347,3 +347,50 @@ def test_a_higher_priority_mig_pod_preempts_the_holder_of_the_only_device_of_its
     three = next(d for d in a100_mig().gpus[0].mig_devices if d.profile == "3g.20gb")
     assignment = protocol.decode_assignment(stored["metadata"]["annotations"][protocol.POD_ASSIGNMENT_ANNOTATION])
     assert assignment.containers[0].devices[0].uuid == three.uuid
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(st.one_of(
+    st.tuples(st.just("mig"), st.sampled_from(["1g.5gb", "2g.10gb", "3g.20gb", "1g.10gb"]), st.integers(1, 2)),
+    st.tuples(st.just("share"), st.just(""), st.integers(1, 3)),
+    st.tuples(st.just("release"), st.just(""), st.integers(0, 30)),
+), max_size=25))
+def test_filter_bind_and_release_never_double_book_a_mig_device(ops: list[tuple[str, str, int]]) -> None:
+    """Property, through the extender (filter, bind, pod deletion): from the assignments alone, no MIG device is held
+    by two pods, each holds the profile its container asked for, no vGPU lands on a GPU in MIG mode, and the
+    extender's counts equal what the assignments say (so a restart rebuilds the same)."""
+    inventory = a100_mig()
+    state = ClusterState()
+    cluster = SnapshotCluster(state, [node_object("mig-node", inventory)])
+    scheduler = Scheduler(state, cluster)
+    profile_of = {d.uuid: d.profile for g in inventory.gpus for d in g.mig_devices}
+    mig_gpus = {g.uuid for g in inventory.gpus if g.mig_mode}
+    bound: list[dict[str, Any]] = []
+    for number, (op, profile, amount) in enumerate(ops):
+        if op == "release":
+            if bound:
+                gone = bound.pop(amount % len(bound))
+                cluster.delete_pod(gone["metadata"]["namespace"], gone["metadata"]["name"])
+        else:
+            obj = mig_pod(("main", f"mig-{profile}", amount)) if op == "mig" else pod(gpus=1, memory_mib=1000 * amount)
+            obj["metadata"].update(name=f"p{number}", uid=f"uid-p{number}")
+            cluster.add_pod(obj)
+            if scheduler.filter(obj, ["mig-node"]).passed:
+                scheduler.bind("default", f"p{number}", f"uid-p{number}", "mig-node")
+                bound.append(obj)
+        holders: dict[str, int] = {}
+        for stored in cluster.pods.values():
+            text = stored["metadata"].get("annotations", {}).get(protocol.POD_ASSIGNMENT_ANNOTATION)
+            if not text:
+                continue
+            asked = protocol.parse_pod_gpu_request(stored).containers[0]
+            for device in protocol.decode_assignment(text).all_devices():
+                assert device.uuid not in mig_gpus  # never a shared vGPU on a GPU in MIG mode
+                if asked.mig_profile is not None:
+                    assert profile_of[device.uuid] == asked.mig_profile
+                    holders[device.uuid] = holders.get(device.uuid, 0) + 1
+                else:
+                    assert device.uuid not in profile_of
+        assert all(count == 1 for count in holders.values())
+        node = state.nodes["mig-node"]
+        assert {d.uuid for d in node.mig_devices if d.used_vgpus} == set(holders)
