@@ -369,7 +369,9 @@ class NodeState:
             gpu.used_vgpus += sign * item.vgpus
             if item.exclusive:
                 gpu.exclusive_holders += sign
-        kind = usage_kind(usage)
+        gpu_count = len(self.gpus)  # a pod's kind (clustering) is its GPU shares' kind, MIG devices aside
+        kind = usage_kind(usage if all(u.position < gpu_count for u in usage)
+                          else tuple(u for u in usage if u.position < gpu_count))
         if kind is not None:
             count = self.pod_kinds.get(kind, 0) + sign
             if count > 0:

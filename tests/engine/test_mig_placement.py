@@ -89,6 +89,7 @@ def test_mig_devices_follow_the_gpus_and_leave_the_gpu_totals_alone() -> None:
     twin = node.copy()
     twin.apply_usage(_usage(twin, "mig-1g.5gb"))
     assert sum(d.used_vgpus for d in twin.mig_devices) == 1 and not any(d.used_vgpus for d in node.mig_devices)
+    assert twin.pod_kinds == {}  # a MIG pod is no GPU-share kind for the clustering policy
 
 
 def _usage(node: NodeState, resource: str, count: int = 1) -> tuple[Any, ...]:
