@@ -324,20 +324,20 @@ class Allocator:
                 )
             unhealthy = [d.uuid for d in chosen.container.devices if not self.state.is_healthy(d.uuid)]
             unknown = [d.uuid for d in chosen.container.devices if self.state.capacity(d.uuid) is None]
-            if resource != protocol.RESOURCE_GPU:
-                # a MIG resource's plugin hands over only MIG devices of its profile (and nvidia.com/gpu's never one)
-                profile = resource.removeprefix(protocol.MIG_RESOURCE_PREFIX)
-                unknown += [d.uuid for d in chosen.container.devices
-                            if (mig := self.state.mig_device(d.uuid)) is None or mig[1].profile != profile]
-            else:
-                unknown += [d.uuid for d in chosen.container.devices if self.state.mig_device(d.uuid) is not None]
-            if unknown or unhealthy:
+            # a MIG resource's plugin hands over only MIG devices of its profile, nvidia.com/gpu's never one
+            kind = f"MIG devices of profile {resource.removeprefix(protocol.MIG_RESOURCE_PREFIX)}" \
+                if resource != protocol.RESOURCE_GPU else f"shareable GPUs ({protocol.RESOURCE_GPU})"
+            wrong_kind = [d.uuid for d in chosen.container.devices
+                          if d.uuid not in unknown and self._wrong_kind(d.uuid, resource)]
+            if unknown or unhealthy or wrong_kind:
+                problems = [
+                    *([f"not on node {self.node_name}: {', '.join(unknown)}"] if unknown else []),
+                    *([f"not {kind}: {', '.join(wrong_kind)}"] if wrong_kind else []),
+                    *([f"unhealthy: {', '.join(unhealthy)}"] if unhealthy else []),
+                ]
                 raise AllocationError(
                     f"pod {chosen.ref} container {chosen.container.name} was assigned GPUs that are "
-                    + (f"not on node {self.node_name}: {', '.join(unknown)}" if unknown else "")
-                    + ("; " if unknown and unhealthy else "")
-                    + (f"unhealthy: {', '.join(unhealthy)}" if unhealthy else "")
-                    + "; the pod must be rescheduled"
+                    + "; ".join(problems) + "; the pod must be rescheduled"
                 )
             record = dict(chosen.allocated)
             record[chosen.container.name] = tuple(device_ids)
@@ -364,6 +364,14 @@ class Allocator:
             f"could not claim a pod for {wanted} device(s) after {MAX_CLAIM_ATTEMPTS} attempts: pods on node "
             f"{self.node_name} kept changing; kubelet will retry the pod"
         )
+
+    def _wrong_kind(self, uuid: str, resource: str) -> bool:
+        """A device `resource`'s plugin must not hand over: a MIG device on nvidia.com/gpu, on a MIG resource
+        anything but a MIG device of its profile."""
+        mig = self.state.mig_device(uuid)
+        if resource == protocol.RESOURCE_GPU:
+            return mig is not None
+        return mig is None or protocol.MIG_RESOURCE_PREFIX + mig[1].profile != resource
 
     def _release(self, claimed: Candidate) -> None:
         """Best effort: undo a claim when a later container of the same request failed."""

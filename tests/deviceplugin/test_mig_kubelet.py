@@ -12,7 +12,7 @@ import pytest
 
 from kube_vgpu import protocol
 from kube_vgpu.dev.fixtures.inmemory_api import InMemoryCluster
-from kube_vgpu.deviceplugin.allocate import DeliveryConfig
+from kube_vgpu.deviceplugin.allocate import AllocationError, DeliveryConfig
 from kube_vgpu.deviceplugin.app import DevicePluginApp, PluginConfig
 from kube_vgpu.deviceplugin.fakenvml import FakeNvml, load_profile
 from kube_vgpu.deviceplugin.nvml import Nvml
@@ -92,12 +92,15 @@ def test_a_mig_device_of_another_profile_or_a_shared_gpu_is_never_handed_over(
 ) -> None:
     plugins = connections(kubelet)
     kubelet.wait_for_devices(plugins[MIG_3G], lambda d: len(d) == 1, "the 3g.20gb device")
-    wrong = mig_pod("wrong-profile", MIG_3G, [(mig_uuids(plugin.app, 1, "1g.5gb")[0], 4864, 100)])
-    plugin.cluster.add_pod(wrong)
+    misassigned = mig_pod("wrong-profile", MIG_3G, [(mig_uuids(plugin.app, 1, "1g.5gb")[0], 4864, 100)])
+    plugin.cluster.add_pod(misassigned)
     with pytest.raises(grpc.RpcError) as caught:
-        kubelet.admit(plugins[MIG_3G], wrong, MIG_3G)
+        kubelet.admit(plugins[MIG_3G], misassigned, MIG_3G)
     assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "was assigned GPUs that are not on node" in str(caught.value.details())
+    wrong = mig_uuids(plugin.app, 1, "1g.5gb")[0]
+    assert caught.value.details() == (
+        f"pod default/wrong-profile container main was assigned GPUs that are not MIG devices of profile 3g.20gb: "
+        f"{wrong}; the pod must be rescheduled")
     assert allocation_of(plugin.cluster.pod("default", "wrong-profile")) == {}
 
 
@@ -129,3 +132,17 @@ def test_no_limiter_is_mounted_for_a_mig_device(tmp_path: Any) -> None:
     cluster.add_pod(gpu_pod("share-job", assignment={"main": [(share, 1000, 10)]}, bound_at=2.0))
     [shared] = app.allocator.allocate([[f"{share}::0"]])
     assert {container for container, _host, _ro in shared.mounts} == {str(library), "/etc/ld.so.preload"}
+
+
+def test_nvidia_gpu_never_hands_over_a_mig_device(tmp_path: Any) -> None:
+    cluster = InMemoryCluster()
+    cluster.add_node({"metadata": {"name": NODE}})
+    app = DevicePluginApp(PluginConfig(node_name=NODE, kubelet_dir=str(tmp_path), delivery=DeliveryConfig(
+        limiter_library_path="", cache_host_dir="")), Nvml(FakeNvml(load_profile("a100-mig", NODE))), cluster)
+    target = mig_uuids(app, 0, "3g.20gb")[0]
+    cluster.add_pod(gpu_pod("sneaky", assignment={"main": [(target, 20096, 100)]}, bound_at=1.0))
+    share = app.state.gpus()[2].uuid
+    with pytest.raises(AllocationError) as caught:
+        app.allocator.allocate([[f"{share}::0"]])
+    assert str(caught.value) == (f"pod default/sneaky container main was assigned GPUs that are not shareable GPUs "
+                                 f"(nvidia.com/gpu): {target}; the pod must be rescheduled")
