@@ -137,28 +137,28 @@ def _started_containers(pod: Mapping[str, Any]) -> set[str]:
     return started
 
 
-def _device_count(container: Mapping[str, Any]) -> int:
-    """The container's nvidia.com/gpu quantity (limits win, as for extended resources); 0 when unparsable."""
+def _device_count(container: Mapping[str, Any], resource: str = protocol.RESOURCE_GPU) -> int:
+    """The container's quantity of `resource` (limits win, as for extended resources); 0 when unparsable."""
     resources = container.get("resources") or {}
-    value = (resources.get("limits") or {}).get(protocol.RESOURCE_GPU)
+    value = (resources.get("limits") or {}).get(resource)
     if value is None:
-        value = (resources.get("requests") or {}).get(protocol.RESOURCE_GPU)
+        value = (resources.get("requests") or {}).get(resource)
     if value is None:
         return 0
     try:
-        return protocol.parse_count_quantity(value, what=protocol.RESOURCE_GPU)
+        return protocol.parse_count_quantity(value, what=resource)
     except protocol.InvalidGpuRequest:
         return 0
 
 
-def _kubelet_order(pod: Mapping[str, Any]) -> list[tuple[str, bool, int]]:
-    """(name, init, device count) of the containers kubelet calls Allocate for, in the order it calls:
-    init containers, then app containers, each in spec order; only those with a nvidia.com/gpu quantity."""
+def _kubelet_order(pod: Mapping[str, Any], resource: str = protocol.RESOURCE_GPU) -> list[tuple[str, bool, int]]:
+    """(name, init, device count) of the containers kubelet calls Allocate for on `resource`'s plugin, in the order
+    it calls: init containers, then app containers, each in spec order; only those with a quantity of it."""
     spec = pod.get("spec") or {}
     order = []
     for key, init in (("initContainers", True), ("containers", False)):
         for container in spec.get(key) or ():
-            count = _device_count(container)
+            count = _device_count(container, resource)
             if count > 0:
                 order.append((container.get("name", ""), init, count))
     return order
@@ -178,12 +178,13 @@ def _next_container(
     allocated: Mapping[str, tuple[str, ...]],
     ref: str,
     notes: list[str],
+    resource: str = protocol.RESOURCE_GPU,
 ) -> protocol.ContainerAssignment | None:
-    """The container kubelet will call Allocate for next, with its assigned devices; None when none is left or the
-    assignment cannot answer it (then a note says why)."""
+    """The container kubelet will call Allocate for next on `resource`'s plugin, with its assigned devices; None
+    when none is left or the assignment cannot answer it (then a note says why)."""
     started = _started_containers(pod)
     by_name = {(c.name, c.init): c for c in assignment.containers if c.devices}
-    for name, init, count in _kubelet_order(pod):
+    for name, init, count in _kubelet_order(pod, resource):
         if name in allocated or name in started:
             continue
         assigned = by_name.get((name, init))
@@ -191,7 +192,7 @@ def _next_container(
             # kubelet will ask for this container, but the assignment cannot answer it: skip the pod rather than
             # let this container's request be matched against a later container's devices
             notes.append(
-                f"{ref}: container {name} asks for {count} {protocol.RESOURCE_GPU} but was assigned "
+                f"{ref}: container {name} asks for {count} {resource} but was assigned "
                 f"{len(assigned.devices) if assigned else 0} device(s)"
             )
             return None
@@ -199,7 +200,8 @@ def _next_container(
     return None
 
 
-def read_node_pods(pods: list[dict[str, Any]], node_name: str, *, require_admission_mark: bool = False) -> NodePods:
+def read_node_pods(pods: list[dict[str, Any]], node_name: str, *, require_admission_mark: bool = False,
+                   resource: str = protocol.RESOURCE_GPU) -> NodePods:
     result = NodePods()
     for pod in pods:
         metadata = pod.get("metadata") or {}
@@ -232,7 +234,7 @@ def read_node_pods(pods: list[dict[str, Any]], node_name: str, *, require_admiss
                 # an unreadable record must not let a container be allocated twice
                 result.notes.append(f"{ref}: unreadable allocation record ({exc}); pod skipped")
                 continue
-        next_container = _next_container(pod, assignment, allocated, ref, result.notes)
+        next_container = _next_container(pod, assignment, allocated, ref, result.notes, resource)
         if next_container is None:
             continue
         bind_time_s = math.inf  # pods bound before bind times were written go last
@@ -275,8 +277,9 @@ class Allocator:
 
     # -- Allocate -----------------------------------------------------------------------------------------------
 
-    def allocate(self, requests: list[list[str]]) -> list[ContainerDelivery]:
-        """One delivery per container request, in order; raises AllocationError."""
+    def allocate(self, requests: list[list[str]], resource: str = protocol.RESOURCE_GPU) -> list[ContainerDelivery]:
+        """One delivery per container request of `resource`'s plugin (nvidia.com/gpu, or a MIG resource), in
+        order; raises AllocationError."""
         if self.pods is None:
             raise AllocationError(
                 "the kube-vgpu device plugin runs without API server access (no kubeconfig, not in a cluster), "
@@ -285,7 +288,7 @@ class Allocator:
         done: list[tuple[Candidate, ContainerDelivery]] = []
         try:
             for device_ids in requests:
-                claimed = self._claim(device_ids)
+                claimed = self._claim(device_ids, resource)
                 try:
                     delivery = self._deliver(claimed, device_ids)
                 except AllocationError:
@@ -298,18 +301,18 @@ class Allocator:
             raise
         return [delivery for _, delivery in done]
 
-    def _claim(self, device_ids: list[str]) -> Candidate:
+    def _claim(self, device_ids: list[str], resource: str = protocol.RESOURCE_GPU) -> Candidate:
         assert self.pods is not None
         wanted = len(device_ids)
         for _attempt in range(MAX_CLAIM_ATTEMPTS):
             try:
                 seen = read_node_pods(self.pods.list_node_pods(self.node_name), self.node_name,
-                                      require_admission_mark=self.delivery.require_admission_mark)
+                                      require_admission_mark=self.delivery.require_admission_mark, resource=resource)
             except ApiUnavailable as exc:
                 raise AllocationError(f"cannot read the pods on node {self.node_name}: {exc}") from None
             eligible = [c for c in seen.candidates if len(c.container.devices) == wanted]
             if not eligible:
-                raise AllocationError(self._no_match_reason(wanted, seen))
+                raise AllocationError(self._no_match_reason(wanted, seen, resource))
             chosen = eligible[0]
             if len(eligible) > 1:
                 log.info(
@@ -320,14 +323,21 @@ class Allocator:
                     ", ".join(f"{c.ref}/{c.container.name}" for c in eligible[1:]),
                 )
             unhealthy = [d.uuid for d in chosen.container.devices if not self.state.is_healthy(d.uuid)]
-            unknown = [d.uuid for d in chosen.container.devices if self.state.gpu(d.uuid) is None]
-            if unknown or unhealthy:
+            unknown = [d.uuid for d in chosen.container.devices if self.state.capacity(d.uuid) is None]
+            # a MIG resource's plugin hands over only MIG devices of its profile, nvidia.com/gpu's never one
+            kind = f"MIG devices of profile {resource.removeprefix(protocol.MIG_RESOURCE_PREFIX)}" \
+                if resource != protocol.RESOURCE_GPU else f"shareable GPUs ({protocol.RESOURCE_GPU})"
+            wrong_kind = [d.uuid for d in chosen.container.devices
+                          if d.uuid not in unknown and self._wrong_kind(d.uuid, resource)]
+            if unknown or unhealthy or wrong_kind:
+                problems = [
+                    *([f"not on node {self.node_name}: {', '.join(unknown)}"] if unknown else []),
+                    *([f"not {kind}: {', '.join(wrong_kind)}"] if wrong_kind else []),
+                    *([f"unhealthy: {', '.join(unhealthy)}"] if unhealthy else []),
+                ]
                 raise AllocationError(
                     f"pod {chosen.ref} container {chosen.container.name} was assigned GPUs that are "
-                    + (f"not on node {self.node_name}: {', '.join(unknown)}" if unknown else "")
-                    + ("; " if unknown and unhealthy else "")
-                    + (f"unhealthy: {', '.join(unhealthy)}" if unhealthy else "")
-                    + "; the pod must be rescheduled"
+                    + "; ".join(problems) + "; the pod must be rescheduled"
                 )
             record = dict(chosen.allocated)
             record[chosen.container.name] = tuple(device_ids)
@@ -355,6 +365,14 @@ class Allocator:
             f"{self.node_name} kept changing; kubelet will retry the pod"
         )
 
+    def _wrong_kind(self, uuid: str, resource: str) -> bool:
+        """A device `resource`'s plugin must not hand over: a MIG device on nvidia.com/gpu, on a MIG resource
+        anything but a MIG device of its profile."""
+        mig = self.state.mig_device(uuid)
+        if resource == protocol.RESOURCE_GPU:
+            return mig is not None
+        return mig is None or protocol.MIG_RESOURCE_PREFIX + mig[1].profile != resource
+
     def _release(self, claimed: Candidate) -> None:
         """Best effort: undo a claim when a later container of the same request failed."""
         assert self.pods is not None
@@ -379,10 +397,10 @@ class Allocator:
         except (ApiUnavailable, Conflict, NotFound, protocol.ProtocolError) as exc:
             log.warning("could not undo the claim of %s/%s: %s", claimed.ref, claimed.container.name, exc)
 
-    def _no_match_reason(self, wanted: int, seen: NodePods) -> str:
+    def _no_match_reason(self, wanted: int, seen: NodePods, resource: str = protocol.RESOURCE_GPU) -> str:
         parts = [
             f"no kube-vgpu assignment on node {self.node_name} matches a container asking for {wanted} "
-            f"{protocol.RESOURCE_GPU} (kube-vgpu never hands out GPUs nobody assigned)"
+            f"{resource} (kube-vgpu never hands out GPUs nobody assigned)"
         ]
         if seen.candidates:
             waiting = ", ".join(
@@ -428,9 +446,12 @@ class Allocator:
         # the limiter's CUDA_DEVICE_MEMORY_LIMIT_<i> refers to
         envs[protocol.ENV_CUDA_VISIBLE_DEVICES] = visible
         for position, device in enumerate(devices):
+            if self.state.mig_device(device.uuid) is not None:
+                continue  # a MIG device is isolated by the hardware: no limiter memory limit
             # concrete MiB from the assignment; the only source for gpumem-percentage requests
             envs[f"{protocol.ENV_MEMORY_LIMIT_PREFIX}{position}"] = f"{device.memory_mib}m"
-        if delivery.limiter_library_path:
+        mig_only = all(self.state.mig_device(uuid) is not None for uuid in uuids)
+        if delivery.limiter_library_path and not mig_only:  # a MIG device is isolated by the hardware: no limiter
             present = not delivery.check_host_paths or os.path.isfile(delivery.limiter_library_path)
             if present:
                 mounts.append((delivery.limiter_library_path, delivery.limiter_library_path, True))
@@ -444,7 +465,7 @@ class Allocator:
                 log.warning(
                     "limiter library %s missing; exclusive GPUs delivered without it", delivery.limiter_library_path
                 )
-        if delivery.ld_so_preload_path:
+        if delivery.ld_so_preload_path and not mig_only:
             mounts.append(("/etc/ld.so.preload", delivery.ld_so_preload_path, True))
         if delivery.cache_host_dir:
             host_dir = os.path.join(delivery.cache_host_dir, f"{claimed.uid or claimed.name}_{claimed.container.name}")
@@ -469,14 +490,15 @@ class Allocator:
 
     def _limiter_needed(self, devices: tuple[protocol.DeviceShare, ...]) -> bool:
         for device in devices:
-            gpu = self.state.gpu(device.uuid)
-            if gpu is None or device.memory_mib < gpu.memory_mib or device.cores < gpu.cores:
+            capacity = self.state.capacity(device.uuid)  # a MIG device is held whole: no limiter needed
+            if capacity is None or device.memory_mib < capacity[0] or device.cores < capacity[1]:
                 return True
         return False
 
     # -- GetPreferredAllocation ---------------------------------------------------------------------------------
 
-    def preferred(self, available: list[str], must_include: list[str], size: int) -> list[str]:
+    def preferred(self, available: list[str], must_include: list[str], size: int,
+                  resource: str = protocol.RESOURCE_GPU) -> list[str]:
         """Device IDs on the GPUs the container Allocate will most likely match was assigned (keeps kubelet's
         per-device bookkeeping and NUMA alignment in line with reality); otherwise one ID per distinct GPU."""
         chosen: list[str] = list(dict.fromkeys(must_include))[:size]
@@ -487,7 +509,7 @@ class Allocator:
         if self.pods is not None:
             try:
                 seen = read_node_pods(self.pods.list_node_pods(self.node_name), self.node_name,
-                                      require_admission_mark=self.delivery.require_admission_mark)
+                                      require_admission_mark=self.delivery.require_admission_mark, resource=resource)
                 eligible = [c for c in seen.candidates if len(c.container.devices) == size]
                 if eligible:
                     target = [d.uuid for d in eligible[0].container.devices]

@@ -24,7 +24,13 @@ from kube_vgpu.deviceplugin.kube import NodeClient, PodSource
 from kube_vgpu.deviceplugin.metrics import DevicePluginCollector
 from kube_vgpu.deviceplugin.nvml import Nvml
 from kube_vgpu.deviceplugin.publisher import DEFAULT_HEARTBEAT_SECONDS, Publisher
-from kube_vgpu.deviceplugin.server import DEFAULT_KUBELET_DIR, DEFAULT_SOCKET_NAME, DevicePluginServicer, PluginServer
+from kube_vgpu.deviceplugin.server import (
+    DEFAULT_KUBELET_DIR,
+    DEFAULT_SOCKET_NAME,
+    DevicePluginServicer,
+    PluginServer,
+    mig_socket_name,
+)
 from kube_vgpu.deviceplugin.state import DeviceState
 from kube_vgpu.probes import ProbeServer, Reply, Route, serve_probes
 
@@ -83,6 +89,17 @@ class DevicePluginApp:
         self.server = PluginServer(
             config.kubelet_dir, self.servicer, socket_name=config.socket_name, poll_seconds=config.kubelet_poll_seconds
         )
+        #: static MIG: one more plugin per MIG profile found at discovery (nvidia.com/mig-<profile>)
+        self.mig_servers = [
+            PluginServer(
+                config.kubelet_dir,
+                DevicePluginServicer(self.state, self.allocator, self.stop_event, resource),
+                socket_name=mig_socket_name(resource),
+                resource_name=resource,
+                poll_seconds=config.kubelet_poll_seconds,
+            )
+            for resource in self.state.mig_resources()
+        ]
         poll = config.health_poll_seconds or config.heartbeat_seconds
         self.health = HealthMonitor(
             nvml,
@@ -136,6 +153,8 @@ class DevicePluginApp:
             log.info("%s", protocol.encode_inventory(discovery.inventory))
         self.health.start()
         self._thread("kubelet-registration", self.server.run)
+        for server in self.mig_servers:
+            self._thread(f"kubelet-registration-{server.resource_name}", server.run)
         if self.publisher is not None:
             self._thread("inventory-publisher", self.publisher.run)
         if self.config.probe_address:
@@ -147,7 +166,8 @@ class DevicePluginApp:
 
     def ready(self) -> bool:
         """Registered with kubelet and, when publishing, the inventory is on the node."""
-        return self.server.registered.is_set() and (self.publisher is None or self.publisher.published.is_set())
+        registered = all(server.registered.is_set() for server in (self.server, *self.mig_servers))
+        return registered and (self.publisher is None or self.publisher.published.is_set())
 
     def alive(self) -> bool:
         return all(thread.is_alive() for thread in self._threads)

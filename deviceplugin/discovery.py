@@ -21,7 +21,7 @@ from typing import Any
 from kube_vgpu import protocol
 from kube_vgpu.deviceplugin import nvml as nv
 from kube_vgpu.deviceplugin.nvml import Nvml, normalize_bus_id
-from kube_vgpu.protocol import GpuInfo, GpuLink, NodeInventory, PcieLevel
+from kube_vgpu.protocol import GpuInfo, GpuLink, NodeInventory, PcieLevel, mig
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ class _Gpu:
     bus_id: str = ""
     numa_node: int | None = None
     mig_mode: bool = False
+    mig_devices: tuple[protocol.MigDevice, ...] = ()
     lost: bool = False
     direct_lanes: dict[int, int] = field(default_factory=dict)  # peer NVML index -> lanes
     switch_lanes: int = 0
@@ -138,6 +139,7 @@ def discover(
                 healthy=not gpu.lost,
                 mig_mode=gpu.mig_mode,
                 links=tuple(links),
+                mig_devices=gpu.mig_devices,
             )
         )
     return Discovery(
@@ -188,7 +190,46 @@ def _describe(nvml: Nvml, index: int, sysfs_root: Path, notes: _Notes) -> _Gpu |
         gpu.mig_mode = False  # GPUs without MIG support answer NotSupported: not an error
     except nv.NVMLError as exc:
         notes.warn(f"GPU {index} ({uuid}): MIG mode unknown ({exc}); assumed off")
+    if gpu.mig_mode:
+        try:
+            gpu.mig_devices = _mig_devices(nvml, gpu, notes)
+        except nv.GpuIsLost:
+            return _lost(gpu, notes)
     return gpu
+
+
+def _mig_devices(nvml: Nvml, gpu: _Gpu, notes: _Notes) -> tuple[protocol.MigDevice, ...]:
+    """The MIG devices of a GPU in MIG mode (static MIG: what an operator created). Only a compute instance that
+    spans its whole GPU instance is published (NVIDIA's mixed strategy offers no others); the rest are logged. Any
+    NVML failure publishes none for this GPU: it then takes no MIG pod rather than a wrongly described one."""
+    where = f"GPU {gpu.index} ({gpu.uuid})"
+    devices = []
+    try:
+        for index in range(nvml.max_mig_devices(gpu.handle)):
+            try:
+                handle = nvml.mig_device(gpu.handle, index)
+            except nv.NotFound:
+                continue
+            uuid = nvml.uuid(handle)
+            gpu_instance = nvml.gpu_instance_id(handle)
+            compute_instance = nvml.compute_instance_id(handle)
+            multiprocessors, gi_slices, ci_slices, memory_mib = nvml.mig_attributes(handle)
+            if ci_slices != gi_slices:
+                notes.warn(f"{where}: MIG device {uuid} is a {ci_slices}-slice compute instance of a {gi_slices}-slice "
+                           "GPU instance; only compute instances spanning their GPU instance are offered")
+                continue
+            _profile_id, start, size = nvml.gpu_instance_placement(gpu.handle, gpu_instance)
+            devices.append(protocol.MigDevice(
+                uuid=uuid, profile=mig.profile_name(gi_slices, memory_mib, gpu.memory_mib), gpu_instance=gpu_instance,
+                compute_instance=compute_instance, memory_mib=memory_mib, multiprocessors=multiprocessors,
+                start=start, size=size,
+            ))
+    except nv.GpuIsLost:
+        raise
+    except (nv.NVMLError, ValueError) as exc:
+        notes.warn(f"{where}: its MIG devices cannot be listed ({exc}); none are offered")
+        return ()
+    return tuple(devices)
 
 
 def _lost(gpu: _Gpu, notes: _Notes) -> _Gpu:

@@ -24,6 +24,8 @@ from typing import Any
 
 import pynvml
 
+from kube_vgpu.protocol import mig
+
 # --- hardware description ---------------------------------------------------------------------------------------
 
 #: PCIe path element kinds, outermost first. A GPU's path lists its ancestors from the NUMA node down to the
@@ -80,6 +82,9 @@ class FakeGpu:
     #: (nvml function name, error name from ERRORS) pairs: that call fails that way for this GPU
     failing: tuple[tuple[str, str], ...] = ()
     usage: FakeUsage = FakeUsage()
+    #: static MIG: the GPU instances of a GPU in MIG mode, as (profile name, start slot), each with one compute
+    #: instance spanning it. Checked against NVIDIA's profile table of the model (protocol.mig) by FakeNvml.
+    mig_layout: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,8 +160,17 @@ def _t4_4_pcie(seed: str) -> FakeHardware:
     return replace(hardware, gpus=tuple(replace(gpu, nvlink_max=0) for gpu in hardware.gpus))
 
 
+#: The static MIG layouts of the a100-mig profile's GPUs 0 and 1 (A100-SXM4-40GB): one 3g.20gb, one 2g.10gb and two
+#: 1g.5gb; and seven 1g.5gb.
+A100_MIG_LAYOUTS: tuple[tuple[tuple[str, int], ...], ...] = (
+    (("3g.20gb", 4), ("2g.10gb", 0), ("1g.5gb", 2), ("1g.5gb", 3)),
+    tuple(("1g.5gb", start) for start in range(7)),
+)
+
+
 def _a100_mig(seed: str) -> FakeHardware:
-    """HGX A100 4-GPU board: direct NVLink mesh, 4 lanes to each of the 3 peers; GPUs 0 and 1 run in MIG mode."""
+    """HGX A100 4-GPU board: direct NVLink mesh, 4 lanes to each of the 3 peers; GPUs 0 and 1 run in MIG mode
+    (A100_MIG_LAYOUTS)."""
     hardware = layout_hardware(_uuids(seed, 4), "NVIDIA A100-SXM4-40GB", 40960, "pcie")
     gpus = []
     for index, gpu in enumerate(hardware.gpus):
@@ -167,6 +181,7 @@ def _a100_mig(seed: str) -> FakeHardware:
                 nvlink_max=12,
                 mig_capable=True,
                 mig_enabled=index < 2,
+                mig_layout=A100_MIG_LAYOUTS[index] if index < 2 else (),
             )
         )
     return replace(hardware, gpus=tuple(gpus))
@@ -237,7 +252,8 @@ def hardware_from_file(path: Path, seed: str) -> FakeHardware:
          "gpus": [{"name": "NVIDIA L4", "memoryMiB": 23034, "numa": 0,
                    "pciePath": ["numa:0", "hostbridge:0", "switch:0"],
                    "nvlinkPeers": {"1": 4}, "nvswitchLanes": 0, "nvlinkMax": 0,
-                   "migEnabled": false, "lost": false, "unsupported": ["nvmlDeviceGetTopologyCommonAncestor"],
+                   "migEnabled": false, "migLayout": [["3g.20gb", 4]], "lost": false,
+                   "unsupported": ["nvmlDeviceGetTopologyCommonAncestor"],
                    "failing": {"nvmlDeviceGetPciInfo": "GpuIsLost"},
                    "usage": {"utilizationPercent": 40, "memoryUtilizationPercent": 10, "memoryUsedMiB": 2048,
                              "temperatureC": 50, "powerMilliwatts": 120000, "eccCorrected": 0,
@@ -291,6 +307,7 @@ def hardware_from_file(path: Path, seed: str) -> FakeHardware:
                     unsupported=frozenset(raw.get("unsupported", ())),
                     failing=tuple(sorted((str(fn), str(err)) for fn, err in raw.get("failing", {}).items())),
                     usage=_usage_from_json(raw.get("usage", {})),
+                    mig_layout=tuple((str(name), int(start)) for name, start in raw.get("migLayout", ())),
                 )
             )
         except (KeyError, TypeError, ValueError) as exc:
@@ -315,6 +332,58 @@ class FakeHandle:
     """What nvmlDeviceGetHandleByIndex returns (pynvml: a c_nvmlDevice_t pointer; opaque either way)."""
 
     position: int
+
+
+@dataclass(frozen=True, slots=True)
+class FakeMigHandle:
+    """A MIG device's handle (nvmlDeviceGetMigDeviceHandleByIndex): the parent GPU and the GPU instance's position
+    in its mig_layout."""
+
+    position: int
+    instance: int
+
+
+@dataclass(frozen=True, slots=True)
+class FakeGpuInstance:  # pynvml's nvmlGpuInstance_t
+    position: int
+    instance: int
+
+
+@dataclass(frozen=True, slots=True)
+class FakePlacement:  # pynvml.c_nvmlGpuInstancePlacement_t
+    start: int
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class FakeGpuInstanceInfo:  # pynvml.c_nvmlGpuInstanceInfo_t
+    device: FakeHandle
+    id: int
+    profileId: int
+    placement: FakePlacement
+
+
+@dataclass(frozen=True, slots=True)
+class FakeDeviceAttributes:  # pynvml.c_nvmlDeviceAttributes (the fields discovery reads)
+    multiprocessorCount: int
+    gpuInstanceSliceCount: int
+    computeInstanceSliceCount: int
+    memorySizeMB: int
+
+
+#: MIG devices NVML numbers per GPU (nvmlDeviceGetMaxMigDeviceCount on A100 and H100)
+MAX_MIG_DEVICES = 7
+
+
+def mig_device_uuid(gpu_uuid: str, gpu_instance: int) -> str:
+    """Stable MIG device UUID for fake hardware (real ones are "MIG-" and a UUID of their own)."""
+    digest = hashlib.sha1(f"{gpu_uuid}/gi{gpu_instance}".encode()).hexdigest()
+    return f"MIG-{digest[:8]}-{digest[8:12]}-{digest[12:16]}-{digest[16:20]}-{digest[20:32]}"
+
+
+def gpu_instance_id(instance: int) -> int:
+    """The fake's GPU instance IDs: 1, 2, ... in layout order (NVML picks its own; any distinct numbers do)."""
+    return instance + 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -368,6 +437,7 @@ class FakeNvml:
         self._event_sets: list[FakeEventSet] = []
         self._link_tables = [self._links(gpu) for gpu in hardware.gpus]  # discovery asks per link: build once
         self._usage: list[FakeUsage] = [gpu.usage for gpu in hardware.gpus]
+        self._mig_profiles = [self._mig_table(gpu) for gpu in hardware.gpus]
         self.calls: dict[str, int] = {}  # function name -> call count (tests look at what was queried)
 
     # Constants, error classes (NVMLError_*), event masks: exactly pynvml's, so `except` clauses and
@@ -462,13 +532,19 @@ class FakeNvml:
 
     # -- per device ---------------------------------------------------------------------------------------------
 
-    def nvmlDeviceGetUUID(self, handle: FakeHandle) -> str:
+    def nvmlDeviceGetUUID(self, handle: FakeHandle | FakeMigHandle) -> str:
+        if isinstance(handle, FakeMigHandle):
+            gpu, _profile = self._mig("nvmlDeviceGetUUID", handle)
+            return mig_device_uuid(gpu.uuid, gpu_instance_id(handle.instance))
         return self._gpu("nvmlDeviceGetUUID", handle).uuid
 
     def nvmlDeviceGetName(self, handle: FakeHandle) -> str:
         return self._gpu("nvmlDeviceGetName", handle).name
 
-    def nvmlDeviceGetMemoryInfo(self, handle: FakeHandle, version: int | None = None) -> FakeMemory:
+    def nvmlDeviceGetMemoryInfo(self, handle: FakeHandle | FakeMigHandle, version: int | None = None) -> FakeMemory:
+        if isinstance(handle, FakeMigHandle):  # a MIG device: its own memory, nothing used (no usage modelled)
+            total = self._mig("nvmlDeviceGetMemoryInfo", handle)[1].memory_mib * BYTES_PER_MIB
+            return FakeMemory(total=total, free=total, used=0)
         total = self._gpu("nvmlDeviceGetMemoryInfo", handle).memory_mib * BYTES_PER_MIB
         used = min(total, self._usage[handle.position].memory_used_mib * BYTES_PER_MIB)
         return FakeMemory(total=total, free=total - used, used=used)
@@ -513,6 +589,89 @@ class FakeNvml:
             raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         mode = pynvml.NVML_DEVICE_MIG_ENABLE if gpu.mig_enabled else pynvml.NVML_DEVICE_MIG_DISABLE
         return [mode, mode]
+
+    # -- MIG (static): the GPU instances of mig_layout, each with one compute instance (ID 0) spanning it ----------
+
+    def _mig_table(self, gpu: FakeGpu) -> tuple[mig.MigProfile, ...]:
+        """The layout's profiles; a layout the model's MIG rules forbid is a mistake in the test's hardware."""
+        if not gpu.mig_layout:
+            return ()
+        model = mig.mig_model(gpu.name, gpu.memory_mib)
+        if model is None or not gpu.mig_capable or not gpu.mig_enabled:
+            raise ValueError(f"fake GPU {gpu.uuid} ({gpu.name}, {gpu.memory_mib} MiB): a MIG layout needs a "
+                             "MIG-capable model of protocol.mig in MIG mode")
+        problem = mig.legal_layout(model, list(gpu.mig_layout))
+        if problem:
+            raise ValueError(f"fake GPU {gpu.uuid}: {problem}")
+        return tuple(profile for name, _start in gpu.mig_layout if (profile := model.profile(name)))
+
+    def _mig(self, name: str, handle: FakeMigHandle) -> tuple[FakeGpu, mig.MigProfile]:
+        gpu = self._gpu(name, FakeHandle(handle.position))
+        profiles = self._mig_profiles[handle.position]
+        if not gpu.mig_enabled or not 0 <= handle.instance < len(profiles):
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return gpu, profiles[handle.instance]
+
+    # As a real H200 answers with MIG off (driver 580): max count 0, every index and GPU instance NotFound.
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, handle: FakeHandle) -> int:
+        gpu = self._gpu("nvmlDeviceGetMaxMigDeviceCount", handle)
+        if not gpu.mig_capable:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return MAX_MIG_DEVICES if gpu.mig_enabled else 0
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, device: FakeHandle, index: int) -> FakeMigHandle:
+        gpu = self._gpu("nvmlDeviceGetMigDeviceHandleByIndex", device)
+        if not gpu.mig_capable:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if not gpu.mig_enabled:
+            raise _error(pynvml.NVML_ERROR_NOT_FOUND)
+        if not 0 <= index < MAX_MIG_DEVICES:
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if index >= len(gpu.mig_layout):
+            raise _error(pynvml.NVML_ERROR_NOT_FOUND)  # no MIG device at this index
+        return FakeMigHandle(device.position, index)
+
+    def nvmlDeviceIsMigDeviceHandle(self, device: FakeHandle | FakeMigHandle) -> bool:
+        self._enter("nvmlDeviceIsMigDeviceHandle")
+        return isinstance(device, FakeMigHandle)
+
+    def nvmlDeviceGetGpuInstanceId(self, device: FakeMigHandle) -> int:
+        if not isinstance(device, FakeMigHandle):
+            self._gpu("nvmlDeviceGetGpuInstanceId", device)
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)  # not a MIG device
+        self._mig("nvmlDeviceGetGpuInstanceId", device)
+        return gpu_instance_id(device.instance)
+
+    def nvmlDeviceGetComputeInstanceId(self, device: FakeMigHandle) -> int:
+        if not isinstance(device, FakeMigHandle):
+            self._gpu("nvmlDeviceGetComputeInstanceId", device)
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        self._mig("nvmlDeviceGetComputeInstanceId", device)
+        return 0
+
+    def nvmlDeviceGetAttributes(self, device: FakeMigHandle) -> FakeDeviceAttributes:
+        if not isinstance(device, FakeMigHandle):
+            self._gpu("nvmlDeviceGetAttributes", device)
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)  # the fake describes MIG devices only
+        _gpu, profile = self._mig("nvmlDeviceGetAttributes", device)
+        return FakeDeviceAttributes(profile.multiprocessors, profile.compute_slices, profile.compute_slices,
+                                    profile.memory_mib)
+
+    def nvmlDeviceGetGpuInstanceById(self, device: FakeHandle, id: int) -> FakeGpuInstance:
+        gpu = self._gpu("nvmlDeviceGetGpuInstanceById", device)
+        if not gpu.mig_enabled:
+            raise _error(pynvml.NVML_ERROR_NOT_FOUND)
+        for instance in range(len(gpu.mig_layout)):
+            if gpu_instance_id(instance) == id:
+                return FakeGpuInstance(device.position, instance)
+        raise _error(pynvml.NVML_ERROR_NOT_FOUND)
+
+    def nvmlGpuInstanceGetInfo(self, gpuInstance: FakeGpuInstance) -> FakeGpuInstanceInfo:
+        _gpu, profile = self._mig("nvmlGpuInstanceGetInfo", FakeMigHandle(gpuInstance.position, gpuInstance.instance))
+        start = self.hardware.gpus[gpuInstance.position].mig_layout[gpuInstance.instance][1]
+        return FakeGpuInstanceInfo(FakeHandle(gpuInstance.position), gpu_instance_id(gpuInstance.instance),
+                                   profile.profile_id, FakePlacement(start, profile.memory_slices))
 
     def nvmlDeviceGetTopologyCommonAncestor(self, device1: FakeHandle, device2: FakeHandle) -> int:
         first = self._gpu("nvmlDeviceGetTopologyCommonAncestor", device1)

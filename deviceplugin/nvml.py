@@ -24,6 +24,7 @@ GpuIsLost: type[pynvml.NVMLError] = pynvml.NVMLError_GpuIsLost
 LibraryNotFound: type[pynvml.NVMLError] = pynvml.NVMLError_LibraryNotFound
 Timeout: type[pynvml.NVMLError] = pynvml.NVMLError_Timeout
 InvalidArgument: type[pynvml.NVMLError] = pynvml.NVMLError_InvalidArgument
+NotFound: type[pynvml.NVMLError] = pynvml.NVMLError_NotFound
 #: errors meaning "this query is not available here"; callers degrade instead of failing
 UNAVAILABLE: tuple[type[pynvml.NVMLError], ...] = (NotSupported, FunctionNotFound)
 
@@ -106,6 +107,32 @@ class Nvml:
     def mig_enabled(self, handle: Any) -> bool:
         current, _pending = self.lib.nvmlDeviceGetMigMode(handle)
         return bool(current == pynvml.NVML_DEVICE_MIG_ENABLE)
+
+    # static MIG: the MIG devices of a GPU in MIG mode
+
+    def max_mig_devices(self, handle: Any) -> int:
+        return int(self.lib.nvmlDeviceGetMaxMigDeviceCount(handle))
+
+    def mig_device(self, handle: Any, index: int) -> Any:
+        """The MIG device at `index`; raises NotFound when there is none there."""
+        return self.lib.nvmlDeviceGetMigDeviceHandleByIndex(handle, index)
+
+    def gpu_instance_id(self, mig_handle: Any) -> int:
+        return int(self.lib.nvmlDeviceGetGpuInstanceId(mig_handle))
+
+    def compute_instance_id(self, mig_handle: Any) -> int:
+        return int(self.lib.nvmlDeviceGetComputeInstanceId(mig_handle))
+
+    def mig_attributes(self, mig_handle: Any) -> tuple[int, int, int, int]:
+        """(multiprocessors, GPU instance slices, compute instance slices, memory MiB) of a MIG device."""
+        attributes = self.lib.nvmlDeviceGetAttributes(mig_handle)
+        return (int(attributes.multiprocessorCount), int(attributes.gpuInstanceSliceCount),
+                int(attributes.computeInstanceSliceCount), int(attributes.memorySizeMB))
+
+    def gpu_instance_placement(self, handle: Any, gpu_instance: int) -> tuple[int, int, int]:
+        """(profile ID, start slot, size in slots) of a GPU's GPU instance."""
+        info = self.lib.nvmlGpuInstanceGetInfo(self.lib.nvmlDeviceGetGpuInstanceById(handle, gpu_instance))
+        return int(info.profileId), int(info.placement.start), int(info.placement.size)
 
     def nvlink_active(self, handle: Any, link: int) -> bool:
         return bool(self.lib.nvmlDeviceGetNvLinkState(handle, link) == pynvml.NVML_FEATURE_ENABLED)

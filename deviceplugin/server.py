@@ -30,15 +30,21 @@ API_VERSION = "v1beta1"
 KUBELET_SOCKET = "kubelet.sock"
 DEFAULT_KUBELET_DIR = "/var/lib/kubelet/device-plugins"
 DEFAULT_SOCKET_NAME = "kube-vgpu-nvidia-gpu.sock"
+
+
+def mig_socket_name(resource: str) -> str:
+    """The socket of a MIG resource's plugin: nvidia.com/mig-3g.20gb -> kube-vgpu-nvidia-mig-3g.20gb.sock ('+'
+    of a +me profile spelled 'me')."""
+    return "kube-vgpu-nvidia-" + resource.removeprefix("nvidia.com/").replace("+", "-") + ".sock"
 #: bounded calls to kubelet's Registration service
 REGISTER_TIMEOUT_SECONDS = 10.0
 #: worker threads: each ListAndWatch stream holds one while it is open
 MAX_WORKERS = 16
 
 
-def devices_message(state: DeviceState) -> pb.ListAndWatchResponse:
+def devices_message(state: DeviceState, resource: str = protocol.RESOURCE_GPU) -> pb.ListAndWatchResponse:
     devices = []
-    for device in state.advertised():
+    for device in state.advertised(resource):
         topology = None
         if device.numa_node is not None:
             topology = pb.TopologyInfo(nodes=[pb.NUMANode(ID=device.numa_node)])
@@ -63,10 +69,15 @@ def allocate_response(deliveries: list[ContainerDelivery]) -> pb.AllocateRespons
 
 
 class DevicePluginServicer(pb_grpc.DevicePluginServicer):
-    def __init__(self, state: DeviceState, allocator: Allocator, stop: threading.Event) -> None:
+    """The DevicePlugin service of one kubelet resource: nvidia.com/gpu (vGPU slots), or a MIG resource
+    nvidia.com/mig-<profile> (one device per MIG device of that profile; static MIG)."""
+
+    def __init__(self, state: DeviceState, allocator: Allocator, stop: threading.Event,
+                 resource: str = protocol.RESOURCE_GPU) -> None:
         self.state = state
         self.allocator = allocator
         self.stop = stop
+        self.resource = resource
 
     def GetDevicePluginOptions(self, request: pb.Empty, context: Any) -> pb.DevicePluginOptions:
         return pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
@@ -81,14 +92,14 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         if not context.add_callback(closed):
             return  # the RPC already ended
         generation = self.state.generation
-        yield devices_message(self.state)
+        yield devices_message(self.state, self.resource)
         while not (done.is_set() or self.stop.is_set()):
             current = self.state.wait_for_change(generation, 60.0, done, self.stop)
             if done.is_set() or self.stop.is_set():
                 break
             if current != generation:
                 generation = current
-                yield devices_message(self.state)
+                yield devices_message(self.state, self.resource)
 
     def GetPreferredAllocation(
         self, request: pb.PreferredAllocationRequest, context: Any
@@ -96,19 +107,20 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         responses = []
         for container in request.container_requests:
             chosen = self.allocator.preferred(
-                list(container.available_deviceIDs), list(container.must_include_deviceIDs), container.allocation_size
+                list(container.available_deviceIDs), list(container.must_include_deviceIDs), container.allocation_size,
+                self.resource,
             )
             responses.append(pb.ContainerPreferredAllocationResponse(deviceIDs=chosen))
         return pb.PreferredAllocationResponse(container_responses=responses)
 
     def Allocate(self, request: pb.AllocateRequest, context: Any) -> pb.AllocateResponse:
         requests = [list(container.devices_ids) for container in request.container_requests]
-        known = {device.id for device in self.state.advertised()}
+        known = {device.id for device in self.state.advertised(self.resource)}
         unknown = sorted({device for ids in requests for device in ids if device not in known})
         if unknown:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown device IDs: {', '.join(unknown[:5])}")
         try:
-            deliveries = self.allocator.allocate(requests)
+            deliveries = self.allocator.allocate(requests, self.resource)
         except AllocationError as exc:
             log.warning("Allocate refused: %s", exc)
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))

@@ -13,7 +13,7 @@ import logging
 import threading
 from dataclasses import dataclass
 
-from kube_vgpu.protocol import GpuInfo, NodeInventory
+from kube_vgpu.protocol import MIG_RESOURCE_PREFIX, RESOURCE_GPU, GpuInfo, MigDevice, NodeInventory
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,10 @@ class DeviceState:
 
     def __init__(self, inventory: NodeInventory) -> None:
         self._base = inventory
+        #: static MIG: MIG device UUID -> (its GPU, the device), for GPUs in MIG mode
+        self._mig: dict[str, tuple[GpuInfo, MigDevice]] = {
+            device.uuid: (gpu, device) for gpu in inventory.gpus if gpu.mig_mode for device in gpu.mig_devices
+        }
         self._unhealthy: dict[str, str] = {
             gpu.uuid: "unhealthy at discovery" for gpu in inventory.gpus if not gpu.healthy
         }
@@ -68,9 +72,27 @@ class DeviceState:
                 return gpu
         return None
 
+    def mig_device(self, uuid: str) -> tuple[GpuInfo, MigDevice] | None:
+        """A MIG device by its UUID, with the GPU it lives on."""
+        return self._mig.get(uuid)
+
+    def mig_resources(self) -> list[str]:
+        """The kubelet resources of the node's MIG devices, nvidia.com/mig-<profile>, sorted."""
+        return sorted({MIG_RESOURCE_PREFIX + device.profile for _gpu, device in self._mig.values()})
+
+    def capacity(self, uuid: str) -> tuple[int, int] | None:
+        """(MiB, cores) of a GPU or a MIG device (held whole: all of its compute); None when unknown here."""
+        gpu = self.gpu(uuid)
+        if gpu is not None:
+            return gpu.memory_mib, gpu.cores
+        mig = self._mig.get(uuid)
+        return (mig[1].memory_mib, mig[0].cores) if mig is not None else None
+
     def is_healthy(self, uuid: str) -> bool:
+        """A MIG device is as healthy as its GPU."""
+        mig = self._mig.get(uuid)
         with self._changed:
-            return uuid not in self._unhealthy
+            return (mig[0].uuid if mig is not None else uuid) not in self._unhealthy
 
     def unhealthy_reasons(self) -> dict[str, str]:
         with self._changed:
@@ -128,11 +150,19 @@ class DeviceState:
             )
         return dataclasses.replace(self._base, gpus=gpus)
 
-    def advertised(self) -> list[AdvertisedDevice]:
-        """Device IDs for kubelet. MIG-enabled GPUs are not advertised: the limiter cannot share them and the
-        extender never assigns them, so counting them would only make kubelet over-admit."""
+    def advertised(self, resource: str = RESOURCE_GPU) -> list[AdvertisedDevice]:
+        """Device IDs for kubelet, of one resource. nvidia.com/gpu: "<uuid>::<n>" per vGPU slot of each GPU not in
+        MIG mode (the limiter cannot share a GPU in MIG mode). nvidia.com/mig-<profile>: one ID per MIG device of
+        that profile, its UUID, as healthy as its GPU."""
         with self._changed:
             unhealthy = set(self._unhealthy)
+        if resource != RESOURCE_GPU:
+            profile = resource.removeprefix(MIG_RESOURCE_PREFIX)
+            return [
+                AdvertisedDevice(device.uuid, device.uuid, gpu.uuid not in unhealthy, gpu.numa_node)
+                for gpu, device in self._mig.values()
+                if device.profile == profile
+            ]
         return [
             AdvertisedDevice(device_id(gpu.uuid, replica), gpu.uuid, gpu.uuid not in unhealthy, gpu.numa_node)
             for gpu in self._base.gpus

@@ -524,6 +524,18 @@ class ClusterState:
                             }
                             for gpu in node.gpus
                         ],
+                        # static MIG: each MIG device and whether a pod holds it (only on nodes that have some)
+                        **({"migDevices": [
+                            {
+                                "uuid": device.uuid,
+                                "gpuIndex": device.index,
+                                "profile": device.mig_profile,
+                                "memoryMiB": device.memory_mib,
+                                "healthy": device.healthy,
+                                "held": device.used_vgpus > 0 or device.exclusive_holders > 0,
+                            }
+                            for device in node.mig_devices
+                        ]} if node.mig_devices else {}),
                     }
                 )
             assignments = [

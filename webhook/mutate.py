@@ -24,19 +24,25 @@ from kube_vgpu.kubeapi import InvalidObject, check_pod
 from kube_vgpu.protocol import (
     ADMISSION_MARK_VALUE,
     ANNOTATION_GANG_TIMEOUT_SECONDS,
+    ANNOTATION_GPU_POLICY,
     ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT,
+    ANNOTATION_NODE_POLICY,
     ENV_LD_PRELOAD,
     ENV_MEMORY_LIMIT_PREFIX,
     ENV_NVIDIA_VISIBLE_DEVICES,
     ENV_SHARED_CACHE,
     ENV_SM_LIMIT,
+    ENV_TASK_PRIORITY,
     GPU_RESOURCES,
     LABEL_COSCHEDULING_POD_GROUP,
     LABEL_KUEUE_POD_GROUP_NAME,
     LABEL_KUEUE_QUEUE_NAME,
     LIMITER_CACHE_VOLUME,
+    MIG_RESOURCE_PREFIX,
     POD_ADMITTED_ANNOTATION,
+    POLICY_NAMES,
     RESOURCE_GPU,
+    RESOURCE_TASK_PRIORITY,
     WORKLOAD_API_GROUP,
     WORKLOAD_API_VERSION,
     WORKLOAD_POD_GROUPS,
@@ -260,6 +266,7 @@ def admit_create(
         return ALLOW
     try:
         request = parse_pod_gpu_request(pod)
+        _check_policy_names(request)
     except InvalidGpuRequest as exc:
         return _deny(400, str(exc))
     if request.is_empty:  # every container asks for nvidia.com/gpu: 0
@@ -305,6 +312,18 @@ def admit_create(
             return _deny(403, refusal)
     decision.warnings.extend(_unread_gang_timeout(pod, decision))
     return decision
+
+
+def _check_policy_names(request: PodGpuRequest) -> None:
+    """A GPU pod naming a policy the extender does not know would fail every scheduling attempt: refused here
+    instead (InvalidGpuRequest)."""
+    if request.is_empty:
+        return
+    for key, name in ((ANNOTATION_GPU_POLICY, request.gpu_policy), (ANNOTATION_NODE_POLICY, request.node_policy)):
+        if name is not None and name not in POLICY_NAMES:
+            shown = repr(name) if len(name) <= 40 else repr(name[:40]) + "..."
+            known = ", ".join(POLICY_NAMES)
+            raise InvalidGpuRequest(f"annotation {key}: unknown policy {shown}; known policies: {known}")
 
 
 def _unread_gang_timeout(pod: dict[str, Any], decision: Decision) -> list[str]:
@@ -452,9 +471,10 @@ def mutate_gpu_pod(pod: dict[str, Any], request: PodGpuRequest, config: WebhookC
     gpu_containers = _gpu_containers(spec, request)
     for key, index, container, gpu in gpu_containers:
         base = ("spec", key, index)
-        _patch_resources(ops, container, base)
+        _patch_resources(ops, container, base, gpu)
         _patch_env(ops, warnings, container, gpu, base, config)
-        _patch_mounts(ops, warnings, container, gpu.name, base, mounts)
+        # no limiter library or /etc/ld.so.preload in a MIG container (see _patch_env), the cache volume alone
+        _patch_mounts(ops, warnings, container, gpu.name, base, mounts if gpu.mig_profile is None else mounts[:1])
     with_gpus = {(key, index) for key, index, _container, _gpu in gpu_containers}
     for key in ("initContainers", "containers"):
         for index, container in enumerate(spec.get(key) or ()):
@@ -522,16 +542,23 @@ def _patch_no_devices(
     _set(ops, container, "env", _pointer(*base, "env"), new_env)
 
 
-def _patch_resources(ops: list[dict[str, Any]], container: dict[str, Any], base: tuple[str | int, ...]) -> None:
+def _patch_resources(
+    ops: list[dict[str, Any]], container: dict[str, Any], base: tuple[str | int, ...], gpu: ContainerGpuRequest
+) -> None:
     """GPU limits and requests made equal (limits win, as in protocol); nvidia.com/gpu: 1 when only memory or cores
-    were given, so the device plugin's resource is what the scheduler and kubelet count."""
+    were given, so the device plugin's resource is what the scheduler and kubelet count. A MIG container keeps its
+    one MIG resource (the device plugin advertises it) and gets no nvidia.com/gpu."""
     resources = container.get("resources") or {}
     merged: dict[str, Any] = {}
     merged.update(resources.get("requests") or {})
     merged.update(resources.get("limits") or {})
-    wanted = {name: merged[name] for name in GPU_RESOURCES if name in merged}
-    wanted.setdefault(RESOURCE_GPU, "1")
-    wanted = {name: wanted[name] for name in GPU_RESOURCES if name in wanted}  # fixed order: stable patches
+    if gpu.mig_profile is not None:
+        mig_resource = MIG_RESOURCE_PREFIX + gpu.mig_profile
+        wanted = {mig_resource: merged[mig_resource]}
+    else:
+        wanted = {name: merged[name] for name in GPU_RESOURCES if name in merged}
+        wanted.setdefault(RESOURCE_GPU, "1")
+        wanted = {name: wanted[name] for name in GPU_RESOURCES if name in wanted}  # fixed order: stable patches
     if not container.get("resources"):
         _set(ops, container, "resources", _pointer(*base, "resources"), {"limits": wanted, "requests": dict(wanted)})
         return
@@ -540,13 +567,18 @@ def _patch_resources(ops: list[dict[str, Any]], container: dict[str, Any], base:
         if not current:
             _set(ops, resources, section, _pointer(*base, "resources", section), dict(wanted))
             continue
+        # HAMi's task priority is no resource a node advertises (kube-scheduler would keep the pod Pending with
+        # "Insufficient nvidia.com/priority"): it becomes the limiter's env (_desired_env) and leaves the resources
+        if RESOURCE_TASK_PRIORITY in current:
+            ops.append({"op": "remove", "path": _pointer(*base, "resources", section, RESOURCE_TASK_PRIORITY)})
         for name, value in wanted.items():
             if current.get(name) != value:
                 _set(ops, current, name, _pointer(*base, "resources", section, name), value)
 
 
 def _desired_env(gpu: ContainerGpuRequest, config: WebhookConfig) -> dict[str, str]:
-    env = {ENV_SM_LIMIT: str(gpu.cores)}  # 0 = no compute limit
+    # 0 = no compute limit; a MIG device is isolated by the hardware, so the limiter (still loaded) limits nothing
+    env = {ENV_SM_LIMIT: "0" if gpu.mig_profile is not None else str(gpu.cores)}
     if gpu.memory_mib is not None:
         # "<MiB>m": a bare number would be read as bytes. Percentages are resolved by the device plugin, which
         # alone knows which GPU (and so how much memory) the container got.
@@ -554,6 +586,8 @@ def _desired_env(gpu: ContainerGpuRequest, config: WebhookConfig) -> dict[str, s
             env[f"{ENV_MEMORY_LIMIT_PREFIX}{index}"] = f"{gpu.memory_mib}m"
     # Per container: the limiter's processes in one container share this file; containers must not.
     env[ENV_SHARED_CACHE] = f"{config.cache_dir}/{gpu.name}.cache"
+    if gpu.task_priority is not None:  # HAMi's nvidia.com/priority, as HAMi's webhook passes it
+        env[ENV_TASK_PRIORITY] = str(gpu.task_priority)
     return env
 
 
@@ -566,7 +600,10 @@ def _patch_env(
     config: WebhookConfig,
 ) -> None:
     desired = _desired_env(gpu, config)
-    library = config.limiter_library_path if config.limiter_mode in _LD_PRELOAD_ENV_MODES else None
+    # a MIG device is isolated by the hardware: the limiter is not loaded into a MIG container (a pod-set LD_PRELOAD
+    # then stays the pod's own)
+    preload = config.limiter_mode in _LD_PRELOAD_ENV_MODES and gpu.mig_profile is None
+    library = config.limiter_library_path if preload else None
     env: list[dict[str, Any]] = container.get("env") or []
     new_env: list[dict[str, Any]] = []
     overridden: list[str] = []  # names whose pod-supplied entry was replaced or dropped

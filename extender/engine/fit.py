@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kube_vgpu.extender.engine.mig import choose_mig_devices
 from kube_vgpu.extender.engine.model import (
     ContainerPlacement,
     FitFailure,
@@ -86,10 +87,21 @@ def _place_container(
     scratch: Scratch,
     gpu_policy: Policy,
 ) -> list[tuple[int, int, int]] | FitFailure:
+    if container.mig_profile is not None:
+        return _place_mig_container(node, request, container, scratch)
     candidates: Sequence[GpuState] | None = fitting_gpus(node, container, request, scratch)
     assert candidates is not None
     if len(candidates) < container.count:
         return explain_failure(node, request, container, scratch, len(candidates))
+    if gpu_policy.only_idle_gpus:
+        candidates = [gpu for gpu in candidates if gpu.used_vgpus + scratch.vgpus[gpu.position] == 0]
+        if len(candidates) < container.count:
+            plural = "GPU" if container.count == 1 else "GPUs"
+            return FitFailure(
+                f"container {container.name}: needs {container.count} idle {plural} (GPU policy {gpu_policy.name} "
+                f"takes no GPU another vGPU uses), {len(candidates)} idle with room for it",
+                code="exclusive",
+            )
     if request.gpu.selectors.numa_bind and container.count > 1:
         candidates = _numa_group(candidates, container.count)
         if candidates is None:
@@ -110,6 +122,24 @@ def _place_container(
         if container.cores >= gpu.cores:
             scratch.exclusive[position] = True
         devices.append((position, memory, cores))
+    return devices
+
+
+def _place_mig_container(
+    node: NodeState, request: PlacementRequest, container: ContainerGpuRequest, scratch: Scratch
+) -> list[tuple[int, int, int]] | FitFailure:
+    """Static MIG: `container.count` free MIG devices of its profile (engine/mig.py chooses), each held whole."""
+    chosen = choose_mig_devices(node, container, request.gpu.selectors, scratch)
+    if isinstance(chosen, FitFailure):
+        return FitFailure(f"container {container.name}: {chosen.reason}", chosen.unresolvable, chosen.code)
+    devices = []
+    for device in chosen:
+        position = device.position
+        scratch.memory_mib[position] += device.memory_mib
+        scratch.cores[position] += device.cores
+        scratch.vgpus[position] += 1
+        scratch.exclusive[position] = True
+        devices.append((position, device.memory_mib, device.cores))
     return devices
 
 
@@ -136,7 +166,7 @@ def place(
         return Placement(node.name, (), (), node_policy.score(node, request, placement))
     if not node.gpus:
         return FitFailure("no GPUs (no kube-vgpu GPU inventory on this node)", True, "no-gpus")
-    size = len(node.gpus)
+    size = len(node.devices)  # GPUs, then MIG devices
     containers = gpu_request.containers
     init_placed: list[ContainerPlacement] = []
     running = Scratch(size)  # the sidecars started so far: they keep their GPUs

@@ -19,6 +19,7 @@ from kube_vgpu.protocol import (
     DeviceShare,
     GpuInfo,
     GpuLink,
+    MigDevice,
     NodeInventory,
     PodAssignment,
     PodGpuRequest,
@@ -49,6 +50,8 @@ class GpuState:
         "max_vgpus",
         "memory_mib",
         "mig_mode",
+        "mig_parent",
+        "mig_profile",
         "model",
         "model_lower",
         "numa_node",
@@ -76,6 +79,21 @@ class GpuState:
         self.used_vgpus = 0
         # pods that reached the GPU without kube-vgpu (reported by the device plugin) hold it entirely
         self.exclusive_holders = 1 if info.external_pods else 0
+        self.mig_profile: str | None = None  # set on a MIG device (mig_device)
+        self.mig_parent: int | None = None  # a MIG device's GPU (its position)
+
+    @classmethod
+    def mig_device(cls, parent: GpuInfo, parent_position: int, device: MigDevice, position: int) -> GpuState:
+        """One MIG device of a GPU in MIG mode, as a unit of its own: held whole by one container (one slot, the
+        whole compute), never offered to vGPUs (mig_mode), healthy and held by outside pods as its GPU is."""
+        unit = cls(parent, position)
+        unit.uuid = device.uuid
+        unit.memory_mib = device.memory_mib
+        unit.cores = CORES_PER_GPU
+        unit.max_vgpus = 1
+        unit.mig_profile = device.profile
+        unit.mig_parent = parent_position
+        return unit
 
     @property
     def free_memory_mib(self) -> int:
@@ -139,8 +157,9 @@ def peak_usage(node: NodeState, phases: Iterable[Iterable[tuple[int, int, int]]]
     (GPU position, memory MiB, cores) of every vGPU running then. A vGPU with the GPU's whole compute is exclusive.
 
     The one phase peak of the extender: placement computes a pod's usage with it, and the cluster state applies the
-    same to the written assignment, so a placement and its assignment always count the same after a restart."""
-    gpus = node.gpus
+    same to the written assignment, so a placement and its assignment always count the same after a restart.
+    Positions address node.devices (a MIG device is held whole: its one slot and its whole compute)."""
+    gpus = node.devices
     peak: dict[int, list[int]] = {}  # position -> [memory, cores, shares, exclusive]
     for phase in phases:
         totals: dict[int, list[int]] = {}
@@ -218,6 +237,7 @@ class NodeState:
     __slots__ = (
         "cpu_milli_total",
         "cpu_milli_used",
+        "devices",
         "fit_cache",
         "free_milli_cache",
         "gpu_by_uuid",
@@ -233,6 +253,7 @@ class NodeState:
         "link_matrix",
         "memory_mib_total",
         "memory_mib_used",
+        "mig_devices",
         "models_lower",
         "name",
         "pod_kinds",
@@ -265,6 +286,11 @@ class NodeState:
         # the gpu-clustering policy groups pods of one kind on the same nodes)
         self.pod_kinds: dict[str, int] = {}
         self.gpus: list[GpuState] = []
+        #: static MIG: the MIG devices of the GPUs in MIG mode, positioned after the GPUs; `devices` is both lists,
+        #: indexed by position (usage, scratch and assignments address either kind). Everything that measures the
+        #: node's GPUs (totals, fragmentation, policies) reads `gpus` alone.
+        self.mig_devices: list[GpuState] = []
+        self.devices: list[GpuState] = []
         self.gpu_by_uuid: dict[str, GpuState] = {}
         self.link_matrix: list[list[int]] = []
         self.inventory_external: dict[str, tuple[str, ...]] = {}
@@ -276,7 +302,14 @@ class NodeState:
         gpus_info = sorted(inventory.gpus, key=lambda g: g.index) if inventory else []
         self.pod_kinds = {}  # reservations are re-applied by the caller, kinds with them
         self.gpus = [GpuState(info, position) for position, info in enumerate(gpus_info)]
-        self.gpu_by_uuid = {gpu.uuid: gpu for gpu in self.gpus}
+        self.mig_devices = []
+        for parent_position, info in enumerate(gpus_info):
+            if info.mig_mode:
+                for device in sorted(info.mig_devices, key=lambda d: d.start):
+                    position = len(self.gpus) + len(self.mig_devices)
+                    self.mig_devices.append(GpuState.mig_device(info, parent_position, device, position))
+        self.devices = self.gpus + self.mig_devices
+        self.gpu_by_uuid = {gpu.uuid: gpu for gpu in self.devices}
         position_of_index = {gpu.index: gpu.position for gpu in self.gpus}
         size = len(self.gpus)
         matrix = [[0] * size for _ in range(size)]
@@ -311,7 +344,9 @@ class NodeState:
         for name in NodeState.__slots__:
             setattr(twin, name, getattr(self, name))
         twin.gpus = [gpu.copy() for gpu in self.gpus]
-        twin.gpu_by_uuid = {gpu.uuid: gpu for gpu in twin.gpus}
+        twin.mig_devices = [device.copy() for device in self.mig_devices]
+        twin.devices = twin.gpus + twin.mig_devices
+        twin.gpu_by_uuid = {gpu.uuid: gpu for gpu in twin.devices}
         twin.pod_kinds = dict(self.pod_kinds)
         twin.fit_cache = {}
         twin.free_milli_cache = None
@@ -325,8 +360,8 @@ class NodeState:
         self.free_milli_cache = None
 
     def apply_usage(self, usage: tuple[GpuUsage, ...], sign: int = 1) -> None:
-        """Add (sign=1) or remove (sign=-1) a pod's usage."""
-        gpus = self.gpus
+        """Add (sign=1) or remove (sign=-1) a pod's usage (on GPUs and MIG devices)."""
+        gpus = self.devices
         for item in usage:
             gpu = gpus[item.position]
             gpu.used_memory_mib += sign * item.memory_mib
@@ -334,7 +369,9 @@ class NodeState:
             gpu.used_vgpus += sign * item.vgpus
             if item.exclusive:
                 gpu.exclusive_holders += sign
-        kind = usage_kind(usage)
+        gpu_count = len(self.gpus)  # a pod's kind (clustering) is its GPU shares' kind, MIG devices aside
+        kind = usage_kind(usage if all(u.position < gpu_count for u in usage)
+                          else tuple(u for u in usage if u.position < gpu_count))
         if kind is not None:
             count = self.pod_kinds.get(kind, 0) + sign
             if count > 0:
@@ -371,7 +408,7 @@ def assignment_from_placement(node: NodeState, placement: Placement) -> PodAssig
                 init=container.request.init,
                 sidecar=container.request.sidecar,
                 devices=tuple(
-                    DeviceShare(node.gpus[position].uuid, memory, cores)
+                    DeviceShare(node.devices[position].uuid, memory, cores)
                     for position, memory, cores in container.devices
                 ),
             )

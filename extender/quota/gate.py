@@ -518,13 +518,15 @@ class QuotaGate:
                        f"--quota-check-strategy IgnoreUndeclared", waiting=False)
 
     def _signature(self, node: NodeState) -> int:
-        """An id for the (model, MiB, cores) set of the node's usable GPUs: what request_usage_on reads when the
-        pod has no GPU selectors. Cached per inventory text (it changes only with the hardware or its health)."""
+        """An id for the (model, MiB, cores) set of the node's usable GPUs and the (profile, MiB) set of its MIG
+        devices: what request_usage_on reads when the pod has no GPU selectors. Cached per inventory text (it changes
+        only with the hardware or its health)."""
         found = self._signatures.get(node.inventory_text)
         if found is None:
             if len(self._signatures) > 100_000:  # bounded: old inventories of replaced nodes
                 self._signatures.clear()
-            shape = frozenset((g.model_lower, g.memory_mib, g.cores) for g in node.gpus if g.schedulable)
+            shape = frozenset((g.model_lower, g.memory_mib, g.cores) for g in node.gpus if g.schedulable) | frozenset(
+                (f"mig {d.mig_profile}", d.memory_mib, 0) for d in node.mig_devices)
             found = self._signatures[node.inventory_text] = self._signature_ids.setdefault(
                 shape, len(self._signature_ids))
         return found

@@ -127,6 +127,15 @@ def request_usage_on(request: PodGpuRequest, node: NodeState) -> dict[str, int]:
     for phase in request.phases:
         count = memory_mib = cores = charged_cores = 0
         for container in phase:
+            if container.mig_profile is not None:
+                # a MIG device counts as one GPU with its memory and its whole compute, as its assignment will
+                per_memory = max((d.memory_mib for d in node.mig_devices if d.mig_profile == container.mig_profile),
+                                 default=0)
+                count += container.count
+                memory_mib += container.count * per_memory
+                cores += container.count * protocol.CORES_PER_GPU
+                charged_cores += container.count * protocol.CORES_PER_GPU
+                continue
             per_memory = container.memory_mib if container.memory_mib is not None else max(
                 (container.memory_on(g.memory_mib) for g in eligible), default=0)
             per_cores = max((g.cores if container.cores >= g.cores else container.cores for g in eligible),
@@ -160,11 +169,12 @@ DECLARED_BY = {
 def named_gpu_resources(request: PodGpuRequest) -> list[str]:
     """The GPU resources the pod's containers name (what Kueue reads from the pod spec), in DECLARED_BY order."""
     containers = [c for c in request.containers if c.count > 0]
+    shares = [c for c in containers if c.mig_profile is None]  # a MIG container names its device as one GPU only
     named = {
         protocol.RESOURCE_GPU: bool(containers),
-        protocol.RESOURCE_GPU_MEMORY: any(c.memory_mib is not None for c in containers),
-        protocol.RESOURCE_GPU_MEMORY_PERCENTAGE: any(c.memory_percent is not None for c in containers),
-        protocol.RESOURCE_GPU_CORES: any(c.cores > 0 for c in containers),
+        protocol.RESOURCE_GPU_MEMORY: any(c.memory_mib is not None for c in shares),
+        protocol.RESOURCE_GPU_MEMORY_PERCENTAGE: any(c.memory_percent is not None for c in shares),
+        protocol.RESOURCE_GPU_CORES: any(c.cores > 0 for c in shares),
     }
     return [resource for resource in DECLARED_BY if named[resource]]
 

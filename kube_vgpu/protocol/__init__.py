@@ -20,6 +20,7 @@ from typing import Any, Protocol, TypeVar
 import orjson
 
 from kube_vgpu import kubeapi
+from kube_vgpu.protocol import mig as mig_tables
 
 # ---------------------------------------------------------------------------------------------
 # Names
@@ -43,6 +44,13 @@ RESOURCE_GPU_MEMORY = "nvidia.com/gpumem"  # MiB per vGPU
 RESOURCE_GPU_MEMORY_PERCENTAGE = "nvidia.com/gpumem-percentage"  # % of the GPU's memory per vGPU
 RESOURCE_GPU_CORES = "nvidia.com/gpucores"  # % of one GPU's compute per vGPU; 100 = exclusive
 GPU_RESOURCES = (RESOURCE_GPU, RESOURCE_GPU_MEMORY, RESOURCE_GPU_MEMORY_PERCENTAGE, RESOURCE_GPU_CORES)
+#: HAMi's task priority of a container's vGPUs (0 = high, 1 = low), read by the limiter as ENV_TASK_PRIORITY. Not a
+#: resource any node advertises: the webhook turns it into that env and removes it from the container's resources.
+RESOURCE_TASK_PRIORITY = "nvidia.com/priority"
+TASK_PRIORITY_HIGH = 0
+TASK_PRIORITY_LOW = 1
+#: NVIDIA's mixed-strategy MIG resources: nvidia.com/mig-<profile>, e.g. nvidia.com/mig-3g.20gb.
+MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
 
 # Selector / policy annotations of the HAMi-compatible pod API.
 ANNOTATION_USE_GPU_TYPE = "nvidia.com/use-gputype"
@@ -52,6 +60,21 @@ ANNOTATION_NOUSE_GPU_UUID = "nvidia.com/nouse-gpuuuid"
 ANNOTATION_NUMA_BIND = "nvidia.com/numa-bind"
 ANNOTATION_GPU_POLICY = "hami.io/gpu-scheduler-policy"
 ANNOTATION_NODE_POLICY = "hami.io/node-scheduler-policy"
+#: HAMi's per-pod sharing mode: "hami-core" (the in-container limiter, what kube-vgpu does), "mig", "mps".
+ANNOTATION_VGPU_MODE = "nvidia.com/vgpu-mode"
+VGPU_MODE_HAMI_CORE = "hami-core"
+
+#: The placement policies of the extender's registry (extender/engine/policies/registry.py; a test keeps the two
+#: equal), for the webhook, which must refuse a name the extender would not know without importing the extender.
+POLICY_NAMES = (
+    "bestfit", "bfgd", "binpack", "clustering", "dotprod", "fgd", "mutex", "packing", "random", "spread", "topology",
+)
+#: HAMi's policy names that mean one of ours: topology-aware picks the best-connected GPUs, as `topology` does.
+POLICY_ALIASES = {"topology-aware": "topology"}
+#: HAMi's GPU policies kube-vgpu does not implement, each with what to write instead (refused at admission).
+UNSUPPORTED_HAMI_POLICIES = {
+    "numa": 'for GPUs of one NUMA node, set the annotation nvidia.com/numa-bind: "true"',
+}
 
 # GPU node labels in the style of NVIDIA's GPU feature discovery, which people already query.
 LABEL_GPU_PRODUCT = "nvidia.com/gpu.product"
@@ -67,6 +90,7 @@ ENV_SHARED_CACHE = "CUDA_DEVICE_MEMORY_SHARED_CACHE"
 LIMITER_CACHE_VOLUME = "kube-vgpu-cache"
 ENV_NVIDIA_VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
 ENV_CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+ENV_TASK_PRIORITY = "CUDA_TASK_PRIORITY"  # 0 = high, 1 = low (HAMi-core's default when unset)
 
 #: Compute units of one physical GPU (gpucores are percent of one GPU).
 CORES_PER_GPU = 100
@@ -185,6 +209,20 @@ class GpuLink:
 
 
 @dataclass(frozen=True, slots=True)
+class MigDevice:
+    """One MIG device (a GPU instance with its compute instance) of a GPU in MIG mode, as NVML describes it."""
+
+    uuid: str  # "MIG-...": what NVIDIA_VISIBLE_DEVICES takes
+    profile: str  # e.g. "3g.20gb", the <profile> of the resource nvidia.com/mig-<profile>
+    gpu_instance: int  # NVML's GPU instance ID
+    compute_instance: int  # NVML's compute instance ID within it
+    memory_mib: int
+    multiprocessors: int
+    start: int  # first memory slot (of protocol.mig.MIG_MEMORY_SLOTS) the GPU instance occupies
+    size: int  # memory slots it occupies
+
+
+@dataclass(frozen=True, slots=True)
 class GpuInfo:
     uuid: str
     index: int
@@ -201,6 +239,10 @@ class GpuInfo:
     #: the node another way). Consumers must treat such a GPU as fully used. Encoded only when non-empty, so
     #: inventories without such pods stay byte-identical to earlier v1 producers.
     external_pods: tuple[str, ...] = ()
+    #: Static MIG (issue 16): the MIG devices of a GPU in MIG mode. Encoded only when non-empty ("migDevices"), so
+    #: inventories without MIG stay byte-identical to earlier v1 producers, and an older reader, which ignores the
+    #: field, keeps never using a GPU in MIG mode.
+    mig_devices: tuple[MigDevice, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,6 +298,9 @@ def encode_inventory(inventory: NodeInventory) -> str:
                 "mig": gpu.mig_mode,
                 "links": [[link.peer_index, link.nvlinks, link.via_nvswitch, link.pcie.value] for link in gpu.links],
                 **({"external": list(gpu.external_pods)} if gpu.external_pods else {}),
+                **({"migDevices": [[m.uuid, m.profile, m.gpu_instance, m.compute_instance, m.memory_mib,
+                                    m.multiprocessors, m.start, m.size] for m in gpu.mig_devices]}
+                   if gpu.mig_devices else {}),
             }
             for gpu in inventory.gpus
         ],
@@ -342,6 +387,8 @@ def decode_inventory(text: str) -> NodeInventory:  # noqa: C901
         max_vgpus = _require(raw, "maxShares", int, where)
         if memory_mib <= 0 or cores <= 0 or max_vgpus <= 0:
             raise ProtocolError(f"{where}: memoryMiB, cores and maxShares must be positive")
+        mig_mode = _require(raw, "mig", bool, where)
+        mig_devices = _decode_mig_devices(raw.get("migDevices", []), where, mig_mode, memory_mib, seen_uuids)
         gpus.append(
             GpuInfo(
                 uuid=uuid,
@@ -353,9 +400,10 @@ def decode_inventory(text: str) -> NodeInventory:  # noqa: C901
                 numa_node=numa,
                 pci_bus_id=_require(raw, "pciBusId", str, where),
                 healthy=_require(raw, "healthy", bool, where),
-                mig_mode=_require(raw, "mig", bool, where),
+                mig_mode=mig_mode,
                 links=tuple(links),
                 external_pods=tuple(external),
+                mig_devices=mig_devices,
             )
         )
     for position, gpu in enumerate(gpus):
@@ -365,6 +413,59 @@ def decode_inventory(text: str) -> NodeInventory:  # noqa: C901
                     f"inventory gpus[{position}]: link to GPU {link.peer_index}, which is not on this node"
                 )
     return NodeInventory(gpus=tuple(gpus), version=version)
+
+
+#: MIG memory slots of a GPU (protocol.mig.MIG_MEMORY_SLOTS; repeated here so decoding needs no table)
+_MIG_SLOTS = 8
+#: NVML numbers GPU and compute instances below this
+_MAX_MIG_INSTANCE_ID = 1023
+
+
+def _decode_mig_devices(
+    raw: Any, where: str, mig_mode: bool, gpu_memory_mib: int, seen_uuids: set[str]
+) -> tuple[MigDevice, ...]:
+    """A GPU's "migDevices": [[uuid, profile, gpuInstance, computeInstance, memoryMiB, multiprocessors, start, size]].
+    Only a GPU in MIG mode has them; UUIDs are unique on the node (GPUs' included); two devices never share a
+    memory slot or a (GPU instance, compute instance) pair."""
+    if not isinstance(raw, list):
+        raise ProtocolError(f"{where}: field 'migDevices' must be a list")
+    if raw and not mig_mode:
+        raise ProtocolError(f"{where}: lists MIG devices but is not in MIG mode ('mig' is false)")
+    devices = []
+    slots: dict[int, str] = {}
+    instances: set[tuple[int, int]] = set()
+    for position, item in enumerate(raw):
+        item_where = f"{where} migDevices[{position}]"
+        if not (isinstance(item, list) and len(item) == 8):
+            raise ProtocolError(
+                f"{item_where}: must be [uuid, profile, gpuInstance, computeInstance, memoryMiB, multiprocessors, "
+                "start, size]"
+            )
+        uuid, profile, gpu_instance, compute_instance, memory_mib, multiprocessors, start, size = item
+        if not isinstance(uuid, str) or not uuid:
+            raise ProtocolError(f"{item_where}: the UUID must be a non-empty string")
+        if uuid in seen_uuids:
+            raise ProtocolError(f"{item_where}: duplicate UUID {uuid}")
+        seen_uuids.add(uuid)
+        if not isinstance(profile, str) or not re.fullmatch(r"[1-7]g\.[0-9]+gb(\+me)?", profile):
+            raise ProtocolError(f"{item_where}: profile {profile!r} is not a MIG profile name like 3g.20gb")
+        gpu_instance = _integer(gpu_instance, item_where, "gpuInstance", 0, _MAX_MIG_INSTANCE_ID)
+        compute_instance = _integer(compute_instance, item_where, "computeInstance", 0, _MAX_MIG_INSTANCE_ID)
+        if (gpu_instance, compute_instance) in instances:
+            raise ProtocolError(f"{item_where}: GPU instance {gpu_instance} compute instance {compute_instance} "
+                                "is described twice")
+        instances.add((gpu_instance, compute_instance))
+        memory_mib = _integer(memory_mib, item_where, "memoryMiB", 1, gpu_memory_mib)
+        multiprocessors = _integer(multiprocessors, item_where, "multiprocessors", 1, 1024)
+        start = _integer(start, item_where, "start", 0, _MIG_SLOTS - 1)
+        size = _integer(size, item_where, "size", 1, _MIG_SLOTS - start)
+        for slot in range(start, start + size):
+            if slot in slots:
+                raise ProtocolError(f"{item_where}: memory slot {slot} is also used by {slots[slot]}")
+            slots[slot] = uuid
+        devices.append(MigDevice(uuid, profile, gpu_instance, compute_instance, memory_mib, multiprocessors, start,
+                                 size))
+    return tuple(devices)
 
 
 def format_heartbeat(moment: _dt.datetime) -> str:
@@ -647,6 +748,11 @@ class ContainerGpuRequest:
     #: a native sidecar: an init container with restartPolicy Always (init is True too). kubelet starts it in init
     #: order and it keeps running, beside every later init container and the app containers.
     sidecar: bool = False
+    #: HAMi's nvidia.com/priority (TASK_PRIORITY_HIGH or TASK_PRIORITY_LOW); None when the container does not set it
+    task_priority: int | None = None
+    #: static MIG: the container asks for `count` MIG devices of this profile (nvidia.com/mig-<profile>), each held
+    #: whole (cores is CORES_PER_GPU, memory the device's); None for vGPUs
+    mig_profile: str | None = None
 
     @property
     def exclusive(self) -> bool:
@@ -754,6 +860,11 @@ class PodGpuRequest:
     def is_empty(self) -> bool:
         return not self.containers
 
+    @property
+    def mig_containers(self) -> tuple[ContainerGpuRequest, ...]:
+        """The containers asking for MIG devices (static MIG)."""
+        return tuple(c for c in self.containers if c.mig_profile is not None)
+
 
 def _shown(text: str, limit: int = 80) -> str:
     """A value quoted in a message, cut short: a hostile 5000-digit quantity must not become a 5000-character
@@ -829,14 +940,37 @@ def _parse_gpu_memory_mib(value: Any, what: str) -> int:
     return memory_mib
 
 
+def mig_resources(resources: Iterable[str]) -> list[str]:
+    """The MIG resources (nvidia.com/mig-<profile>) among resource names, sorted."""
+    return sorted(name for name in resources if isinstance(name, str) and name.startswith(MIG_RESOURCE_PREFIX))
+
+
+def _parse_task_priority(value: Any, what: str) -> int:
+    priority = parse_count_quantity(value, what=what)
+    if priority not in (TASK_PRIORITY_HIGH, TASK_PRIORITY_LOW):
+        raise InvalidGpuRequest(
+            f"{what} must be {TASK_PRIORITY_HIGH} (high priority) or {TASK_PRIORITY_LOW} (low priority), got {priority}"
+        )
+    return priority
+
+
 def parse_container_request(container: Mapping[str, Any], *, init: bool) -> ContainerGpuRequest | None:
     """The container's GPU request, or None when it asks for no GPU resource. An init container with
     restartPolicy Always is a native sidecar."""
     name = str(container.get("name", "?"))
     resources = _container_resources(container)
-    if not any(key in resources for key in GPU_RESOURCES):
-        return None
     prefix = f"container {name}: "
+    mig = mig_resources(resources)
+    if mig:
+        return _parse_mig_request(name, resources, mig, init=init, sidecar=init and kubeapi.is_sidecar(container))
+    asks = any(key in resources for key in GPU_RESOURCES)
+    if RESOURCE_TASK_PRIORITY in resources and not asks:
+        raise InvalidGpuRequest(
+            f"{prefix}{RESOURCE_TASK_PRIORITY} is the priority of a container's vGPUs, and this container asks for "
+            f"none: add {RESOURCE_GPU} (or {RESOURCE_GPU_MEMORY} / {RESOURCE_GPU_CORES}) or remove it"
+        )
+    if not asks:
+        return None
     count = parse_count_quantity(resources.get(RESOURCE_GPU, 1), what=prefix + RESOURCE_GPU)
     memory_mib = memory_percent = None
     if RESOURCE_GPU_MEMORY in resources:
@@ -845,7 +979,9 @@ def parse_container_request(container: Mapping[str, Any], *, init: bool) -> Cont
         memory_percent = parse_count_quantity(
             resources[RESOURCE_GPU_MEMORY_PERCENTAGE], what=prefix + RESOURCE_GPU_MEMORY_PERCENTAGE
         )
-        if not 1 <= memory_percent <= 100:
+        if memory_percent == 0:  # as in HAMi: 0 is "not set" (gpumem, else the whole GPU's memory)
+            memory_percent = None
+        elif memory_percent > 100:
             raise InvalidGpuRequest(
                 f"{prefix}{RESOURCE_GPU_MEMORY_PERCENTAGE} must be between 1 and 100, got {memory_percent}"
             )
@@ -856,9 +992,14 @@ def parse_container_request(container: Mapping[str, Any], *, init: bool) -> Cont
     cores = parse_count_quantity(resources.get(RESOURCE_GPU_CORES, 0), what=prefix + RESOURCE_GPU_CORES)
     if cores > CORES_PER_GPU:
         raise InvalidGpuRequest(f"{prefix}{RESOURCE_GPU_CORES} must be between 0 and 100, got {cores}")
+    task_priority = None
+    if RESOURCE_TASK_PRIORITY in resources:
+        task_priority = _parse_task_priority(resources[RESOURCE_TASK_PRIORITY], prefix + RESOURCE_TASK_PRIORITY)
     if count == 0:
         if memory_mib is not None or memory_percent is not None or RESOURCE_GPU_CORES in resources:
             raise InvalidGpuRequest(f"{prefix}{RESOURCE_GPU} is 0 but GPU memory or cores are requested")
+        if task_priority is not None:
+            raise InvalidGpuRequest(f"{prefix}{RESOURCE_GPU} is 0 but {RESOURCE_TASK_PRIORITY} is set")
         return None
     return ContainerGpuRequest(
         name=name,
@@ -868,7 +1009,40 @@ def parse_container_request(container: Mapping[str, Any], *, init: bool) -> Cont
         cores=cores,
         init=init,
         sidecar=init and kubeapi.is_sidecar(container),
+        task_priority=task_priority,
     )
+
+
+_MIG_PROFILE = re.compile(r"[1-7]g\.[0-9]{1,4}gb(\+me)?")
+
+
+def _parse_mig_request(
+    name: str, resources: Mapping[str, Any], mig: list[str], *, init: bool, sidecar: bool
+) -> ContainerGpuRequest | None:
+    """A container asking for MIG devices (nvidia.com/mig-<profile>: N): one profile, no vGPU resources beside it."""
+    prefix = f"container {name}: "
+    if len(mig) > 1:
+        raise InvalidGpuRequest(f"{prefix}asks for several MIG profiles ({', '.join(mig)}); kube-vgpu places one "
+                                "MIG profile per container: split it into containers")
+    (resource,) = mig
+    vgpu = [key for key in (*GPU_RESOURCES, RESOURCE_TASK_PRIORITY) if key in resources]
+    if vgpu:
+        raise InvalidGpuRequest(f"{prefix}asks for {resource} and {', '.join(vgpu)}: a container gets either MIG "
+                                "devices or vGPU shares, not both")
+    profile = resource[len(MIG_RESOURCE_PREFIX):]
+    if not _MIG_PROFILE.fullmatch(profile):
+        raise InvalidGpuRequest(f"{prefix}{_shown(resource)} is not a MIG resource like nvidia.com/mig-3g.20gb")
+    if profile.endswith("+me"):
+        raise InvalidGpuRequest(f"{prefix}{resource}: media-extension MIG devices are offered under their plain "
+                                f"profile, ask for {MIG_RESOURCE_PREFIX}{profile.removesuffix('+me')}")
+    if profile not in mig_tables.MIG_PROFILE_NAMES:
+        raise InvalidGpuRequest(f"{prefix}{resource}: kube-vgpu places the MIG profiles of A100 40GB/80GB, H100 80GB "
+                                f"and H200 141GB ({', '.join(mig_tables.MIG_PROFILE_NAMES)}), not {profile}")
+    count = parse_count_quantity(resources[resource], what=prefix + resource)
+    if count == 0:
+        return None
+    return ContainerGpuRequest(name=name, count=count, cores=CORES_PER_GPU, init=init, sidecar=sidecar,
+                               mig_profile=profile)
 
 
 def parse_pod_gpu_request(pod: Mapping[str, Any]) -> PodGpuRequest:
@@ -889,22 +1063,79 @@ def parse_pod_gpu_request(pod: Mapping[str, Any]) -> PodGpuRequest:
         nouse_uuids=_annotation_list(annotations, ANNOTATION_NOUSE_GPU_UUID, lower=False),
         numa_bind=str(annotations.get(ANNOTATION_NUMA_BIND, "")).lower() == "true",
     )
+    _check_vgpu_mode(annotations)
     return PodGpuRequest(
         containers=tuple(containers),
         selectors=selectors,
-        gpu_policy=annotations.get(ANNOTATION_GPU_POLICY) or None,
-        node_policy=annotations.get(ANNOTATION_NODE_POLICY) or None,
+        gpu_policy=_policy_annotation(annotations, ANNOTATION_GPU_POLICY),
+        node_policy=_policy_annotation(annotations, ANNOTATION_NODE_POLICY),
     )
 
 
+def _check_vgpu_mode(annotations: Mapping[str, Any]) -> None:
+    """HAMi's nvidia.com/vgpu-mode: hami-core is what kube-vgpu does; mig and mps are refused, never silently
+    turned into a shared vGPU."""
+    mode = annotations.get(ANNOTATION_VGPU_MODE)
+    if mode is None:
+        return
+    if not isinstance(mode, str):
+        raise InvalidGpuRequest(f"annotation {ANNOTATION_VGPU_MODE} must be a string")
+    if mode.strip().lower() == VGPU_MODE_HAMI_CORE:
+        return
+    if mode.strip().lower() == "mig":
+        raise InvalidGpuRequest(
+            f"annotation {ANNOTATION_VGPU_MODE}: mig (HAMi's dynamic MIG) is not supported by kube-vgpu yet, and the "
+            f"pod must not silently get a shared GPU without MIG isolation instead; ask for an existing MIG device "
+            f"with {MIG_RESOURCE_PREFIX}<profile> (static MIG, e.g. {MIG_RESOURCE_PREFIX}3g.20gb), or remove the "
+            f"annotation for a shared vGPU (in-container limiter)"
+        )
+    raise InvalidGpuRequest(
+        f"annotation {ANNOTATION_VGPU_MODE}: {_shown(mode)} is not supported; kube-vgpu shares GPUs with the "
+        f"in-container limiter only ({VGPU_MODE_HAMI_CORE}): remove the annotation or set it to {VGPU_MODE_HAMI_CORE}"
+    )
+
+
+def _policy_annotation(annotations: Mapping[str, Any], key: str) -> str | None:
+    """A policy annotation's name, HAMi's aliases read as ours (topology-aware is topology). HAMi's comma chains
+    and the HAMi policies kube-vgpu does not implement are refused with what to write instead; other unknown names
+    are the extender's to judge (its registry may hold more), and the webhook's (protocol.POLICY_NAMES)."""
+    raw = annotations.get(key)
+    if raw is None:
+        return None
+    if not isinstance(raw, str):
+        raise InvalidGpuRequest(f"annotation {key} must be a string")
+    name = raw.strip()
+    if not name:
+        return None
+    names = ", ".join(POLICY_NAMES)
+    if "," in name:
+        parts = [part.strip() for part in name.split(",") if part.strip()]
+        hints = [UNSUPPORTED_HAMI_POLICIES[part] for part in parts if part in UNSUPPORTED_HAMI_POLICIES]
+        raise InvalidGpuRequest(
+            f"annotation {key}: {_shown(name)} is a chain of policies, which kube-vgpu does not read; name one policy "
+            f"({names})" + "".join(f"; {hint}" for hint in hints)
+        )
+    name = POLICY_ALIASES.get(name, name)
+    if name in UNSUPPORTED_HAMI_POLICIES:
+        raise InvalidGpuRequest(
+            f"annotation {key}: HAMi's policy {name!r} is not implemented by kube-vgpu: "
+            f"{UNSUPPORTED_HAMI_POLICIES[name]}, or name one policy ({names})"
+        )
+    return name
+
+
 def pod_asks_for_gpu(pod: Mapping[str, Any]) -> bool:
-    """Cheap check (no parsing) whether any container names a GPU resource."""
+    """Cheap check (no parsing) whether any container names a GPU resource, HAMi's task priority or a MIG slice."""
     spec = pod.get("spec") or {}
     for key in ("initContainers", "containers"):
         for container in spec.get(key) or ():
             resources = container.get("resources") or {}
             for section in ("limits", "requests"):
                 names = resources.get(section)
-                if names and any(r in names for r in GPU_RESOURCES):
+                if names and any(
+                    isinstance(r, str)
+                    and (r in GPU_RESOURCES or r == RESOURCE_TASK_PRIORITY or r.startswith(MIG_RESOURCE_PREFIX))
+                    for r in names
+                ):
                     return True
     return False

@@ -63,3 +63,14 @@ def test_synthetic_snapshots_are_reproducible_and_every_pod_is_placed_validly() 
     SnapshotCluster(state, [*nodes, *first])
     assert len(state.pods) == 6 and all(record.bound and record.applied for record in state.pods.values())
     assert not state.inventory_errors
+
+
+def test_a_node_group_can_carry_a_fake_nvml_profiles_inventory_such_as_static_mig() -> None:
+    from kube_vgpu.dev.devcluster.cluster import NodeGroup
+
+    plain = NodeGroup(count=1, gpus=2, model="Tesla-T4", memory_mib=15360, topology="pcie")
+    assert plain.inventory("t4-0") == fixtures.synth_inventory("t4-0", 2, "Tesla-T4", 15360, "pcie")
+    mig = NodeGroup(count=1, prefix="mig", fake_profile="a100-mig").inventory("mig-0")
+    assert [len(gpu.mig_devices) for gpu in mig.gpus] == [4, 7, 0, 0]
+    capacity = fixtures.node_object("mig-0", mig)["status"]["capacity"]
+    assert capacity["nvidia.com/mig-3g.20gb"] == "1" and capacity[protocol.RESOURCE_GPU] == "20"

@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from kube_vgpu.dev.devcluster.cluster import SCHEDULER_CONFIG_MANIFEST, load_manifest_scheduler_config, scheduler_config
+from kube_vgpu.protocol import mig
 
 
 def _without_allowed_differences(config: dict[str, Any]) -> dict[str, Any]:
@@ -51,7 +52,10 @@ def test_the_manifest_keeps_what_the_issue_requires_of_the_extender_block() -> N
         "nvidia.com/gpumem": True,
         "nvidia.com/gpumem-percentage": True,
         "nvidia.com/gpucores": True,
+        # static MIG: every profile the webhook admits, so kube-scheduler always asks the extender for MIG pods
+        **{f"nvidia.com/mig-{name}": False for name in mig.MIG_PROFILE_NAMES},
     }
+    assert len(mig.MIG_PROFILE_NAMES) == 17 and {"3g.20gb", "3g.71gb"} <= set(mig.MIG_PROFILE_NAMES)
 
 
 def test_the_no_extender_variant_only_drops_the_extenders_block() -> None:

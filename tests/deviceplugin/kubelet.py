@@ -117,12 +117,14 @@ class KubeletStandIn:
     def wait_for_devices(self, plugin: PluginConnection, predicate: Any, what: str) -> list[pb.Device]:
         return wait_until(lambda: (devices := plugin.latest()) and predicate(devices) and devices, what)
 
-    def admit(self, plugin: PluginConnection, pod: dict[str, Any]) -> list[pb.ContainerAllocateResponse]:
-        """Allocate every GPU container of `pod` in kubelet's order; raises grpc.RpcError on refusal."""
+    def admit(self, plugin: PluginConnection, pod: dict[str, Any],
+              resource: str = protocol.RESOURCE_GPU) -> list[pb.ContainerAllocateResponse]:
+        """Allocate every container of `pod` asking for `resource` (the plugin's), in kubelet's order; raises
+        grpc.RpcError on refusal."""
         spec = pod["spec"]
         responses = []
         for entry in [*(spec.get("initContainers") or ()), *spec["containers"]]:
-            count = int(((entry.get("resources") or {}).get("limits") or {}).get(protocol.RESOURCE_GPU, 0))
+            count = int(((entry.get("resources") or {}).get("limits") or {}).get(resource, 0))
             if count == 0:
                 continue
             with self._lock:

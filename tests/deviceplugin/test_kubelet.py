@@ -228,8 +228,10 @@ def test_probes_report_liveness_and_readiness(kubelet: KubeletStandIn) -> None:
         assert status("/healthz") == 200
         wait_until(lambda: status("/readyz") == 200, "/readyz to answer 200 once registered and published")
         assert status("/nope") == 404
-        # MIG-enabled GPUs 0 and 1 are in the inventory but not advertised to kubelet
-        connection = kubelet.plugin()
+        # MIG-enabled GPUs 0 and 1 are in the inventory but not advertised to kubelet as nvidia.com/gpu (their MIG
+        # devices are, by one plugin per MIG profile, registered in any order: tests/deviceplugin/test_mig_kubelet.py)
+        kubelet.plugin(registrations=4)
+        connection = next(c for c in kubelet.plugins if c.request.resource_name == protocol.RESOURCE_GPU)
         devices = kubelet.wait_for_devices(connection, lambda d: len(d) == 2 * 10, "the non-MIG GPUs' devices")
         mig = {g.uuid for g in app.state.gpus() if g.mig_mode}
         assert len(mig) == 2 and not any(d.ID.split("::")[0] in mig for d in devices)

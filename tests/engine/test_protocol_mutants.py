@@ -64,8 +64,6 @@ REQUESTS: list[tuple[dict[str, Any], str]] = [
     ({protocol.RESOURCE_GPU_MEMORY: str(protocol.MAX_GPU_MEMORY_MIB + 1)},
      PREFIX + f"nvidia.com/gpumem must be at most {protocol.MAX_GPU_MEMORY_MIB} MiB (more than any GPU has; it "
      f"counts MiB, not bytes), got {protocol.MAX_GPU_MEMORY_MIB + 1}"),
-    ({protocol.RESOURCE_GPU_MEMORY_PERCENTAGE: "0"},
-     PREFIX + "nvidia.com/gpumem-percentage must be between 1 and 100, got 0"),
     ({protocol.RESOURCE_GPU_MEMORY_PERCENTAGE: "101"},
      PREFIX + "nvidia.com/gpumem-percentage must be between 1 and 100, got 101"),
     ({protocol.RESOURCE_GPU_MEMORY: "10", protocol.RESOURCE_GPU_MEMORY_PERCENTAGE: "10"},

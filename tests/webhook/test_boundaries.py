@@ -52,9 +52,13 @@ BOUNDS = [
      "container trainer: nvidia.com/gpumem must be greater than 0 MiB, got 0",
      "container trainer: nvidia.com/gpumem must be at most 1048576 MiB (more than any GPU has; it counts MiB, not "
      "bytes), got 1048577"),
-    (PCT, "1", "0", "100", "101",
-     "container trainer: nvidia.com/gpumem-percentage must be between 1 and 100, got 0",
+    # 0 is "not set", as in HAMi (the whole GPU's memory)
+    (PCT, "0", "-1", "100", "101",
+     "container trainer: nvidia.com/gpumem-percentage must not be negative, got '-1'",
      "container trainer: nvidia.com/gpumem-percentage must be between 1 and 100, got 101"),
+    (protocol.RESOURCE_TASK_PRIORITY, "0", "-1", "1", "2",
+     "container trainer: nvidia.com/priority must not be negative, got '-1'",
+     "container trainer: nvidia.com/priority must be 0 (high priority) or 1 (low priority), got 2"),
     (CORES, "0", "-1", "100", "101",
      "container trainer: nvidia.com/gpucores must not be negative, got '-1'",
      "container trainer: nvidia.com/gpucores must be between 0 and 100, got 101"),

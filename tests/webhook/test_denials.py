@@ -110,12 +110,6 @@ ROWS = [
         "container trainer: nvidia.com/gpumem must be greater than 0 MiB, got 0",
     ),
     Row(
-        "gpumem-percentage-zero",
-        pod(gpu_container(gpu="1", gpumem_percentage="0")),
-        400,
-        "container trainer: nvidia.com/gpumem-percentage must be between 1 and 100, got 0",
-    ),
-    Row(
         "gpumem-percentage-101",
         pod(gpu_container(gpu="1", gpumem_percentage="101")),
         400,

@@ -45,7 +45,7 @@ def free_with_scratch(node: NodeState, scratch: Scratch) -> list[int]:
     """Free milli-GPU per GPU once the containers already placed in this phase (scratch) are counted."""
     free = free_milli_list(node)
     s_memory, s_cores, s_vgpus, s_exclusive = scratch.memory_mib, scratch.cores, scratch.vgpus, scratch.exclusive
-    for position, shares in enumerate(s_vgpus):
+    for position, shares in enumerate(s_vgpus[: len(node.gpus)]):  # the GPUs (MIG devices follow them)
         if shares:  # only GPUs this phase already uses differ from the node's own free share
             free[position] = free_share_milli(
                 node.gpus[position], s_memory[position], s_cores[position], shares, s_exclusive[position]
@@ -63,7 +63,7 @@ def request_milli(request: PlacementRequest, node: NodeState | None = None) -> t
     """(milli-GPU per GPU, GPU count) of a pod; (0, 0) for a CPU-only pod. The per-GPU share is taken on the
     node's first GPU (it depends on the GPU's memory size); without a node, on a GPU of the request's cores unit
     whose memory is all asked unless the pod names memory (the openb view)."""
-    containers = request.gpu.containers
+    containers = tuple(c for c in request.gpu.containers if c.mig_profile is None)  # vGPUs only
     if not containers:
         return 0, 0
     container = containers[0]
@@ -79,6 +79,8 @@ def usage_milli(node: NodeState, placement: Placement) -> dict[int, int]:
     gpus = node.gpus
     taken: dict[int, int] = {}
     for usage in placement.usage:
+        if usage.position >= len(gpus):
+            continue  # a MIG device (node.devices): not part of the GPUs' shares
         gpu = gpus[usage.position]
         taken[usage.position] = free_share_milli(gpu) - free_share_milli(
             gpu, usage.memory_mib, usage.cores, usage.vgpus, usage.exclusive
@@ -91,6 +93,8 @@ def free_after(node: NodeState, placement: Placement) -> list[int]:
     free = free_milli_list(node)
     gpus = node.gpus
     for usage in placement.usage:
+        if usage.position >= len(gpus):
+            continue  # a MIG device
         free[usage.position] = free_share_milli(
             gpus[usage.position], usage.memory_mib, usage.cores, usage.vgpus, usage.exclusive
         )

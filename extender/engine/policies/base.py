@@ -49,6 +49,8 @@ class Policy:
     random_tie_break: ClassVar[bool] = False
     #: True when the policy reads the request's pod kind (the simulator then labels each task with its kind)
     uses_pod_kinds: ClassVar[bool] = False
+    #: True when, as GPU policy, it takes only GPUs no vGPU holds (HAMi's mutex): fit offers it only those
+    only_idle_gpus: ClassVar[bool] = False
 
     def epoch(self) -> int:
         """Changes whenever the policy's learned model changes (cached results keyed by it)."""
@@ -88,6 +90,8 @@ def node_fill_after(node: NodeState, placement: Placement) -> float:
         used_memory += gpu.used_memory_mib
         used_cores += gpu.used_cores
     for usage in placement.usage:
+        if usage.position >= len(node.gpus):
+            continue  # a MIG device (node.devices): not part of the GPUs' totals
         used_memory += usage.memory_mib
         used_cores += usage.cores
     if not total_memory:

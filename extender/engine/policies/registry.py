@@ -13,6 +13,7 @@ from kube_vgpu.extender.engine.policies import (
     clustering,
     dotprod,
     fgd,
+    mutex,
     packing,
     random,
     spread,
@@ -25,6 +26,7 @@ _POLICIES: tuple[type[Policy], ...] = (
     spread.Spread,
     topology.Topology,
     bfgd.BalancedFGD,
+    mutex.Mutex,  # HAMi's GPU policy of that name
     # the reference policies of the FGD paper's simulator (docs/simulator.md)
     fgd.FGD,
     bestfit.BestFit,

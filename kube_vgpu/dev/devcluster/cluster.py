@@ -58,6 +58,10 @@ from kube_vgpu.dev.devcluster import lifecycle as lifecycle_module
 from kube_vgpu.dev.devcluster import pki as pki_module
 from kube_vgpu.dev.devcluster.processes import ProcessRecord, is_running, kill, log_tail, spawn, stop
 from kube_vgpu.dev.fixtures import node_object, synth_inventory
+from kube_vgpu.deviceplugin.discovery import discover
+from kube_vgpu.deviceplugin.fakenvml import FakeNvml, load_profile
+from kube_vgpu.deviceplugin.nvml import Nvml
+from kube_vgpu.protocol import NodeInventory
 
 STATE_VERSION = 1
 STATE_FILE = "state.json"
@@ -145,9 +149,18 @@ class NodeGroup:
     #: With ClusterOptions.lifecycle, KWOK plays these nodes' kubelets (runs and finishes their pods). False for
     #: nodes whose kubelet is something else, e.g. a test's kubelet stand-in driving the real device plugin.
     kwok: bool = True
+    #: a fake NVML profile (deviceplugin.fakenvml, e.g. "a100-mig" for a static-MIG node) whose discovered inventory
+    #: these nodes carry instead of the synthetic layout of gpus/model/memory_mib/topology
+    fake_profile: str | None = None
 
     def names(self) -> list[str]:
         return [f"{self.prefix}-{index}" for index in range(self.first_index, self.first_index + self.count)]
+
+    def inventory(self, name: str) -> NodeInventory:
+        """The inventory node `name` of this group publishes (the device plugin's own discovery on fake NVML)."""
+        if self.fake_profile is None:
+            return synth_inventory(name, self.gpus, self.model, self.memory_mib, self.topology)
+        return discover(Nvml(FakeNvml(load_profile(self.fake_profile, name)))).inventory
 
 
 @dataclass(frozen=True)
@@ -768,8 +781,7 @@ class DevCluster:
         core: Any = client.CoreV1Api(self.api)
         objects = []
         for name in group.names():
-            inventory = synth_inventory(name, group.gpus, group.model, group.memory_mib, group.topology)
-            obj = node_object(name, inventory, extra_labels=dict(group.labels))
+            obj = node_object(name, group.inventory(name), extra_labels=dict(group.labels))
             if self.options.lifecycle and group.kwok:  # KWOK plays its kubelet (it never writes node metadata)
                 obj["metadata"].setdefault("annotations", {})[lifecycle_module.NODE_ANNOTATION] = (
                     lifecycle_module.NODE_ANNOTATION_VALUE
