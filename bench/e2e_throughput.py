@@ -201,6 +201,35 @@ def _stop_profiler(process: subprocess.Popen[bytes] | None) -> None:
         process.wait(30)
 
 
+def post_concurrently(cluster: DevCluster, path: str, bodies: list[bytes], creators: int) -> list[str]:
+    """POST every body to `path` from `creators` threads, each over one kept-open connection; returns the failures
+    (one line each)."""
+    next_index = iter(range(len(bodies)))
+    lock = threading.Lock()
+    failures: list[str] = []
+
+    def create() -> None:
+        connection = ApiConnection(cluster)
+        try:
+            while True:
+                with lock:
+                    index = next(next_index, None)
+                if index is None:
+                    return
+                status, body = connection.post(path, bodies[index])
+                if status != 201:
+                    failures.append(f"HTTP {status}: {body[:200]!r}")
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=create, name=f"create-{i}") for i in range(creators)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return failures
+
+
 # complexity: one trial's steps in order (start, burst, wait, measure, tear down), read top to bottom
 def run_trial(  # noqa: C901
     cluster: DevCluster,
@@ -264,32 +293,10 @@ def run_trial(  # noqa: C901
                 else None)
     cpu_before = _cpu_snapshot(cluster)
     before = _extender_counters(cluster) if mode in WITH_EXTENDER else ExtenderCounters()
-    next_index = iter(range(len(bodies)))
-    lock = threading.Lock()
-    failures: list[str] = []
-
-    def create() -> None:
-        connection = ApiConnection(cluster)
-        try:
-            while True:
-                with lock:
-                    index = next(next_index, None)
-                if index is None:
-                    return
-                status, body = connection.post(f"/api/v1/namespaces/{NAMESPACE}/pods", bodies[index])
-                if status != 201:
-                    failures.append(f"HTTP {status}: {body[:200]!r}")
-        finally:
-            connection.close()
-
-    threads = [threading.Thread(target=create, name=f"create-{i}") for i in range(creators)]
     if precreate:
         cluster.stop_component("kube-scheduler")
     start_s = time.monotonic()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    failures = post_concurrently(cluster, f"/api/v1/namespaces/{NAMESPACE}/pods", bodies, creators)
     created_s = time.monotonic()
     if failures:
         raise RuntimeError(f"{len(failures)} pod creations failed, e.g. {failures[0]}")

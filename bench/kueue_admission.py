@@ -30,7 +30,7 @@ import orjson
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from bench.e2e_throughput import CLK_TCK, ApiConnection, _cpu_snapshot
+from bench.e2e_throughput import CLK_TCK, ApiConnection, _cpu_snapshot, post_concurrently
 from kube_vgpu import protocol
 from kube_vgpu.dev.devcluster.cluster import ClusterOptions, DevCluster, NodeGroup, up
 from kube_vgpu.dev.devcluster.workload import PAUSE_IMAGE, delete_pods, ensure_namespace, wait_until_gone
@@ -151,34 +151,6 @@ class BindWatch:
         return str(metadata.get("resourceVersion") or "")
 
 
-def _create_all(cluster: DevCluster, bodies: list[bytes], creators: int) -> None:
-    next_index = iter(range(len(bodies)))
-    lock = threading.Lock()
-    failures: list[str] = []
-
-    def create() -> None:
-        connection = ApiConnection(cluster)
-        try:
-            while True:
-                with lock:
-                    index = next(next_index, None)
-                if index is None:
-                    return
-                status, body = connection.post(f"/apis/batch/v1/namespaces/{NAMESPACE}/jobs", bodies[index])
-                if status != 201:
-                    failures.append(f"HTTP {status}: {body[:200]!r}")
-        finally:
-            connection.close()
-
-    threads = [threading.Thread(target=create, name=f"create-{i}") for i in range(creators)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if failures:
-        raise RuntimeError(f"{len(failures)} Job creations failed, e.g. {failures[0]}")
-
-
 def run_trial(cluster: DevCluster, mode: str, jobs: int, pods_per_job: int, creators: int, run_id: str) -> Trial:
     total_pods = jobs * pods_per_job
     watch = BindWatch(cluster, run_id, total_pods)
@@ -186,8 +158,10 @@ def run_trial(cluster: DevCluster, mode: str, jobs: int, pods_per_job: int, crea
     bodies = _job_bodies(mode, jobs, pods_per_job, run_id)
     cpu_before = _cpu_snapshot(cluster)
     start_s = time.monotonic()
-    _create_all(cluster, bodies, creators)
+    failures = post_concurrently(cluster, f"/apis/batch/v1/namespaces/{NAMESPACE}/jobs", bodies, creators)
     created_s = time.monotonic()
+    if failures:
+        raise RuntimeError(f"{len(failures)} Job creations failed, e.g. {failures[0]}")
     if not watch.done.wait(TRIAL_TIMEOUT_S):
         raise RuntimeError(f"{mode}: only {len(watch.bound)} of {total_pods} pods bound after {TRIAL_TIMEOUT_S:g} s"
                            f"{'; watch failed: ' + repr(watch.errors[0]) if watch.errors else ''}\nkueue log:\n"
