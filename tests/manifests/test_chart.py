@@ -326,13 +326,17 @@ def _leaves(values: dict[str, Any], prefix: str = "") -> list[str]:
     return paths
 
 
-def test_with_every_value_set_the_flags_still_parse_with_the_real_cli() -> None:
+def every_value_changed() -> dict[str, Any]:
+    """Values that change every value of the table at once (the last of a path's rows wins)."""
     values: dict[str, Any] = {}
     for path, value, _ in CHANGES:
         if path not in ("limiter.mode", "certificates.mode", "scheduler.quotaMode"):
             values = _merge(values, nested(path, value))
-    values = _merge(values, {"limiter": {"mode": "ld-so-preload"}, "scheduler": {"quotaMode": "enforce"}})
-    objects = helm_template(values)
+    return _merge(values, {"limiter": {"mode": "ld-so-preload"}, "scheduler": {"quotaMode": "enforce"}})
+
+
+def test_with_every_value_set_the_flags_still_parse_with_the_real_cli() -> None:
+    objects = helm_template(every_value_changed())
     for c in kube_vgpu_containers(objects, "registry.example.com/kube-vgpu"):
         if c.get("command", [None])[0] != "python":  # the certificate Job's API steps: not the kube-vgpu CLI
             parse_ours(c)
