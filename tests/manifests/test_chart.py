@@ -121,8 +121,9 @@ def test_default_values_render_what_kustomize_renders(mode: str, kustomization: 
 
 def container(objects: list[Object], kind: str, name: str, container_name: str) -> Object:
     pod = pod_spec(one(objects, kind, name))
-    (found,) = [c for c in pod.get("initContainers", []) + pod["containers"] if c["name"] == container_name]
-    return found
+    found: list[Object] = [c for c in pod.get("initContainers", []) + pod["containers"] if c["name"] == container_name]
+    assert len(found) == 1, f"{kind}/{name}: {len(found)} containers named {container_name}"
+    return found[0]
 
 
 def set_flag(objects: list[Object], kind: str, name: str, container_name: str, flag: str, value: str) -> None:
