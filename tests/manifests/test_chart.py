@@ -40,11 +40,12 @@ def helm() -> Path:
     return ensure_binaries(progress=lambda line: print(line, file=sys.stderr), names=("helm",))["helm"]
 
 
-def run_helm(*args: str, values: dict[str, Any] | None = None) -> subprocess.CompletedProcess[str]:
+def run_helm(*args: str, values: dict[str, Any] | None = None, flags: tuple[str, ...] = ()
+             ) -> subprocess.CompletedProcess[str]:
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="values-") as values_file:
         json.dump(values or {}, values_file)
         values_file.flush()
-        return subprocess.run([str(helm()), *args, str(CHART), "--values", values_file.name],
+        return subprocess.run([str(helm()), *args, str(CHART), "--values", values_file.name, *flags],
                               capture_output=True, text=True, timeout=120)
 
 
@@ -382,3 +383,37 @@ def test_values_the_chart_does_not_support_are_refused(values: dict[str, Any], n
     assert result.returncode != 0
     assert "values don't meet the specifications of the schema" in result.stderr
     assert named in result.stderr
+
+
+def test_kubernetes_releases_without_the_admission_policies_are_refused() -> None:
+    # ValidatingAdmissionPolicy v1 and the node-name claim of ServiceAccount tokens: 1.30 (docs/install.md)
+    old = run_helm("template", "kube-vgpu", flags=("--kube-version", "1.29.9"))
+    assert old.returncode != 0 and "kubeVersion" in old.stderr and ">=1.30.0-0" in old.stderr
+    assert run_helm("template", "kube-vgpu", flags=("--kube-version", "1.30.0")).returncode == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The generator fails loudly when the manifests no longer have what an edit expects
+# ---------------------------------------------------------------------------------------------
+
+
+def test_an_edit_whose_flag_is_gone_from_the_manifests_stops_the_generator() -> None:
+    daemonset = copy.deepcopy(one(render("base"), "DaemonSet", "kube-vgpu-device-plugin"))
+    args = pod_spec(daemonset)["containers"][0]["args"]
+    args[:] = [a for a in args if not a.startswith("--sharing-count=")]
+    templater = chart.Templater()
+    templater.value("limiter.libraryPath", "/usr/local/vgpu/libvgpu.so")
+    templater.value("limiter.mode", "device-plugin")
+    with pytest.raises(chart.ChartError, match=r"expected one --sharing-count=\.\.\., found 0"):
+        chart.EDITS[("DaemonSet", "kube-vgpu-device-plugin")](templater, daemonset)
+
+
+def test_an_overlay_that_changes_more_than_annotations_stops_the_generator() -> None:
+    rendered = {name: render(name) for name in set(chart.CERTIFICATE_MODES.values())}
+    one(rendered["overlays/cert-manager"], "Deployment", "kube-vgpu-webhook")["spec"]["replicas"] = 3
+    with pytest.raises(chart.ChartError, match="beyond adding annotations"):
+        chart._certificate_modes(rendered)
+    extras, annotations = chart._certificate_modes({name: render(name) for name in rendered})
+    assert annotations == {("MutatingWebhookConfiguration", "", "kube-vgpu-webhook"): (
+        "cert-manager", {"cert-manager.io/inject-ca-from": "kube-vgpu/kube-vgpu-webhook"})}
+    assert {(mode, obj["kind"]) for mode, obj in extras} >= {("self-signed", "Job"), ("cert-manager", "Certificate")}
