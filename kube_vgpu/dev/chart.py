@@ -397,7 +397,8 @@ def generate(kubectl: Path, out: Path) -> None:
     t = Templater()
     extras, annotations = _certificate_modes(rendered)
 
-    # the webhook's limiter flags first: the device plugin's edit checks its own against them
+    # the webhook's limiter flags first, whatever the objects' order: the device plugin's edit checks its own
+    # against them (only the defaults are kept from this pass; the webhook is edited again in its turn)
     webhook = next(o for o in base if (o["kind"], o["metadata"]["name"]) == ("Deployment", "kube-vgpu-webhook"))
     _edit_webhook(t, copy.deepcopy(webhook))
     t.inline.clear()
@@ -438,8 +439,8 @@ def generate(kubectl: Path, out: Path) -> None:
     (out / "Chart.yaml").write_text(GENERATED_HEADER + _dump({
         "apiVersion": "v2", "name": CHART_NAME, "description": "Share NVIDIA GPUs on Kubernetes: scheduler extender, "
         "admission webhook and device plugin (HAMi's pod API)", "type": "application", "version": CHART_VERSION,
-        "appVersion": app_version, "kubeVersion": ">=1.30.0-0",
-        "home": "https://github.com/kube-vgpu/kube-vgpu"}))
+        # the admission policies need 1.30 (docs/install.md, Prerequisites)
+        "appVersion": app_version, "kubeVersion": ">=1.30.0-0"}))
     (out / "values.yaml").write_text(GENERATED_HEADER + _values_yaml(values, t.defaults))
     (out / "values.schema.json").write_text(json.dumps(_schema(values), indent=2) + "\n")
     (out / "templates" / "_helpers.tpl").write_text(HELPERS)
