@@ -1,6 +1,6 @@
 # The two Quick start commands. Both set everything up on a fresh machine (Python deps in a venv,
 # Kubernetes binaries built from the official Go modules), cached under ~/.cache/kube-vgpu.
-.PHONY: demo test test-oldest-k8s lint bench lock
+.PHONY: demo test test-oldest-k8s lint bench lock chart
 SHELL := /bin/bash
 VENV = $(shell scripts/bootstrap.sh)
 
@@ -19,6 +19,11 @@ test-oldest-k8s:
 
 lint:
 	@venv=$$(scripts/bootstrap.sh) && "$$venv/bin/ruff" check . && "$$venv/bin/mypy"
+
+# Regenerate the Helm chart charts/kube-vgpu from manifests/ after changing either (kube_vgpu/dev/chart.py;
+# tests/manifests/test_chart.py fails while they disagree).
+chart:
+	@venv=$$(scripts/bootstrap.sh) && "$$venv/bin/python" -m kube_vgpu.dev.chart
 
 # Re-resolve the locked dependencies from pyproject.toml (after changing a dependency there); commit both files.
 lock:

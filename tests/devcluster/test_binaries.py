@@ -81,9 +81,9 @@ def test_kwok_has_its_own_versioned_cache_dir(no_go_env: Path, tmp_path: Path) -
 def test_build_keys_name_versions_of_every_binary() -> None:
     keys = binaries.build_keys()
     assert set(keys) == set(BINARY_NAMES) == {
-        "etcd", "kube-apiserver", "kube-scheduler", "kubectl", "kube-controller-manager", "kwok", "kueue"
+        "etcd", "kube-apiserver", "kube-scheduler", "kubectl", "kube-controller-manager", "kwok", "kueue", "helm"
     }
-    assert set(DEFAULT_BINARY_NAMES) == set(BINARY_NAMES) - {"kueue"}  # Kueue is opt-in
+    assert set(DEFAULT_BINARY_NAMES) == set(BINARY_NAMES) - {"kueue", "helm"}  # Kueue and helm are opt-in
     assert ETCD_VERSION in keys["etcd"]
     for name in ("kube-apiserver", "kube-scheduler", "kubectl", "kube-controller-manager"):
         assert f"k8s.io/kubernetes@{KUBERNETES_VERSION}" in keys[name]
@@ -253,10 +253,12 @@ elif args[0] in ("build", "install"):
         module = "install " + args[-1].split("@")[1]
     with (state / "builds.log").open("a") as log:
         log.write(f"{{os.getpid()}} {{args[-1].split('@')[0]}} {{module}}\\n")
+    with (state / "ldflags.log").open("a") as log:
+        log.write(next(a for a in args if a.startswith("-ldflags=")) + "\\n")
     time.sleep(0.5)  # long enough for a concurrent caller to find the lock taken
     out.write_text(
         "#!/bin/sh\\necho 'etcd Version: {etcd}'; echo 'Kubernetes {k8s}'; echo 'Client Version: {k8s}'\\n"
-        "echo 'kwok version v0.7.0 (go1.26.0)'; echo '  -feature-gates string'\\n"
+        "echo 'kwok version v0.7.0 (go1.26.0)'; echo '  -feature-gates string'; echo '{helm}'\\n"
     )
     out.chmod(0o755)
 else:
@@ -270,7 +272,8 @@ def fake_go(no_go_env: Path, tmp_path: Path) -> Path:
     state_dir = tmp_path / "fake-go-state"
     state_dir.mkdir()
     fake = FAKE_GO.format(
-        python=sys.executable, state_dir=str(state_dir), k8s=KUBERNETES_VERSION, etcd=ETCD_VERSION[1:]
+        python=sys.executable, state_dir=str(state_dir), k8s=KUBERNETES_VERSION, etcd=ETCD_VERSION[1:],
+        helm=binaries.HELM_VERSION,
     )
     _write_executable(no_go_env / "go", fake)
     return state_dir / "builds.log"
@@ -299,7 +302,7 @@ def test_build_records_stamp_and_second_call_does_not_rebuild(fake_go: Path) -> 
     ]
     keys = binaries.build_keys()
     assert binaries.read_stamp(binaries.stamp_path()) == {
-        name: keys[name] for name in keys if name not in ("kwok", "kueue")
+        name: keys[name] for name in keys if name not in ("kwok", "kueue", "helm")
     }
     assert binaries.read_stamp(binaries.stamp_path(binaries.kwok_cache_dir())) == {"kwok": keys["kwok"]}
     assert any("kube-apiserver" in message and "done in" in message for message in messages)
@@ -328,6 +331,30 @@ def test_kueue_is_built_on_request_in_a_module_carrying_kueues_own_go_sum(fake_g
     assert binaries.kueue_version_ldflags("2026-01-01T00:00:00Z") == (
         f"-X sigs.k8s.io/kueue/pkg/version.GitVersion={binaries.KUEUE_VERSION} "
         "-X sigs.k8s.io/kueue/pkg/version.BuildDate=2026-01-01T00:00:00Z")
+
+
+def test_helm_is_built_on_request_with_go_install_and_the_makefiles_version_flags(fake_go: Path) -> None:
+    messages: list[str] = []
+    paths = ensure_binaries(progress=messages.append, names=("helm",))
+    assert paths == {"helm": binaries.helm_cache_dir() / "bin" / "helm"}
+    assert binaries.helm_cache_dir().name == f"helm-{binaries.HELM_VERSION}"
+    # Helm's own go.mod and go.sum, as released: `go install <package>@<version>`, no module of ours
+    (line,) = fake_go.read_text().splitlines()
+    assert line.split()[1:] == ["helm.sh/helm/v3/cmd/helm", "install", binaries.HELM_VERSION]
+    (ldflags,) = (fake_go.parent / "ldflags.log").read_text().splitlines()
+    # the version `helm version` reports, and the Kubernetes release of Helm's client-go for template and lint
+    for flag in (f"-X helm.sh/helm/v3/internal/version.version={binaries.HELM_VERSION}",
+                 "-X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1",
+                 "-X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=37",
+                 "-X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMinor=37"):
+        assert flag in ldflags
+    stamp = binaries.read_stamp(binaries.stamp_path(binaries.helm_cache_dir()))
+    assert stamp == {"helm": f"helm.sh/helm/v3@{binaries.HELM_VERSION} recipe={binaries.RECIPE_VERSION}"}
+    assert os.listdir(binaries.bin_dir(binaries.helm_cache_dir())) == ["helm"]
+    assert any(f"Helm {binaries.HELM_VERSION}" in message for message in messages)
+    assert not binaries.cache_dir().exists()  # nothing of the default set was built for it
+    ensure_binaries(progress=messages.append, names=("helm",))  # cached now: not built again
+    assert len(fake_go.read_text().splitlines()) == 1
 
 
 def test_concurrent_callers_build_each_binary_once(fake_go: Path) -> None:

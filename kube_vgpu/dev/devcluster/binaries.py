@@ -14,9 +14,14 @@ with the machine's Go from the official Go modules, so nothing but a Go toolchai
   module: the checksum database refuses one of its dependencies (``sigs.k8s.io/scheduler-library``), whose hash
   Kueue's go.sum pins. Kueue's CRDs, webhook configurations and RBAC are read from the same module
   (``kueue_source_dir()``), so they always match the binary.
+* helm (helm.sh/helm/v3, opt-in: the chart's tests): ``go install helm.sh/helm/v3/cmd/helm@<version>`` with Helm's
+  own go.mod and go.sum, and the ``-X`` flags of Helm's Makefile: without them ``helm version`` says ``v3.22`` and
+  ``helm lint``/``helm template`` assume Kubernetes 1.20 (``.Capabilities.KubeVersion``, the deprecated-API check)
+  instead of the release Helm's client-go is from.
 
 Results are cached under ``${XDG_CACHE_HOME:-~/.cache}/kube-vgpu/k8s-<version>/bin`` (Kubernetes and etcd) and
-``.../kube-vgpu/kwok-<version>/bin`` (kwok, versioned on its own; ``kueue-<version>/bin`` too), each with a stamp
+``.../kube-vgpu/kwok-<version>/bin`` (kwok, versioned on its own; ``kueue-<version>/bin`` and
+``helm-<version>/bin`` too), each with a stamp
 file recording what each binary was built from and a build lock, so later calls return at once.
 ``KUBE_VGPU_BIN_DIR`` points at prebuilt binaries instead (nothing is built then).
 
@@ -104,6 +109,12 @@ KWOK_VERSION = "v0.7.0"
 KUEUE_VERSION = "v0.19.2"
 KUEUE_MODULE = "sigs.k8s.io/kueue"
 KUEUE_MIN_GO_VERSION = (1, 26)
+# Helm (opt-in: the chart's tests, charts/kube-vgpu); v3.22.0 declares `go 1.26.0` and requires k8s.io/client-go
+# v0.37.0, the Kubernetes release its Makefile stamps into `.Capabilities.KubeVersion` and the lint rules.
+HELM_VERSION = "v3.22.0"
+HELM_MODULE = "helm.sh/helm/v3"
+HELM_MIN_GO_VERSION = (1, 26)
+HELM_KUBERNETES_VERSION = (1, 37)
 # Bump whenever the build recipe (flags, ldflags, module template) changes, so existing caches are rebuilt.
 RECIPE_VERSION = 1
 
@@ -116,8 +127,10 @@ CORE_BINARY_NAMES: tuple[str, ...] = ("etcd", "kube-apiserver", "kube-scheduler"
 LIFECYCLE_BINARY_NAMES: tuple[str, ...] = ("kube-controller-manager", "kwok")
 #: What ClusterOptions.kueue adds: the real Kueue controller.
 KUEUE_BINARY_NAMES: tuple[str, ...] = ("kueue",)
-BINARY_NAMES: tuple[str, ...] = CORE_BINARY_NAMES + LIFECYCLE_BINARY_NAMES + KUEUE_BINARY_NAMES
-#: What ensure_binaries() builds unless told: Kueue is opt-in (8 more minutes on a first run).
+#: What the Helm chart's tests add: helm.
+HELM_BINARY_NAMES: tuple[str, ...] = ("helm",)
+BINARY_NAMES: tuple[str, ...] = CORE_BINARY_NAMES + LIFECYCLE_BINARY_NAMES + KUEUE_BINARY_NAMES + HELM_BINARY_NAMES
+#: What ensure_binaries() builds unless told: Kueue (8 more minutes on a first run) and helm are opt-in.
 DEFAULT_BINARY_NAMES: tuple[str, ...] = CORE_BINARY_NAMES + LIFECYCLE_BINARY_NAMES
 
 HEARTBEAT_INTERVAL_S = 30.0
@@ -184,7 +197,7 @@ class PrebuiltBinariesError(BinariesError):
 @dataclass(frozen=True)
 class _Target:
     name: str
-    source: str  # "kubernetes", "etcd", "kueue" (throw-away modules) or "kwok" (go install of KWOK's own module)
+    source: str  # "kubernetes", "etcd", "kueue" (throw-away modules), "kwok" or "helm" (go install of their module)
     package: str
     version_args: tuple[str, ...]
     version_text: str  # must appear in the output of `<binary> <version_args>`
@@ -224,9 +237,13 @@ _TARGETS: tuple[_Target, ...] = (
     _Target("kwok", "kwok", "sigs.k8s.io/kwok/cmd/kwok", ("--version",), KWOK_VERSION[1:]),
     # kueue has no version flag (it logs its version when it starts); its usage names its own flags.
     _Target("kueue", "kueue", f"{KUEUE_MODULE}/cmd/kueue", ("--help",), "-feature-gates"),
+    # `helm version --short` prints the version the ldflags set ("v3.22.0"; "v3.22" without them)
+    _Target("helm", "helm", f"{HELM_MODULE}/cmd/helm", ("version", "--short"), HELM_VERSION),
 )
 assert tuple(t.name for t in _TARGETS) == BINARY_NAMES
 _TARGETS_BY_NAME = {target.name: target for target in _TARGETS}
+#: Sources built with `go install <package>@<version>` (their own go.mod and go.sum, as released).
+_GO_INSTALL_VERSIONS = {"kwok": KWOK_VERSION, "helm": HELM_VERSION}
 
 ProgressFn = Callable[[str], object]
 
@@ -256,6 +273,11 @@ def kueue_cache_dir() -> Path:
     return _cache_root() / f"kueue-{KUEUE_VERSION}"
 
 
+def helm_cache_dir() -> Path:
+    """Root of this Helm version's cache (its own directory, like KWOK's)."""
+    return _cache_root() / f"helm-{HELM_VERSION}"
+
+
 def home_of(name: str) -> Path:
     """The cache root (bin/, stamp.json, build.lock) a binary belongs to."""
     source = _TARGETS_BY_NAME[name].source
@@ -263,6 +285,8 @@ def home_of(name: str) -> Path:
         return kwok_cache_dir()
     if source == "kueue":
         return kueue_cache_dir()
+    if source == "helm":
+        return helm_cache_dir()
     return cache_dir()
 
 
@@ -288,6 +312,8 @@ def build_keys() -> dict[str, str]:
             source = f"sigs.k8s.io/kwok@{KWOK_VERSION}"
         elif target.source == "kueue":
             source = f"{KUEUE_MODULE}@{KUEUE_VERSION}"
+        elif target.source == "helm":
+            source = f"{HELM_MODULE}@{HELM_VERSION}"
         else:
             source = f"k8s.io/kubernetes@{KUBERNETES_VERSION}"
         keys[target.name] = f"{source} recipe={RECIPE_VERSION}"
@@ -324,6 +350,8 @@ def _record_built(path: Path, name: str, key: str, go_version: str, build_s: flo
         data["kwok_version"] = KWOK_VERSION
     elif source == "kueue":
         data["kueue_version"] = KUEUE_VERSION
+    elif source == "helm":
+        data["helm_version"] = HELM_VERSION
     else:
         data["kubernetes_version"] = KUBERNETES_VERSION
         data["etcd_version"] = ETCD_VERSION
@@ -368,14 +396,14 @@ def ensure_binaries(progress: ProgressFn = print, names: Iterable[str] = DEFAULT
         return _prebuilt_binaries(Path(override), wanted)
 
     paths = {name: binary_path(name) for name in wanted}
-    homes = list(dict.fromkeys(home_of(name) for name in wanted))  # k8s first, then kwok, then kueue
+    homes = list(dict.fromkeys(home_of(name) for name in wanted))  # k8s first, then kwok, kueue, helm
     for home in homes:
         group = [name for name in wanted if home_of(name) == home]
         directory = bin_dir(home)
         if not stale_binaries(directory, read_stamp(stamp_path(home)), group):
             continue
         go = _find_go()
-        go_version = _go_version(go, KUEUE_MIN_GO_VERSION if home == kueue_cache_dir() else MIN_GO_VERSION)
+        go_version = _go_version(go, _min_go_of(home))
         home.mkdir(parents=True, exist_ok=True)
         with _exclusive_lock(home / "build.lock", progress):
             # Another process may have built some or all of them while we waited for the lock.
@@ -383,6 +411,15 @@ def ensure_binaries(progress: ProgressFn = print, names: Iterable[str] = DEFAULT
             if todo:
                 _build(go, go_version, home, todo, progress)
     return paths
+
+
+def _min_go_of(home: Path) -> tuple[int, int]:
+    """The `go` line of the module(s) built into this cache home."""
+    if home == kueue_cache_dir():
+        return KUEUE_MIN_GO_VERSION
+    if home == helm_cache_dir():
+        return HELM_MIN_GO_VERSION
+    return MIN_GO_VERSION
 
 
 def _prebuilt_binaries(directory: Path, names: Sequence[str]) -> dict[str, Path]:
@@ -499,22 +536,25 @@ def _build(go: str, go_version: str, root: Path, names: list[str], progress: Pro
         versions = f"kwok {KWOK_VERSION}"
     elif root == kueue_cache_dir():
         versions = f"Kueue {KUEUE_VERSION}"
+    elif root == helm_cache_dir():
+        versions = f"Helm {HELM_VERSION}"
     else:
         versions = f"Kubernetes {KUBERNETES_VERSION}, etcd {ETCD_VERSION}"
     progress(
         f"building {', '.join(names)} ({versions}) with {go_version} into {directory}; the first build takes a while"
     )
-    for source in ("etcd", "kubernetes", "kwok", "kueue"):
+    for source in ("etcd", "kubernetes", "kwok", "kueue", "helm"):
         source_targets = [t for t in targets if t.source == source]
         if not source_targets:
             continue
         module_dir = Path(tempfile.mkdtemp(prefix=f"{source}-", dir=root / "work"))
         try:
-            if source == "kwok":
-                # `go install module/cmd@version` builds with KWOK's own go.mod and go.sum, as released (a
+            if source in _GO_INSTALL_VERSIONS:
+                # `go install module/cmd@version` builds with the tool's own go.mod and go.sum, as released (a
                 # throw-away module would re-resolve its dependencies); the directory only holds GOBIN.
+                ldflags = "-s -w " + helm_version_ldflags() if source == "helm" else "-s -w"
                 for target in source_targets:
-                    build_s = _build_one(go, module_dir, target, "-s -w", directory, progress)
+                    build_s = _build_one(go, module_dir, target, ldflags, directory, progress)
                     _record_built(stamp_path(root), target.name, keys[target.name], go_version, build_s)
                 continue
             if source == "kueue":
@@ -597,6 +637,18 @@ def kueue_version_ldflags(build_date: str) -> str:
     return " ".join(flags)
 
 
+def helm_version_ldflags() -> str:
+    """What Helm's Makefile sets: the version `helm version` reports, and the Kubernetes release (that of the
+    client-go Helm is built with) `helm template` and `helm lint` assume when they do not ask a cluster."""
+    major, minor = HELM_KUBERNETES_VERSION
+    flags = [f"-X {HELM_MODULE}/internal/version.version={HELM_VERSION}",
+             f"-X {HELM_MODULE}/internal/version.gitTreeState=clean"]
+    for package in ("pkg/lint/rules", "pkg/chartutil"):
+        flags += [f"-X {HELM_MODULE}/{package}.k8sVersionMajor={major}",
+                  f"-X {HELM_MODULE}/{package}.k8sVersionMinor={minor}"]
+    return " ".join(flags)
+
+
 def kueue_source_dir(progress: ProgressFn = print) -> Path:
     """The Kueue module's source tree (read-only, in Go's module cache), downloaded if needed: its CRDs
     (config/components/crd/bases), webhook configurations and RBAC. A download of a few MiB; nothing is built."""
@@ -635,10 +687,10 @@ def _build_one(
         f"-ldflags={ldflags}",
     ]
     env: dict[str, str] = {}
-    if target.source == "kwok":
-        # `go install` writes <GOBIN>/kwok; GOBIN is the (otherwise empty) throw-away directory.
+    if target.source in _GO_INSTALL_VERSIONS:
+        # `go install` writes <GOBIN>/<name>; GOBIN is the (otherwise empty) throw-away directory.
         gobin = module_dir / "bin"
-        command = [go, "install", *flags, f"{target.package}@{KWOK_VERSION}"]
+        command = [go, "install", *flags, f"{target.package}@{_GO_INSTALL_VERSIONS[target.source]}"]
         env["GOBIN"] = str(gobin)
         verb = "go install"
     else:
