@@ -14,13 +14,18 @@ with the machine's Go from the official Go modules, so nothing but a Go toolchai
   module: the checksum database refuses one of its dependencies (``sigs.k8s.io/scheduler-library``), whose hash
   Kueue's go.sum pins. Kueue's CRDs, webhook configurations and RBAC are read from the same module
   (``kueue_source_dir()``), so they always match the binary.
+* promtool (github.com/prometheus/prometheus, opt-in: the monitoring manifests' tests check and unit-test the alert
+  rules and the dashboard's queries with it): ``go install .../cmd/promtool@<version>`` with Prometheus's own go.mod
+  and go.sum, and the ``-X .../common/version`` flags Prometheus's own build (promu) sets.
 
 Results are cached under ``${XDG_CACHE_HOME:-~/.cache}/kube-vgpu/k8s-<version>/bin`` (Kubernetes and etcd) and
-``.../kube-vgpu/kwok-<version>/bin`` (kwok, versioned on its own; ``kueue-<version>/bin`` too), each with a stamp
+``.../kube-vgpu/kwok-<version>/bin`` (kwok, versioned on its own; ``kueue-<version>/bin`` and
+``prometheus-<version>/bin`` too), each with a stamp
 file recording what each binary was built from and a build lock, so later calls return at once.
 ``KUBE_VGPU_BIN_DIR`` points at prebuilt binaries instead (nothing is built then).
 
-Run ``python -m kube_vgpu.dev.devcluster.binaries`` to build and print the paths.
+Run ``python -m kube_vgpu.dev.devcluster.binaries [NAME...]`` to build and print the paths (default: the
+DEFAULT_BINARY_NAMES; e.g. ``... binaries promtool`` for promtool alone).
 """
 
 from __future__ import annotations
@@ -104,6 +109,12 @@ KWOK_VERSION = "v0.7.0"
 KUEUE_VERSION = "v0.19.2"
 KUEUE_MODULE = "sigs.k8s.io/kueue"
 KUEUE_MIN_GO_VERSION = (1, 26)
+# promtool (opt-in), from Prometheus 3.16.0, whose Go module versions are v0.3xx (v0.316.0 = 3.16.0); its go.mod
+# declares `go 1.26.7`.
+PROMETHEUS_VERSION = "v0.316.0"
+PROMETHEUS_RELEASE = "3.16.0"
+PROMETHEUS_MODULE = "github.com/prometheus/prometheus"
+PROMETHEUS_MIN_GO_VERSION = (1, 26)
 # Bump whenever the build recipe (flags, ldflags, module template) changes, so existing caches are rebuilt.
 RECIPE_VERSION = 1
 
@@ -116,8 +127,12 @@ CORE_BINARY_NAMES: tuple[str, ...] = ("etcd", "kube-apiserver", "kube-scheduler"
 LIFECYCLE_BINARY_NAMES: tuple[str, ...] = ("kube-controller-manager", "kwok")
 #: What ClusterOptions.kueue adds: the real Kueue controller.
 KUEUE_BINARY_NAMES: tuple[str, ...] = ("kueue",)
-BINARY_NAMES: tuple[str, ...] = CORE_BINARY_NAMES + LIFECYCLE_BINARY_NAMES + KUEUE_BINARY_NAMES
-#: What ensure_binaries() builds unless told: Kueue is opt-in (8 more minutes on a first run).
+#: What the monitoring manifests' tests add: Prometheus's promtool (rules, rule unit tests, PromQL).
+PROMETHEUS_BINARY_NAMES: tuple[str, ...] = ("promtool",)
+BINARY_NAMES: tuple[str, ...] = (
+    CORE_BINARY_NAMES + LIFECYCLE_BINARY_NAMES + KUEUE_BINARY_NAMES + PROMETHEUS_BINARY_NAMES
+)
+#: What ensure_binaries() builds unless told: Kueue and promtool are opt-in (minutes more on a first run).
 DEFAULT_BINARY_NAMES: tuple[str, ...] = CORE_BINARY_NAMES + LIFECYCLE_BINARY_NAMES
 
 HEARTBEAT_INTERVAL_S = 30.0
@@ -184,7 +199,8 @@ class PrebuiltBinariesError(BinariesError):
 @dataclass(frozen=True)
 class _Target:
     name: str
-    source: str  # "kubernetes", "etcd", "kueue" (throw-away modules) or "kwok" (go install of KWOK's own module)
+    source: str  # "kubernetes", "etcd", "kueue" (throw-away modules), "kwok" or "prometheus" (go install of the
+    # released module, with its own go.mod and go.sum)
     package: str
     version_args: tuple[str, ...]
     version_text: str  # must appear in the output of `<binary> <version_args>`
@@ -224,7 +240,17 @@ _TARGETS: tuple[_Target, ...] = (
     _Target("kwok", "kwok", "sigs.k8s.io/kwok/cmd/kwok", ("--version",), KWOK_VERSION[1:]),
     # kueue has no version flag (it logs its version when it starts); its usage names its own flags.
     _Target("kueue", "kueue", f"{KUEUE_MODULE}/cmd/kueue", ("--help",), "-feature-gates"),
+    # "promtool, version 3.16.0 (branch: ..., revision: ...)", from the -X flags of prometheus_version_ldflags()
+    _Target(
+        "promtool",
+        "prometheus",
+        f"{PROMETHEUS_MODULE}/cmd/promtool",
+        ("--version",),
+        f"promtool, version {PROMETHEUS_RELEASE} ",
+    ),
 )
+#: The version `go install <package>@<version>` names, for the targets built that way.
+_GO_INSTALL_VERSIONS = {"kwok": KWOK_VERSION, "prometheus": PROMETHEUS_VERSION}
 assert tuple(t.name for t in _TARGETS) == BINARY_NAMES
 _TARGETS_BY_NAME = {target.name: target for target in _TARGETS}
 
@@ -256,6 +282,11 @@ def kueue_cache_dir() -> Path:
     return _cache_root() / f"kueue-{KUEUE_VERSION}"
 
 
+def prometheus_cache_dir() -> Path:
+    """Root of this Prometheus version's cache (promtool; its own directory, like KWOK's)."""
+    return _cache_root() / f"prometheus-{PROMETHEUS_VERSION}"
+
+
 def home_of(name: str) -> Path:
     """The cache root (bin/, stamp.json, build.lock) a binary belongs to."""
     source = _TARGETS_BY_NAME[name].source
@@ -263,6 +294,8 @@ def home_of(name: str) -> Path:
         return kwok_cache_dir()
     if source == "kueue":
         return kueue_cache_dir()
+    if source == "prometheus":
+        return prometheus_cache_dir()
     return cache_dir()
 
 
@@ -288,6 +321,8 @@ def build_keys() -> dict[str, str]:
             source = f"sigs.k8s.io/kwok@{KWOK_VERSION}"
         elif target.source == "kueue":
             source = f"{KUEUE_MODULE}@{KUEUE_VERSION}"
+        elif target.source == "prometheus":
+            source = f"{PROMETHEUS_MODULE}@{PROMETHEUS_VERSION}"
         else:
             source = f"k8s.io/kubernetes@{KUBERNETES_VERSION}"
         keys[target.name] = f"{source} recipe={RECIPE_VERSION}"
@@ -324,6 +359,8 @@ def _record_built(path: Path, name: str, key: str, go_version: str, build_s: flo
         data["kwok_version"] = KWOK_VERSION
     elif source == "kueue":
         data["kueue_version"] = KUEUE_VERSION
+    elif source == "prometheus":
+        data["prometheus_version"] = PROMETHEUS_VERSION
     else:
         data["kubernetes_version"] = KUBERNETES_VERSION
         data["etcd_version"] = ETCD_VERSION
@@ -354,8 +391,8 @@ def stale_binaries(directory: Path, stamp: Mapping[str, str], names: Iterable[st
 
 
 def ensure_binaries(progress: ProgressFn = print, names: Iterable[str] = DEFAULT_BINARY_NAMES) -> dict[str, Path]:
-    """Return the paths of the binaries named (default: DEFAULT_BINARY_NAMES, all but Kueue), building what is not
-    cached yet.
+    """Return the paths of the binaries named (default: DEFAULT_BINARY_NAMES, all but Kueue and promtool),
+    building what is not cached yet.
 
     The first build takes many minutes (progress is reported through ``progress``); later calls only stat files.
     """
@@ -368,14 +405,15 @@ def ensure_binaries(progress: ProgressFn = print, names: Iterable[str] = DEFAULT
         return _prebuilt_binaries(Path(override), wanted)
 
     paths = {name: binary_path(name) for name in wanted}
-    homes = list(dict.fromkeys(home_of(name) for name in wanted))  # k8s first, then kwok, then kueue
+    homes = list(dict.fromkeys(home_of(name) for name in wanted))  # k8s first, then kwok, kueue, prometheus
     for home in homes:
         group = [name for name in wanted if home_of(name) == home]
         directory = bin_dir(home)
         if not stale_binaries(directory, read_stamp(stamp_path(home)), group):
             continue
         go = _find_go()
-        go_version = _go_version(go, KUEUE_MIN_GO_VERSION if home == kueue_cache_dir() else MIN_GO_VERSION)
+        minimum = {kueue_cache_dir(): KUEUE_MIN_GO_VERSION, prometheus_cache_dir(): PROMETHEUS_MIN_GO_VERSION}
+        go_version = _go_version(go, minimum.get(home, MIN_GO_VERSION))
         home.mkdir(parents=True, exist_ok=True)
         with _exclusive_lock(home / "build.lock", progress):
             # Another process may have built some or all of them while we waited for the lock.
@@ -499,12 +537,14 @@ def _build(go: str, go_version: str, root: Path, names: list[str], progress: Pro
         versions = f"kwok {KWOK_VERSION}"
     elif root == kueue_cache_dir():
         versions = f"Kueue {KUEUE_VERSION}"
+    elif root == prometheus_cache_dir():
+        versions = f"Prometheus {PROMETHEUS_RELEASE} ({PROMETHEUS_MODULE}@{PROMETHEUS_VERSION})"
     else:
         versions = f"Kubernetes {KUBERNETES_VERSION}, etcd {ETCD_VERSION}"
     progress(
         f"building {', '.join(names)} ({versions}) with {go_version} into {directory}; the first build takes a while"
     )
-    for source in ("etcd", "kubernetes", "kwok", "kueue"):
+    for source in ("etcd", "kubernetes", "kwok", "kueue", "prometheus"):
         source_targets = [t for t in targets if t.source == source]
         if not source_targets:
             continue
@@ -515,6 +555,14 @@ def _build(go: str, go_version: str, root: Path, names: list[str], progress: Pro
                 # throw-away module would re-resolve its dependencies); the directory only holds GOBIN.
                 for target in source_targets:
                     build_s = _build_one(go, module_dir, target, "-s -w", directory, progress)
+                    _record_built(stamp_path(root), target.name, keys[target.name], go_version, build_s)
+                continue
+            if source == "prometheus":
+                # Like kwok: `go install` with Prometheus's own go.mod and go.sum (the checksum database accepts
+                # them), and the version flags its own build sets, which `promtool --version` prints.
+                for target in source_targets:
+                    ldflags = "-s -w " + prometheus_version_ldflags()
+                    build_s = _build_one(go, module_dir, target, ldflags, directory, progress)
                     _record_built(stamp_path(root), target.name, keys[target.name], go_version, build_s)
                 continue
             if source == "kueue":
@@ -597,6 +645,13 @@ def kueue_version_ldflags(build_date: str) -> str:
     return " ".join(flags)
 
 
+def prometheus_version_ldflags() -> str:
+    """What Prometheus's build (.promu.yml) sets, so `promtool --version` names the release it is."""
+    package = "github.com/prometheus/common/version"
+    values = {"Version": PROMETHEUS_RELEASE, "Branch": "HEAD", "BuildUser": "kube-vgpu"}
+    return " ".join(f"-X {package}.{key}={value}" for key, value in values.items())
+
+
 def kueue_source_dir(progress: ProgressFn = print) -> Path:
     """The Kueue module's source tree (read-only, in Go's module cache), downloaded if needed: its CRDs
     (config/components/crd/bases), webhook configurations and RBAC. A download of a few MiB; nothing is built."""
@@ -635,10 +690,10 @@ def _build_one(
         f"-ldflags={ldflags}",
     ]
     env: dict[str, str] = {}
-    if target.source == "kwok":
-        # `go install` writes <GOBIN>/kwok; GOBIN is the (otherwise empty) throw-away directory.
+    if target.source in _GO_INSTALL_VERSIONS:
+        # `go install` writes <GOBIN>/<name>; GOBIN is the (otherwise empty) throw-away directory.
         gobin = module_dir / "bin"
-        command = [go, "install", *flags, f"{target.package}@{KWOK_VERSION}"]
+        command = [go, "install", *flags, f"{target.package}@{_GO_INSTALL_VERSIONS[target.source]}"]
         env["GOBIN"] = str(gobin)
         verb = "go install"
     else:
@@ -754,10 +809,12 @@ def _tail(lines: list[str]) -> str:
     return "--- last lines of output ---\n" + "\n".join(shown)
 
 
-def main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
+    """Build (or find) the binaries named on the command line (default: DEFAULT_BINARY_NAMES) and print their paths."""
+    names = list(sys.argv[1:] if argv is None else argv) or list(DEFAULT_BINARY_NAMES)
     start_s = time.monotonic()
     try:
-        paths = ensure_binaries(progress=lambda message: print(message, file=sys.stderr, flush=True))
+        paths = ensure_binaries(progress=lambda message: print(message, file=sys.stderr, flush=True), names=names)
     except BinariesError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
