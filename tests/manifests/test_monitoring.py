@@ -1,0 +1,350 @@
+"""manifests/monitoring: the scrape configurations point at ports and labels the installed workloads really have,
+every alert is unit-tested with the real promtool (fires on what should fire it, stays quiet on its near misses),
+every PromQL expression of the rules and of the Grafana dashboard parses (promtool check rules), and every metric
+they use is one the components export (the docs test's exported_metrics(), from the real /metrics output).
+
+promtool is built from Prometheus's Go module on first use (kube_vgpu.dev.devcluster.binaries, opt-in; minutes on
+a cold Go cache) and cached, like the dev cluster's binaries."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.manifests.render import INSTALLABLE, MANIFESTS, NAMESPACE, ROOT, Object, containers, find, one, render
+from tests.manifests.test_docs import exported_metrics
+
+MONITORING = "monitoring"
+RULE_TESTS = Path(__file__).parent / "monitoring" / "rules_test.yaml"
+DASHBOARD = MANIFESTS / MONITORING / "kube-vgpu-dashboard.json"
+#: kube-scheduler's own metrics the rules use (scraped by the PodMonitor kube-vgpu-scheduler; docs/operations.md
+#: lists them). Not ours, so not in exported_metrics(); nothing else outside kube_vgpu_* may appear.
+KUBE_SCHEDULER_METRICS = {"scheduler_pending_pods"}
+#: What Grafana substitutes into the dashboard's queries, with values of the same syntax, so promtool parses them.
+GRAFANA_VARIABLES = {"$__rate_interval": "2m", "$__range": "6h", "$__interval": "30s", "$node": ".*",
+                     "$namespace": ".*", "$cluster_queue": ".*"}
+
+
+@functools.cache
+def promtool() -> Path:
+    from kube_vgpu.dev.devcluster.binaries import ensure_binaries
+
+    return ensure_binaries(progress=lambda line: print(line, file=sys.stderr), names=("promtool",))["promtool"]
+
+
+def run_promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(promtool()), *args], capture_output=True, text=True, timeout=120, cwd=cwd)
+
+
+def objects() -> list[Object]:
+    return render(MONITORING)
+
+
+def rule_groups() -> list[dict[str, Any]]:
+    groups: list[dict[str, Any]] = one(objects(), "PrometheusRule", "kube-vgpu")["spec"]["groups"]
+    return groups
+
+
+def alerts() -> dict[str, dict[str, Any]]:
+    return {rule["alert"]: rule for group in rule_groups() for rule in group["rules"] if "alert" in rule}
+
+
+def dashboard() -> dict[str, Any]:
+    loaded: dict[str, Any] = json.loads(DASHBOARD.read_text())
+    return loaded
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    """(where, PromQL) of every panel target and every query variable (label_values(m, l) -> m)."""
+    found = []
+    for panel in dashboard()["panels"]:
+        for target in panel.get("targets", []):
+            found.append((f"panel {panel['id']} {panel['title']!r} {target['refId']}", target["expr"]))
+    for variable in dashboard()["templating"]["list"]:
+        if variable["type"] == "query":
+            match = re.fullmatch(r"label_values\((.+), *([a-z_]+)\)", variable["query"]["query"])
+            assert match, variable
+            found.append((f"variable {variable['name']}", match.group(1)))
+    return found
+
+
+def grafana_substituted(expr: str) -> str:
+    for name in sorted(GRAFANA_VARIABLES, key=len, reverse=True):
+        expr = expr.replace(name, GRAFANA_VARIABLES[name])
+    assert "$" not in expr, f"a Grafana variable the test does not know: {expr}"
+    return expr
+
+
+_NOT_METRICS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "offset", "and", "or",
+                "unless", "inf", "nan"}
+
+
+def metric_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression selects: identifiers that are not functions, keywords, label names
+    (in {...} and in by/without/on/ignoring/group_x lists), strings, durations or numbers."""
+    expr = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)  # strings
+    expr = re.sub(r"\{[^}]*\}", "", expr)  # label matchers
+    expr = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", expr)
+    expr = re.sub(r"\[[^\]]*\]", "", expr)  # range selectors
+    names = set()
+    for match in re.finditer(r"(?<![\w.])([A-Za-z_:][A-Za-z0-9_:]*)(\s*\()?", expr):
+        word, call = match.group(1), match.group(2)
+        if call or word.lower() in _NOT_METRICS:
+            continue
+        names.add(word)
+    return names
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The kustomization and its scrape configurations
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_the_monitoring_kustomization_holds_scrapes_rules_and_the_dashboard() -> None:
+    rendered = objects()
+    kinds = sorted((o["kind"], o["metadata"]["name"]) for o in rendered)
+    assert kinds == sorted([
+        ("PodMonitor", "kube-vgpu-extender"), ("PodMonitor", "kube-vgpu-scheduler"),
+        ("PodMonitor", "kube-vgpu-device-plugin"), ("ServiceMonitor", "kube-vgpu-webhook"),
+        ("PrometheusRule", "kube-vgpu"), ("ConfigMap", "kube-vgpu-dashboard"),
+        ("NetworkPolicy", "kube-vgpu-webhook-metrics"), ("ServiceAccount", "kube-vgpu-metrics-reader"),
+        ("Secret", "kube-vgpu-metrics-reader"), ("ClusterRole", "kube-vgpu-metrics-reader"),
+        ("ClusterRoleBinding", "kube-vgpu-metrics-reader"),
+    ])
+    for obj in rendered:
+        labels = obj["metadata"]["labels"]
+        assert labels["app.kubernetes.io/name"] == "kube-vgpu" and labels["app.kubernetes.io/component"] == MONITORING
+        if not obj["kind"].startswith("Cluster"):
+            assert obj["metadata"]["namespace"] == NAMESPACE, obj["metadata"]["name"]
+    configmap = one(rendered, "ConfigMap", "kube-vgpu-dashboard")
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"  # what Grafana's sidecar loads
+    assert configmap["data"] == {DASHBOARD.name: DASHBOARD.read_text()}
+
+
+def _container_ports(overlay: str, component: str) -> set[str]:
+    matching = [w for w in render(overlay)
+                if w["kind"] in ("Deployment", "DaemonSet")
+                and w["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/component") == component]
+    assert len(matching) == 1, component
+    return {port["name"] for _, c in containers(matching[0]) for port in c.get("ports", [])}
+
+
+@pytest.mark.parametrize("overlay", INSTALLABLE)
+def test_every_pod_monitor_selects_one_workload_by_its_labels_and_a_port_it_names(overlay: str) -> None:
+    installed = render(overlay)
+    for monitor in find(objects(), "PodMonitor"):
+        selector = monitor["spec"]["selector"]["matchLabels"]
+        selected = [w for w in installed if w["kind"] in ("Deployment", "DaemonSet")
+                    and selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+        assert len(selected) == 1, monitor["metadata"]["name"]
+        ports = {port["name"]: (c["name"], port["containerPort"])
+                 for _, c in containers(selected[0]) for port in c.get("ports", [])}
+        for endpoint in monitor["spec"]["podMetricsEndpoints"]:
+            assert endpoint["port"] in ports, (monitor["metadata"]["name"], endpoint["port"])
+            assert endpoint["path"] == "/metrics"
+    # the ports are the ones /metrics is served on: the extender's --metrics-port, the device plugin's probe
+    # address (the default --metrics-address), kube-scheduler's secure port
+    scheduler = one(installed, "Deployment", "kube-vgpu-scheduler")
+    extender = next(c for _, c in containers(scheduler) if c["name"] == "extender")
+    assert "--metrics-port=8889" in extender["args"] and {"name": "metrics", "containerPort": 8889} in extender["ports"]
+    plugin = next(c for _, c in containers(one(installed, "DaemonSet", "kube-vgpu-device-plugin")))
+    assert "--probe-address=:8081" in plugin["args"] and not any(a.startswith("--metrics-address")
+                                                                 for a in plugin["args"])
+    assert {"name": "probes", "containerPort": 8081} in plugin["ports"]
+    # series carrying the GPU pod's namespace/pod (extender) or container (device plugin) keep them
+    for name in ("kube-vgpu-extender", "kube-vgpu-device-plugin"):
+        [endpoint] = one(objects(), "PodMonitor", name)["spec"]["podMetricsEndpoints"]
+        assert endpoint["honorLabels"] is True
+
+
+@pytest.mark.parametrize("overlay", INSTALLABLE)
+def test_the_webhook_is_scraped_over_tls_verified_with_the_ca_of_its_own_secret(overlay: str) -> None:
+    installed = render(overlay)
+    monitor = one(objects(), "ServiceMonitor", "kube-vgpu-webhook")
+    service = one(installed, "Service", "kube-vgpu-webhook")
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    [endpoint] = monitor["spec"]["endpoints"]
+    assert endpoint["port"] in {port["name"] for port in service["spec"]["ports"]}
+    assert endpoint["scheme"] == "https"
+    tls = endpoint["tlsConfig"]
+    assert tls["ca"]["secret"] == {"name": "kube-vgpu-webhook-tls", "key": "ca.crt"}
+    deployment = one(installed, "Deployment", "kube-vgpu-webhook")
+    assert {"name": "tls", "secret": {"secretName": "kube-vgpu-webhook-tls"}} in \
+        deployment["spec"]["template"]["spec"]["volumes"]
+    assert tls["serverName"] == f"kube-vgpu-webhook.{NAMESPACE}.svc"  # a name its certificate holds
+    for certificate in find(installed, "Certificate", "kube-vgpu-webhook"):
+        assert tls["serverName"] in certificate["spec"]["dnsNames"]
+    # the webhook's NetworkPolicy admits only the API server; the monitoring one admits Prometheus to that port
+    policy = one(objects(), "NetworkPolicy", "kube-vgpu-webhook-metrics")
+    assert policy["spec"]["podSelector"] == one(installed, "NetworkPolicy", "kube-vgpu-webhook")["spec"]["podSelector"]
+    assert [port["port"] for rule in policy["spec"]["ingress"] for port in rule["ports"]] == ["https"]
+
+
+def test_kube_scheduler_is_scraped_with_a_token_allowed_only_get_metrics() -> None:
+    rendered = objects()
+    [endpoint] = one(rendered, "PodMonitor", "kube-vgpu-scheduler")["spec"]["podMetricsEndpoints"]
+    assert (endpoint["port"], endpoint["scheme"]) == ("https", "https")
+    secret = one(rendered, "Secret", endpoint["authorization"]["credentials"]["name"])
+    assert secret["type"] == "kubernetes.io/service-account-token"
+    account = secret["metadata"]["annotations"]["kubernetes.io/service-account.name"]
+    one(rendered, "ServiceAccount", account)
+    binding = one(rendered, "ClusterRoleBinding", "kube-vgpu-metrics-reader")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}]
+    role = one(rendered, "ClusterRole", binding["roleRef"]["name"])
+    assert role["rules"] == [{"nonResourceURLs": ["/metrics"], "verbs": ["get"]}]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The alert rules, with the real promtool
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def write_rules(directory: Path, groups: list[dict[str, Any]] | None = None) -> Path:
+    path = directory / "rules.yaml"
+    path.write_text(yaml.safe_dump({"groups": rule_groups() if groups is None else groups}, sort_keys=False))
+    return path
+
+
+def test_promtool_checks_the_rules(tmp_path: Path) -> None:
+    rules = write_rules(tmp_path)
+    result = run_promtool("check", "rules", str(rules))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"SUCCESS: {len(alerts())} rules found" in result.stdout
+
+
+def test_the_alerts_are_the_ones_operations_md_describes_each_with_for_severity_and_what_to_do() -> None:
+    documented = set(re.findall(r"`(KubeVgpu[A-Za-z]+)`", (ROOT / "docs" / "operations.md").read_text()))
+    assert set(alerts()) == documented
+    for name, rule in alerts().items():
+        assert re.fullmatch(r"\d+[mh]", rule["for"]), name
+        assert rule["labels"]["severity"] in ("critical", "warning", "info"), name
+        annotations = rule["annotations"]
+        assert ": " in annotations["summary"], f"{name}: the summary says what is wrong, then what to do"
+        assert annotations["description"] and "{{" not in annotations["description"], name
+        page, _, anchor = annotations["runbook_url"].removeprefix(
+            "https://github.com/kube-vgpu/kube-vgpu/blob/main/").partition("#")
+        doc = (ROOT / page).read_text()
+        if anchor:  # a heading of that page
+            headings = {re.sub(r"[^a-z0-9 -]", "", h.lower()).replace(" ", "-")
+                        for h in re.findall(r"^#+ (.+)$", doc, flags=re.M)}
+            assert anchor in headings, f"{name}: {annotations['runbook_url']}"
+
+
+def rule_tests_with_static_annotations() -> dict[str, Any]:
+    """rules_test.yaml with each expected alert's description and runbook_url filled in from its rule."""
+    tests: dict[str, Any] = yaml.safe_load(RULE_TESTS.read_text())
+    by_name = alerts()
+    for group in tests["tests"]:
+        for case in group["alert_rule_test"]:
+            for expected in case["exp_alerts"]:
+                annotations = by_name[case["alertname"]]["annotations"]
+                expected["exp_annotations"] |= {key: annotations[key] for key in ("description", "runbook_url")}
+    return tests
+
+
+def run_rule_tests(directory: Path, groups: list[dict[str, Any]] | None = None) -> subprocess.CompletedProcess[str]:
+    write_rules(directory, groups)
+    (directory / RULE_TESTS.name).write_text(yaml.safe_dump(rule_tests_with_static_annotations(), sort_keys=False))
+    return run_promtool("test", "rules", RULE_TESTS.name, cwd=directory)
+
+
+def test_every_alert_has_unit_tests_that_see_it_fire_and_stay_quiet() -> None:
+    cases = [case for group in yaml.safe_load(RULE_TESTS.read_text())["tests"] for case in group["alert_rule_test"]]
+    for name in alerts():
+        mine = [case for case in cases if case["alertname"] == name]
+        assert any(case["exp_alerts"] for case in mine), f"{name}: no test in which it fires"
+        assert any(not case["exp_alerts"] for case in mine), f"{name}: no test in which it stays quiet"
+
+
+def test_promtool_runs_the_alert_unit_tests(tmp_path: Path) -> None:
+    result = run_rule_tests(tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS" in result.stdout
+
+
+def test_the_unit_tests_catch_a_changed_threshold(tmp_path: Path) -> None:
+    # control: the same tests against rules whose bind-failure threshold is 50 instead of 5 fail, naming the alert
+    groups = copy.deepcopy(rule_groups())
+    [rule] = [r for g in groups for r in g["rules"] if r.get("alert") == "KubeVgpuBindFailures"]
+    assert rule["expr"].endswith("> 5")
+    rule["expr"] = rule["expr"].removesuffix("> 5") + "> 50"
+    result = run_rule_tests(tmp_path, groups)
+    assert result.returncode != 0
+    assert "KubeVgpuBindFailures" in result.stdout + result.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The Grafana dashboard
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_the_dashboard_has_the_cluster_node_gpu_and_team_views() -> None:
+    board = dashboard()
+    assert board["uid"] == "kube-vgpu"
+    rows = [p["title"] for p in board["panels"] if p["type"] == "row"]
+    assert {"Cluster overview", "Nodes", "GPUs", "Teams and queues"} <= set(rows)
+    ids = [p["id"] for p in board["panels"]]
+    assert len(ids) == len(set(ids))
+    for panel in board["panels"]:
+        if panel["type"] != "row":
+            assert panel["targets"] and panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+            grid = panel["gridPos"]
+            assert grid["x"] + grid["w"] <= 24, panel["title"]
+    variables = {v["name"] for v in board["templating"]["list"]}
+    assert variables == {"datasource", "node", "namespace", "cluster_queue"}
+    used = {name for _, expr in dashboard_queries() for name in re.findall(r"\$(\w+)", expr)}
+    assert used - {"__rate_interval", "__range"} <= variables
+
+
+def test_promtool_parses_every_dashboard_query(tmp_path: Path) -> None:
+    queries = dashboard_queries()
+    assert len(queries) > 40
+    rules = [{"record": f"kube_vgpu:dashboard:query_{i}", "expr": grafana_substituted(expr)}
+             for i, (_, expr) in enumerate(queries)]
+    path = write_rules(tmp_path, [{"name": "dashboard", "rules": rules}])
+    result = run_promtool("check", "rules", str(path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"SUCCESS: {len(rules)} rules found" in result.stdout
+    # control: one broken query is reported
+    rules.append({"record": "kube_vgpu:dashboard:broken", "expr": "sum by (node (kube_vgpu_nodes)"})
+    path = write_rules(tmp_path, [{"name": "dashboard", "rules": rules}])
+    result = run_promtool("check", "rules", str(path))
+    assert result.returncode != 0 and "parse error" in result.stdout + result.stderr
+
+
+def test_metric_names_are_found_in_promql() -> None:
+    expr = ('sum by (namespace) (max by (namespace, pod) (increase(kube_vgpu_pod_vgpu_seconds_total'
+            '{namespace=~"a|b"}[6h]))) / on (pod_uid) group_left (pod) max(scheduler_pending_pods offset 5m) '
+            "or vector(0) > bool 1e3")
+    assert metric_names(expr) == {"kube_vgpu_pod_vgpu_seconds_total", "scheduler_pending_pods"}
+
+
+def test_every_metric_the_rules_and_the_dashboard_use_is_exported() -> None:
+    exported = exported_metrics()
+    expressions = [(name, rule["expr"]) for name, rule in alerts().items()] + dashboard_queries()
+    used: set[str] = set()
+    for where, expr in expressions:
+        names = metric_names(expr)
+        assert names, f"{where}: no metric in {expr}"
+        for name in names:
+            assert name.startswith("kube_vgpu_") or name in KUBE_SCHEDULER_METRICS, f"{where}: {name}"
+            base = re.sub(r"_(bucket|sum|count)$", "", name)
+            if name.startswith("kube_vgpu_"):
+                assert name in exported or base in exported, f"{where} uses {name}, which nothing exports"
+        used |= names
+    # what the dashboard covers, at least: allocation (extender), measured use (device plugin), the webhook
+    assert {"kube_vgpu_gpu_memory_allocated_mib", "kube_vgpu_gpu_utilization_ratio",
+            "kube_vgpu_container_gpu_memory_used_bytes", "kube_vgpu_pod_gpu_core_percent_seconds_total",
+            "kube_vgpu_quota_used", "kube_vgpu_webhook_admissions_total"} <= used
+    operations = (ROOT / "docs" / "operations.md").read_text()
+    for name in KUBE_SCHEDULER_METRICS:
+        assert f"`{name}" in operations
