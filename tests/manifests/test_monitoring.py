@@ -204,6 +204,86 @@ def test_kube_scheduler_is_scraped_with_a_token_allowed_only_get_metrics() -> No
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# The Prometheus Operator's objects against its own CRDs
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _CrdLoader(yaml.CSafeLoader):
+    """YAML 1.1 reads a bare `=` (an enum value in the CRDs) as the obsolete `value` tag: read it as the string."""
+
+
+def _value_as_string(loader: yaml.CSafeLoader, node: yaml.ScalarNode) -> str:
+    return str(loader.construct_scalar(node))
+
+
+_CrdLoader.add_constructor("tag:yaml.org,2002:value", _value_as_string)
+
+
+@functools.cache
+def crd_schemas() -> dict[str, dict[str, Any]]:
+    """kind -> openAPIV3Schema of the served version, from the Prometheus Operator's module."""
+    from kube_vgpu.dev.devcluster.binaries import prometheus_operator_crd_dir
+
+    schemas = {}
+    directory = prometheus_operator_crd_dir(progress=lambda line: print(line, file=sys.stderr))
+    for plural in ("podmonitors", "servicemonitors", "prometheusrules"):
+        crd = yaml.load((directory / f"monitoring.coreos.com_{plural}.yaml").read_text(), Loader=_CrdLoader)
+        [version] = [v for v in crd["spec"]["versions"] if v["served"] and v["storage"]]
+        schemas[crd["spec"]["names"]["kind"]] = version["schema"]["openAPIV3Schema"]
+    return schemas
+
+
+_TYPES: dict[str, type | tuple[type, ...]] = {"object": dict, "array": list, "string": str, "boolean": bool,
+                                              "integer": int, "number": (int, float)}
+
+
+def schema_errors(value: Any, schema: dict[str, Any], where: str = "") -> list[str]:
+    """What the API server's structural schema validation would refuse: unknown fields (strict field validation),
+    wrong types, values outside an enum, missing required fields."""
+    if schema.get("x-kubernetes-int-or-string"):
+        return [] if isinstance(value, (int, str)) else [f"{where}: {value!r} is not an int or a string"]
+    expected = schema.get("type")
+    if expected and not isinstance(value, _TYPES[expected]):
+        return [f"{where}: {value!r} is not of type {expected}"]
+    if "enum" in schema and value not in schema["enum"]:
+        return [f"{where}: {value!r} is not one of {schema['enum']}"]
+    errors = []
+    if isinstance(value, dict):
+        properties = schema.get("properties")
+        errors += [f"{where}.{key}: required" for key in schema.get("required", []) if key not in value]
+        for key, item in value.items():
+            if properties is not None and key in properties:
+                errors += schema_errors(item, properties[key], f"{where}.{key}")
+            elif isinstance(schema.get("additionalProperties"), dict):
+                errors += schema_errors(item, schema["additionalProperties"], f"{where}.{key}")
+            elif properties is not None and not schema.get("x-kubernetes-preserve-unknown-fields"):
+                errors.append(f"{where}.{key}: unknown field")
+    elif isinstance(value, list) and "items" in schema:
+        for index, item in enumerate(value):
+            errors += schema_errors(item, schema["items"], f"{where}[{index}]")
+    return errors
+
+
+def test_the_operator_objects_follow_the_prometheus_operator_s_crds() -> None:
+    checked = 0
+    for obj in objects():
+        if obj["apiVersion"].startswith("monitoring.coreos.com/"):
+            body = {key: value for key, value in obj.items() if key != "metadata"}  # metadata: ObjectMeta's own
+            assert schema_errors(body, crd_schemas()[obj["kind"]], obj["kind"]) == [], obj["metadata"]["name"]
+            checked += 1
+    assert checked == 5
+    # control: a misspelt field and a wrong type are found
+    monitor = copy.deepcopy(one(objects(), "PodMonitor", "kube-vgpu-extender"))
+    monitor["spec"]["podMetricsEndpoints"][0]["honorLabel"] = True
+    monitor["spec"]["podMetricsEndpoints"][0]["interval"] = 30
+    del monitor["metadata"]
+    assert schema_errors(monitor, crd_schemas()["PodMonitor"]) == [
+        ".spec.podMetricsEndpoints[0].interval: 30 is not of type string",
+        ".spec.podMetricsEndpoints[0].honorLabel: unknown field",
+    ]
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # The alert rules, with the real promtool
 # ---------------------------------------------------------------------------------------------------------------
 

@@ -115,6 +115,10 @@ PROMETHEUS_VERSION = "v0.316.0"
 PROMETHEUS_RELEASE = "3.16.0"
 PROMETHEUS_MODULE = "github.com/prometheus/prometheus"
 PROMETHEUS_MIN_GO_VERSION = (1, 26)
+# The Prometheus Operator whose CRDs (PodMonitor, ServiceMonitor, PrometheusRule) the monitoring manifests are checked
+# against: read from its Go module (prometheus_operator_crd_dir()), nothing built.
+PROMETHEUS_OPERATOR_VERSION = "v0.85.0"
+PROMETHEUS_OPERATOR_MODULE = "github.com/prometheus-operator/prometheus-operator"
 # Bump whenever the build recipe (flags, ldflags, module template) changes, so existing caches are rebuilt.
 RECIPE_VERSION = 1
 
@@ -664,6 +668,21 @@ def kueue_source_dir(progress: ProgressFn = print) -> Path:
     if not (directory / "config" / "components" / "crd" / "bases").is_dir():
         raise BinariesError(f"{KUEUE_MODULE}@{KUEUE_VERSION} in {directory} has no config/components/crd/bases")
     progress(f"Kueue {KUEUE_VERSION} source in {directory}")
+    return directory
+
+
+def prometheus_operator_crd_dir(progress: ProgressFn = print) -> Path:
+    """The Prometheus Operator's CRDs (monitoring.coreos.com_*.yaml) from its Go module, downloaded if needed (a few
+    MiB into Go's module cache, read-only); nothing is built."""
+    go = _find_go()
+    _go_version(go, PROMETHEUS_MIN_GO_VERSION)
+    with tempfile.TemporaryDirectory(prefix="prometheus-operator-source-") as scratch:
+        (Path(scratch) / "go.mod").write_text("module kube-vgpu.local/prometheus-operator-source\n")
+        info = _go_mod_download(go, Path(scratch), f"{PROMETHEUS_OPERATOR_MODULE}@{PROMETHEUS_OPERATOR_VERSION}")
+    directory = Path(info["Dir"]) / "example" / "prometheus-operator-crd"
+    if not (directory / "monitoring.coreos.com_podmonitors.yaml").is_file():
+        raise BinariesError(f"{PROMETHEUS_OPERATOR_MODULE}@{PROMETHEUS_OPERATOR_VERSION} has no CRDs in {directory}")
+    progress(f"Prometheus Operator {PROMETHEUS_OPERATOR_VERSION} CRDs in {directory}")
     return directory
 
 
