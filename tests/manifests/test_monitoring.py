@@ -1,7 +1,10 @@
 """manifests/monitoring: the scrape configurations point at ports and labels the installed workloads really have,
 every alert is unit-tested with the real promtool (fires on what should fire it, stays quiet on its near misses),
-every PromQL expression of the rules and of the Grafana dashboard parses (promtool check rules), and every metric
-they use is one the components export (the docs test's exported_metrics(), from the real /metrics output).
+every PromQL expression of the rules and of the Grafana dashboard parses (promtool check rules), every metric
+they use is one the components export (the docs test's exported_metrics(), from the real /metrics output), and every
+dashboard query returns data from what the extender (over real HTTP, from a snapshot), the device plugin (fake NVML,
+a shared-region file) and the webhook really export, fed to promtool's evaluator as input series. The monitors and
+the rule are checked against the Prometheus Operator's own CRD schemas.
 
 promtool is built from Prometheus's Go module on first use (kube_vgpu.dev.devcluster.binaries, opt-in; minutes on
 a cold Go cache) and cached, like the dev cluster's binaries."""
@@ -14,6 +17,7 @@ import json
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -428,3 +432,138 @@ def test_every_metric_the_rules_and_the_dashboard_use_is_exported() -> None:
     operations = (ROOT / "docs" / "operations.md").read_text()
     for name in KUBE_SCHEDULER_METRICS:
         assert f"`{name}" in operations
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Every dashboard query returns data from the components' real /metrics output
+# ---------------------------------------------------------------------------------------------------------------
+
+#: Panels that show nothing in a healthy cluster by design (title -> why).
+EMPTY_WHEN_HEALTHY = {"Preemption evictions": "no pod was preempted (the counter has no series before the first)"}
+
+
+def _device_plugin_exposition(node: str, pod_uid: str) -> str:
+    """The device plugin's /metrics on fake T4s (NVML's UUIDs are the extender's synth_uuid(node, i)), with an XID
+    seen and one container of `pod_uid` on GPU 0 in a shared region, compute-limited to 50 %."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kube_vgpu.deviceplugin.discovery import discover
+    from kube_vgpu.deviceplugin.fakenvml import FakeNvml, load_profile
+    from kube_vgpu.deviceplugin.metrics import DevicePluginCollector
+    from kube_vgpu.deviceplugin.nvml import Nvml
+    from kube_vgpu.deviceplugin.state import DeviceState
+    from tests.deviceplugin.regionfiles import Region
+
+    nvml = Nvml(FakeNvml(load_profile("t4-4-pcie", node)))
+    discovery = discover(nvml)
+    state = DeviceState(discovery.inventory)
+    uuid = state.uuids()[0]
+    with tempfile.TemporaryDirectory() as cache:
+        Region(uuids=[uuid], limits_bytes=[4 << 30], sm_limits=[50]).write(Path(cache), pod_uid, "main")
+        registry = CollectorRegistry()
+        registry.register(DevicePluginCollector(node, nvml, discovery.handles, state,
+                                                xid_counts=lambda: {(uuid, 79): 1}, cache_dir=Path(cache)))
+        return generate_latest(registry).decode()
+
+
+def _extender_exposition(directory: Path, node: str) -> tuple[str, str]:
+    """(the extender's /metrics over real HTTP after a filter and a prioritize, the GPU pod's uid): a snapshot of two
+    T4 nodes, one pod bound through a ClusterQueue of the example quota, and a node with a malformed inventory."""
+    import httpx
+    import orjson
+
+    from kube_vgpu import protocol
+    from kube_vgpu.dev.fixtures import gpu_node, scheduled_pod
+    from kube_vgpu.extender.cli import build, parse_args
+    from tests.extender.test_usage_metrics import EXAMPLES, T0, bound_pod
+    from tests.servers import serve
+
+    broken = gpu_node("broken", gpus=1)
+    broken["metadata"]["annotations"][protocol.NODE_INVENTORY_ANNOTATION] = '{"gpus": "not a list"}'
+    trainer = bound_pod("trainer", "research", node, [(0, 8192, 50)], queue="research-queue")
+    items = [gpu_node(node, gpus=4, model="Tesla-T4", memory_mib=15360),
+             gpu_node("other", gpus=4, model="Tesla-T4", memory_mib=15360), broken, trainer]
+    snapshot = directory / "snapshot.json"
+    snapshot.write_bytes(orjson.dumps({"apiVersion": "v1", "kind": "List", "items": items}))
+    args = parse_args(["--snapshot", str(snapshot), "--quota-config", str(EXAMPLES / "quota.yaml")])
+    with serve(build(args, clock=lambda: T0 + 3600).app) as url, httpx.Client(base_url=url, timeout=10) as client:
+        fitting, too_big = scheduled_pod(gpus=1, memory_mib=1024, cores=10), scheduled_pod(gpus=5)  # 4 GPUs a node
+        for verb, asking in (("filter", fitting), ("prioritize", fitting), ("filter", too_big)):
+            reply = client.post(f"/{verb}", json={"Pod": asking, "NodeNames": [node, "other"], "Nodes": None})
+            reply.raise_for_status()
+        return client.get("/metrics").text, str(trainer["metadata"]["uid"])
+
+
+def _watch_exposition() -> str:
+    """The watch series a live extender adds (a snapshot has no watches): its SourceCollector's, as extender/cli.py
+    registers it with the nodes and pods watches."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kube_vgpu.extender.sources.metrics import SourceCollector
+    from kube_vgpu.extender.sources.watch import WatchHealth
+    from kube_vgpu.extender.state import ClusterState
+
+    registry = CollectorRegistry()
+    watches = {resource: WatchHealth(resource, 90.0) for resource in ("nodes", "pods")}
+    for health in watches.values():
+        health.progressed()  # listed: the watches are open
+        health.restarted("expired")
+    registry.register(SourceCollector(ClusterState(), watches))
+    return generate_latest(registry).decode()
+
+
+def _webhook_exposition() -> str:
+    from prometheus_client import generate_latest
+
+    from kube_vgpu.webhook.metrics import WebhookMetrics
+
+    metrics = WebhookMetrics()
+    metrics.admissions.labels("CREATE", "mutated").inc()
+    metrics.admission_duration.labels("mutated").observe(0.0004)
+    metrics.certificate_expiry.set(2_000_000_000)
+    return generate_latest(metrics.registry).decode()
+
+
+def _input_series(exposition: str, prefix: str = "kube_vgpu_") -> list[dict[str, str]]:
+    """promtool input series holding each sample of the exposition (of the families named `prefix`...) for 40
+    minutes: gauges constant, counters and histograms growing by one a minute (so rate() and increase() see them
+    move)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    series = []
+    for family in text_string_to_metric_families(exposition):
+        if not family.name.startswith(prefix):
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_created") or sample.value != sample.value:  # creation times, NaN
+                continue
+            labels = ",".join(f"{key}={json.dumps(value)}" for key, value in sorted(sample.labels.items()))
+            value = f"{sample.value:.6f}".rstrip("0").rstrip(".")
+            growing = family.type in ("counter", "histogram")
+            series.append({"series": f"{sample.name}{{{labels}}}",
+                           "values": f"{value}+1x40" if growing else f"{value}x40"})
+    return series
+
+
+def test_every_dashboard_query_returns_data_from_the_components_real_metrics(tmp_path: Path) -> None:
+    exposition, pod_uid = _extender_exposition(tmp_path, "n")
+    exposition += _device_plugin_exposition("n", pod_uid) + _webhook_exposition()
+    queries = [(where, expr) for where, expr in dashboard_queries()
+               if not any(f"{title!r}" in where for title in EMPTY_WHEN_HEALTHY)]
+    assert len(queries) == len(dashboard_queries()) - len(EMPTY_WHEN_HEALTHY)
+    write_rules(tmp_path, [])
+    case: dict[str, Any] = {
+        "interval": "1m",
+        "input_series": _input_series(exposition) + _input_series(_watch_exposition(), "kube_vgpu_extender_watch_"),
+        # absent(q) is empty exactly when q returns something
+        "promql_expr_test": [{"expr": f"absent({grafana_substituted(expr)})", "eval_time": "30m", "exp_samples": []}
+                             for _, expr in queries],
+    }
+    tests = {"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": [case]}
+    (tmp_path / "dashboard_test.yaml").write_text(yaml.safe_dump(tests, sort_keys=False))
+    result = run_promtool("test", "rules", "dashboard_test.yaml", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    # control: a query of a metric nobody exports is reported empty
+    case["promql_expr_test"] = [{"expr": "absent(kube_vgpu_no_such_metric)", "eval_time": "30m", "exp_samples": []}]
+    (tmp_path / "dashboard_test.yaml").write_text(yaml.safe_dump(tests, sort_keys=False))
+    assert run_promtool("test", "rules", "dashboard_test.yaml", cwd=tmp_path).returncode != 0
