@@ -272,6 +272,9 @@ def extender_metrics(scheduler: Scheduler) -> ExtenderMetrics:
         bad_requests=Counter("kube_vgpu_extender_bad_requests_total", "malformed requests", ["verb"],
                              registry=registry),
     )
+    # both outcomes exported from the start (0), so an alert on increase() sees the first failure too
+    for outcome in ("success", "failure"):
+        metrics.binds.labels(outcome)
     registry.register(GpuCollector(scheduler.state))
     registry.register(UsageCollector(scheduler))
     registry.register(BindTurnCollector(scheduler))

@@ -36,6 +36,9 @@ class WebhookMetrics:
             ["result"],
             registry=self.registry,
         )
+        # both results exported from the start (0), so an alert on increase() sees the first failure too
+        for result in ("success", "failure"):
+            self.certificate_reloads.labels(result)
         self.certificate_expiry = Gauge(
             "kube_vgpu_webhook_certificate_expiry_timestamp_seconds",
             "notAfter of the serving certificate in use (POSIX seconds); alert well before it passes.",
@@ -54,6 +57,9 @@ class WebhookMetrics:
             ["reason"],
             registry=self.registry,
         )
+        # exported at 0 from the start, so an alert on increase() sees the first one too
+        for reason in ("evicted", "refused"):
+            self.connections_closed.labels(reason)
         self.requests_refused = Counter(
             "kube_vgpu_webhook_requests_refused",
             "Admission requests answered with an error before review, by reason (body_timeout: 408, busy: 503 when "

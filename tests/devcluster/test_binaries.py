@@ -81,9 +81,10 @@ def test_kwok_has_its_own_versioned_cache_dir(no_go_env: Path, tmp_path: Path) -
 def test_build_keys_name_versions_of_every_binary() -> None:
     keys = binaries.build_keys()
     assert set(keys) == set(BINARY_NAMES) == {
-        "etcd", "kube-apiserver", "kube-scheduler", "kubectl", "kube-controller-manager", "kwok", "kueue", "helm"
+        "etcd", "kube-apiserver", "kube-scheduler", "kubectl", "kube-controller-manager", "kwok", "kueue", "helm",
+        "promtool",
     }
-    assert set(DEFAULT_BINARY_NAMES) == set(BINARY_NAMES) - {"kueue", "helm"}  # Kueue and helm are opt-in
+    assert set(DEFAULT_BINARY_NAMES) == set(BINARY_NAMES) - {"kueue", "helm", "promtool"}  # opt-in
     assert ETCD_VERSION in keys["etcd"]
     for name in ("kube-apiserver", "kube-scheduler", "kubectl", "kube-controller-manager"):
         assert f"k8s.io/kubernetes@{KUBERNETES_VERSION}" in keys[name]
@@ -253,12 +254,14 @@ elif args[0] in ("build", "install"):
         module = "install " + args[-1].split("@")[1]
     with (state / "builds.log").open("a") as log:
         log.write(f"{{os.getpid()}} {{args[-1].split('@')[0]}} {{module}}\\n")
+    ldflags = next(arg for arg in args if arg.startswith("-ldflags="))
     with (state / "ldflags.log").open("a") as log:
-        log.write(next(a for a in args if a.startswith("-ldflags=")) + "\\n")
+        log.write(f"{{args[-1].split('@')[0]}} {{ldflags}}\\n")
     time.sleep(0.5)  # long enough for a concurrent caller to find the lock taken
     out.write_text(
         "#!/bin/sh\\necho 'etcd Version: {etcd}'; echo 'Kubernetes {k8s}'; echo 'Client Version: {k8s}'\\n"
         "echo 'kwok version v0.7.0 (go1.26.0)'; echo '  -feature-gates string'; echo '{helm}'\\n"
+        "echo 'promtool, version {prometheus} (branch: HEAD, revision: )'\\n"
     )
     out.chmod(0o755)
 else:
@@ -274,6 +277,7 @@ def fake_go(no_go_env: Path, tmp_path: Path) -> Path:
     fake = FAKE_GO.format(
         python=sys.executable, state_dir=str(state_dir), k8s=KUBERNETES_VERSION, etcd=ETCD_VERSION[1:],
         helm=binaries.HELM_VERSION,
+        prometheus=binaries.PROMETHEUS_RELEASE,
     )
     _write_executable(no_go_env / "go", fake)
     return state_dir / "builds.log"
@@ -302,7 +306,7 @@ def test_build_records_stamp_and_second_call_does_not_rebuild(fake_go: Path) -> 
     ]
     keys = binaries.build_keys()
     assert binaries.read_stamp(binaries.stamp_path()) == {
-        name: keys[name] for name in keys if name not in ("kwok", "kueue", "helm")
+        name: keys[name] for name in keys if name not in ("kwok", "kueue", "helm", "promtool")
     }
     assert binaries.read_stamp(binaries.stamp_path(binaries.kwok_cache_dir())) == {"kwok": keys["kwok"]}
     assert any("kube-apiserver" in message and "done in" in message for message in messages)
@@ -354,6 +358,28 @@ def test_helm_is_built_on_request_with_go_install_and_the_makefiles_version_flag
     assert any(f"Helm {binaries.HELM_VERSION}" in message for message in messages)
     assert not binaries.cache_dir().exists()  # nothing of the default set was built for it
     ensure_binaries(progress=messages.append, names=("helm",))  # cached now: not built again
+    assert len(fake_go.read_text().splitlines()) == 1
+
+
+def test_promtool_is_installed_on_request_from_prometheus_s_own_module_with_its_version(fake_go: Path) -> None:
+    # opt-in like Kueue (only the monitoring manifests' tests need it), cached in a home of its own
+    assert "promtool" in BINARY_NAMES and "promtool" not in DEFAULT_BINARY_NAMES
+    messages: list[str] = []
+    paths = ensure_binaries(progress=messages.append, names=("promtool",))
+    home = binaries.prometheus_cache_dir()
+    assert home.name == f"prometheus-{binaries.PROMETHEUS_VERSION}"
+    assert paths == {"promtool": home / "bin" / "promtool"}
+    # `go install module/cmd/promtool@version`: Prometheus's own go.mod and go.sum, no module of ours
+    (line,) = fake_go.read_text().splitlines()
+    assert line.split()[1:] == ["github.com/prometheus/prometheus/cmd/promtool", "install", "v0.316.0"]
+    (flags,) = (fake_go.parent / "ldflags.log").read_text().splitlines()
+    assert "-X github.com/prometheus/common/version.Version=3.16.0" in flags
+    stamp = binaries.read_stamp(binaries.stamp_path(home))
+    assert stamp == {"promtool": f"github.com/prometheus/prometheus@v0.316.0 tags=remove_all_sd "
+                                 f"recipe={binaries.RECIPE_VERSION}"}
+    assert os.listdir(home / "bin") == ["promtool"] and list((home / "work").iterdir()) == []
+    assert any("[promtool] done in" in message for message in messages)
+    ensure_binaries(progress=messages.append, names=("promtool",))  # cached now: not built again
     assert len(fake_go.read_text().splitlines()) == 1
 
 

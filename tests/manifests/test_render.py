@@ -50,7 +50,8 @@ def test_every_kustomization_renders(kustomization: str) -> None:
 
 
 @pytest.mark.parametrize("directory", ["base", "base/scheduler", "base/webhook", "base/deviceplugin",
-                                       "base/admission", "overlays/cert-manager", "overlays/self-signed", "examples"])
+                                       "base/admission", "overlays/cert-manager", "overlays/self-signed", "examples",
+                                       "monitoring"])
 def test_no_manifest_file_is_left_out_of_its_kustomization(directory: str) -> None:
     folder = MANIFESTS / directory
     kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())

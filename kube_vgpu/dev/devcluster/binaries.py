@@ -18,14 +18,18 @@ with the machine's Go from the official Go modules, so nothing but a Go toolchai
   own go.mod and go.sum, and the ``-X`` flags of Helm's Makefile: without them ``helm version`` says ``v3.22`` and
   ``helm lint``/``helm template`` assume Kubernetes 1.20 (``.Capabilities.KubeVersion``, the deprecated-API check)
   instead of the release Helm's client-go is from.
+* promtool (github.com/prometheus/prometheus, opt-in: the monitoring manifests' tests check and unit-test the alert
+  rules and the dashboard's queries with it): ``go install .../cmd/promtool@<version>`` with Prometheus's own go.mod
+  and go.sum, and the ``-X .../common/version`` flags Prometheus's own build (promu) sets.
 
 Results are cached under ``${XDG_CACHE_HOME:-~/.cache}/kube-vgpu/k8s-<version>/bin`` (Kubernetes and etcd) and
 ``.../kube-vgpu/kwok-<version>/bin`` (kwok, versioned on its own; ``kueue-<version>/bin`` and
-``helm-<version>/bin`` too), each with a stamp
+``helm-<version>/bin``, ``prometheus-<version>/bin`` too), each with a stamp
 file recording what each binary was built from and a build lock, so later calls return at once.
 ``KUBE_VGPU_BIN_DIR`` points at prebuilt binaries instead (nothing is built then).
 
-Run ``python -m kube_vgpu.dev.devcluster.binaries`` to build and print the paths.
+Run ``python -m kube_vgpu.dev.devcluster.binaries [NAME...]`` to build and print the paths (default: the
+DEFAULT_BINARY_NAMES; e.g. ``... binaries promtool`` for promtool alone).
 """
 
 from __future__ import annotations
@@ -115,6 +119,16 @@ HELM_VERSION = "v3.22.0"
 HELM_MODULE = "helm.sh/helm/v3"
 HELM_MIN_GO_VERSION = (1, 26)
 HELM_KUBERNETES_VERSION = (1, 37)
+# promtool (opt-in), from Prometheus 3.16.0, whose Go module versions are v0.3xx (v0.316.0 = 3.16.0); its go.mod
+# declares `go 1.26.7`.
+PROMETHEUS_VERSION = "v0.316.0"
+PROMETHEUS_RELEASE = "3.16.0"
+PROMETHEUS_MODULE = "github.com/prometheus/prometheus"
+PROMETHEUS_MIN_GO_VERSION = (1, 26)
+# The Prometheus Operator whose CRDs (PodMonitor, ServiceMonitor, PrometheusRule) the monitoring manifests are checked
+# against: read from its Go module (prometheus_operator_crd_dir()), nothing built.
+PROMETHEUS_OPERATOR_VERSION = "v0.85.0"
+PROMETHEUS_OPERATOR_MODULE = "github.com/prometheus-operator/prometheus-operator"
 # Bump whenever the build recipe (flags, ldflags, module template) changes, so existing caches are rebuilt.
 RECIPE_VERSION = 1
 
@@ -129,8 +143,12 @@ LIFECYCLE_BINARY_NAMES: tuple[str, ...] = ("kube-controller-manager", "kwok")
 KUEUE_BINARY_NAMES: tuple[str, ...] = ("kueue",)
 #: What the Helm chart's tests add: helm.
 HELM_BINARY_NAMES: tuple[str, ...] = ("helm",)
-BINARY_NAMES: tuple[str, ...] = CORE_BINARY_NAMES + LIFECYCLE_BINARY_NAMES + KUEUE_BINARY_NAMES + HELM_BINARY_NAMES
-#: What ensure_binaries() builds unless told: Kueue (8 more minutes on a first run) and helm are opt-in.
+#: What the monitoring manifests' tests add: Prometheus's promtool (rules, rule unit tests, PromQL).
+PROMETHEUS_BINARY_NAMES: tuple[str, ...] = ("promtool",)
+BINARY_NAMES: tuple[str, ...] = (
+    CORE_BINARY_NAMES + LIFECYCLE_BINARY_NAMES + KUEUE_BINARY_NAMES + HELM_BINARY_NAMES + PROMETHEUS_BINARY_NAMES
+)
+#: What ensure_binaries() builds unless told: Kueue, helm and promtool are opt-in (minutes more on a first run).
 DEFAULT_BINARY_NAMES: tuple[str, ...] = CORE_BINARY_NAMES + LIFECYCLE_BINARY_NAMES
 
 HEARTBEAT_INTERVAL_S = 30.0
@@ -197,7 +215,8 @@ class PrebuiltBinariesError(BinariesError):
 @dataclass(frozen=True)
 class _Target:
     name: str
-    source: str  # "kubernetes", "etcd", "kueue" (throw-away modules), "kwok" or "helm" (go install of their module)
+    source: str  # "kubernetes", "etcd", "kueue" (throw-away modules), "kwok", "helm" or "prometheus" (go install of
+    # the released module, with its own go.mod and go.sum)
     package: str
     version_args: tuple[str, ...]
     version_text: str  # must appear in the output of `<binary> <version_args>`
@@ -239,11 +258,23 @@ _TARGETS: tuple[_Target, ...] = (
     _Target("kueue", "kueue", f"{KUEUE_MODULE}/cmd/kueue", ("--help",), "-feature-gates"),
     # `helm version --short` prints the version the ldflags set ("v3.22.0"; "v3.22" without them)
     _Target("helm", "helm", f"{HELM_MODULE}/cmd/helm", ("version", "--short"), HELM_VERSION),
+    # "promtool, version 3.16.0 (branch: ..., revision: ...)", from the -X flags of prometheus_version_ldflags()
+    _Target(
+        "promtool",
+        "prometheus",
+        f"{PROMETHEUS_MODULE}/cmd/promtool",
+        ("--version",),
+        f"promtool, version {PROMETHEUS_RELEASE} ",
+    ),
 )
+#: The version `go install <package>@<version>` names, for the targets built that way.
+_GO_INSTALL_VERSIONS = {"kwok": KWOK_VERSION, "helm": HELM_VERSION, "prometheus": PROMETHEUS_VERSION}
+#: Go build tags per source. promtool without Prometheus's service-discovery plugins (its own `remove_all_sd` tag):
+#: rule checks, rule unit tests and PromQL need none of them, and the cloud SDKs they pull in are most of its build.
+_BUILD_TAGS = {"prometheus": "remove_all_sd"}
 assert tuple(t.name for t in _TARGETS) == BINARY_NAMES
 _TARGETS_BY_NAME = {target.name: target for target in _TARGETS}
 #: Sources built with `go install <package>@<version>` (their own go.mod and go.sum, as released).
-_GO_INSTALL_VERSIONS = {"kwok": KWOK_VERSION, "helm": HELM_VERSION}
 
 ProgressFn = Callable[[str], object]
 
@@ -276,6 +307,9 @@ def kueue_cache_dir() -> Path:
 def helm_cache_dir() -> Path:
     """Root of this Helm version's cache (its own directory, like KWOK's)."""
     return _cache_root() / f"helm-{HELM_VERSION}"
+def prometheus_cache_dir() -> Path:
+    """Root of this Prometheus version's cache (promtool; its own directory, like KWOK's)."""
+    return _cache_root() / f"prometheus-{PROMETHEUS_VERSION}"
 
 
 def home_of(name: str) -> Path:
@@ -287,6 +321,8 @@ def home_of(name: str) -> Path:
         return kueue_cache_dir()
     if source == "helm":
         return helm_cache_dir()
+    if source == "prometheus":
+        return prometheus_cache_dir()
     return cache_dir()
 
 
@@ -314,6 +350,8 @@ def build_keys() -> dict[str, str]:
             source = f"{KUEUE_MODULE}@{KUEUE_VERSION}"
         elif target.source == "helm":
             source = f"{HELM_MODULE}@{HELM_VERSION}"
+        elif target.source == "prometheus":
+            source = f"{PROMETHEUS_MODULE}@{PROMETHEUS_VERSION} tags={_BUILD_TAGS['prometheus']}"
         else:
             source = f"k8s.io/kubernetes@{KUBERNETES_VERSION}"
         keys[target.name] = f"{source} recipe={RECIPE_VERSION}"
@@ -352,6 +390,8 @@ def _record_built(path: Path, name: str, key: str, go_version: str, build_s: flo
         data["kueue_version"] = KUEUE_VERSION
     elif source == "helm":
         data["helm_version"] = HELM_VERSION
+    elif source == "prometheus":
+        data["prometheus_version"] = PROMETHEUS_VERSION
     else:
         data["kubernetes_version"] = KUBERNETES_VERSION
         data["etcd_version"] = ETCD_VERSION
@@ -382,8 +422,8 @@ def stale_binaries(directory: Path, stamp: Mapping[str, str], names: Iterable[st
 
 
 def ensure_binaries(progress: ProgressFn = print, names: Iterable[str] = DEFAULT_BINARY_NAMES) -> dict[str, Path]:
-    """Return the paths of the binaries named (default: DEFAULT_BINARY_NAMES, all but Kueue), building what is not
-    cached yet.
+    """Return the paths of the binaries named (default: DEFAULT_BINARY_NAMES, all but Kueue and promtool),
+    building what is not cached yet.
 
     The first build takes many minutes (progress is reported through ``progress``); later calls only stat files.
     """
@@ -396,7 +436,7 @@ def ensure_binaries(progress: ProgressFn = print, names: Iterable[str] = DEFAULT
         return _prebuilt_binaries(Path(override), wanted)
 
     paths = {name: binary_path(name) for name in wanted}
-    homes = list(dict.fromkeys(home_of(name) for name in wanted))  # k8s first, then kwok, kueue, helm
+    homes = list(dict.fromkeys(home_of(name) for name in wanted))  # k8s first, then kwok, kueue, helm, prometheus
     for home in homes:
         group = [name for name in wanted if home_of(name) == home]
         directory = bin_dir(home)
@@ -419,6 +459,8 @@ def _min_go_of(home: Path) -> tuple[int, int]:
         return KUEUE_MIN_GO_VERSION
     if home == helm_cache_dir():
         return HELM_MIN_GO_VERSION
+    if home == prometheus_cache_dir():
+        return PROMETHEUS_MIN_GO_VERSION
     return MIN_GO_VERSION
 
 
@@ -538,12 +580,14 @@ def _build(go: str, go_version: str, root: Path, names: list[str], progress: Pro
         versions = f"Kueue {KUEUE_VERSION}"
     elif root == helm_cache_dir():
         versions = f"Helm {HELM_VERSION}"
+    elif root == prometheus_cache_dir():
+        versions = f"Prometheus {PROMETHEUS_RELEASE} ({PROMETHEUS_MODULE}@{PROMETHEUS_VERSION})"
     else:
         versions = f"Kubernetes {KUBERNETES_VERSION}, etcd {ETCD_VERSION}"
     progress(
         f"building {', '.join(names)} ({versions}) with {go_version} into {directory}; the first build takes a while"
     )
-    for source in ("etcd", "kubernetes", "kwok", "kueue", "helm"):
+    for source in ("etcd", "kubernetes", "kwok", "kueue", "helm", "prometheus"):
         source_targets = [t for t in targets if t.source == source]
         if not source_targets:
             continue
@@ -552,7 +596,13 @@ def _build(go: str, go_version: str, root: Path, names: list[str], progress: Pro
             if source in _GO_INSTALL_VERSIONS:
                 # `go install module/cmd@version` builds with the tool's own go.mod and go.sum, as released (a
                 # throw-away module would re-resolve its dependencies); the directory only holds GOBIN.
-                ldflags = "-s -w " + helm_version_ldflags() if source == "helm" else "-s -w"
+                # helm and promtool also get the version flags their own builds set (`helm version`, `promtool
+                # --version` print them)
+                ldflags = "-s -w"
+                if source == "helm":
+                    ldflags += " " + helm_version_ldflags()
+                elif source == "prometheus":
+                    ldflags += " " + prometheus_version_ldflags()
                 for target in source_targets:
                     build_s = _build_one(go, module_dir, target, ldflags, directory, progress)
                     _record_built(stamp_path(root), target.name, keys[target.name], go_version, build_s)
@@ -649,6 +699,16 @@ def helm_version_ldflags() -> str:
     return " ".join(flags)
 
 
+
+def prometheus_version_ldflags() -> str:
+    """What Prometheus's build (.promu.yml) sets, so `promtool --version` names the release it is."""
+    package = "github.com/prometheus/common/version"
+    values = {"Version": PROMETHEUS_RELEASE, "Branch": "HEAD", "BuildUser": "kube-vgpu"}
+    return " ".join(f"-X {package}.{key}={value}" for key, value in values.items())
+
+
+
+
 def kueue_source_dir(progress: ProgressFn = print) -> Path:
     """The Kueue module's source tree (read-only, in Go's module cache), downloaded if needed: its CRDs
     (config/components/crd/bases), webhook configurations and RBAC. A download of a few MiB; nothing is built."""
@@ -661,6 +721,21 @@ def kueue_source_dir(progress: ProgressFn = print) -> Path:
     if not (directory / "config" / "components" / "crd" / "bases").is_dir():
         raise BinariesError(f"{KUEUE_MODULE}@{KUEUE_VERSION} in {directory} has no config/components/crd/bases")
     progress(f"Kueue {KUEUE_VERSION} source in {directory}")
+    return directory
+
+
+def prometheus_operator_crd_dir(progress: ProgressFn = print) -> Path:
+    """The Prometheus Operator's CRDs (monitoring.coreos.com_*.yaml) from its Go module, downloaded if needed (a few
+    MiB into Go's module cache, read-only); nothing is built."""
+    go = _find_go()
+    _go_version(go, PROMETHEUS_MIN_GO_VERSION)
+    with tempfile.TemporaryDirectory(prefix="prometheus-operator-source-") as scratch:
+        (Path(scratch) / "go.mod").write_text("module kube-vgpu.local/prometheus-operator-source\n")
+        info = _go_mod_download(go, Path(scratch), f"{PROMETHEUS_OPERATOR_MODULE}@{PROMETHEUS_OPERATOR_VERSION}")
+    directory = Path(info["Dir"]) / "example" / "prometheus-operator-crd"
+    if not (directory / "monitoring.coreos.com_podmonitors.yaml").is_file():
+        raise BinariesError(f"{PROMETHEUS_OPERATOR_MODULE}@{PROMETHEUS_OPERATOR_VERSION} has no CRDs in {directory}")
+    progress(f"Prometheus Operator {PROMETHEUS_OPERATOR_VERSION} CRDs in {directory}")
     return directory
 
 
@@ -685,6 +760,7 @@ def _build_one(
         f"-p={_build_parallelism()}",
         "-trimpath",
         f"-ldflags={ldflags}",
+        *([f"-tags={_BUILD_TAGS[target.source]}"] if target.source in _BUILD_TAGS else []),
     ]
     env: dict[str, str] = {}
     if target.source in _GO_INSTALL_VERSIONS:
@@ -806,10 +882,12 @@ def _tail(lines: list[str]) -> str:
     return "--- last lines of output ---\n" + "\n".join(shown)
 
 
-def main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
+    """Build (or find) the binaries named on the command line (default: DEFAULT_BINARY_NAMES) and print their paths."""
+    names = list(sys.argv[1:] if argv is None else argv) or list(DEFAULT_BINARY_NAMES)
     start_s = time.monotonic()
     try:
-        paths = ensure_binaries(progress=lambda message: print(message, file=sys.stderr, flush=True))
+        paths = ensure_binaries(progress=lambda message: print(message, file=sys.stderr, flush=True), names=names)
     except BinariesError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
