@@ -201,6 +201,61 @@ def _stop_profiler(process: subprocess.Popen[bytes] | None) -> None:
         process.wait(30)
 
 
+class BindWatch:
+    """A watch of a trial's pods (label bench-run=<run_id> in `namespace`) recording when each got its nodeName,
+    until `total` did. The API server drops a watcher that falls behind (a burst, and this thread shares the GIL with
+    the creators): it resumes from the last resourceVersion seen, so no event is missed."""
+
+    def __init__(self, cluster: DevCluster, namespace: str, run_id: str, total: int, timeout_s: float) -> None:
+        self.cluster, self.namespace, self.run_id, self.total, self.timeout_s = (
+            cluster, namespace, run_id, total, timeout_s)
+        self.bound_at: dict[str, float] = {}
+        self.done = threading.Event()
+        self.watching = threading.Event()
+        self.errors: list[BaseException] = []
+        self.thread = threading.Thread(target=self._run, name="watch", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+        self.watching.wait(30)
+        time.sleep(0.2)  # the request is sent before stream() yields: give the server a moment to register it
+
+    def _run(self) -> None:
+        resource_version = ""
+        deadline_s = time.monotonic() + self.timeout_s + 60
+        try:
+            while time.monotonic() < deadline_s and not self.done.is_set():
+                connection = ApiConnection(self.cluster)
+                try:
+                    path = (f"/api/v1/namespaces/{self.namespace}/pods?watch=true&labelSelector=bench-run%3D"
+                            f"{self.run_id}&timeoutSeconds={int(self.timeout_s) + 60}&allowWatchBookmarks=true")
+                    if resource_version:
+                        path += f"&resourceVersion={resource_version}"
+                    events = connection.stream(path)
+                    self.watching.set()
+                    for event in events:
+                        resource_version = self._seen(event) or resource_version
+                        if self.done.is_set():
+                            return
+                finally:
+                    connection.close()
+        except BaseException as exc:  # reported by the main thread
+            self.errors.append(exc)
+            self.watching.set()
+
+    def _seen(self, event: dict[str, Any]) -> str:
+        obj = event.get("object") or {}
+        if event.get("type") == "ERROR":
+            raise RuntimeError(f"watch error: {obj.get('message')}")
+        metadata = obj.get("metadata") or {}
+        name = metadata.get("name")
+        if name and (obj.get("spec") or {}).get("nodeName") and name not in self.bound_at:
+            self.bound_at[name] = time.monotonic()
+            if len(self.bound_at) == self.total:
+                self.done.set()
+        return str(metadata.get("resourceVersion") or "")
+
+
 def post_concurrently(cluster: DevCluster, path: str, bodies: list[bytes], creators: int) -> list[str]:
     """POST every body to `path` from `creators` threads, each over one kept-open connection; returns the failures
     (one line each)."""
@@ -230,8 +285,7 @@ def post_concurrently(cluster: DevCluster, path: str, bodies: list[bytes], creat
     return failures
 
 
-# complexity: one trial's steps in order (start, burst, wait, measure, tear down), read top to bottom
-def run_trial(  # noqa: C901
+def run_trial(
     cluster: DevCluster,
     nodes: int,
     mode: str,
@@ -246,48 +300,8 @@ def run_trial(  # noqa: C901
     """One burst. With `precreate`, the pods are created while kube-scheduler is stopped and the rate is measured
     from its start to the last bind: scheduling alone, without the creation ramp."""
     bodies = _bodies(mode, pods, run_id, memory_mib)
-    names = {f"{run_id}-{index:05d}" for index in range(pods)}
-    bound_at: dict[str, float] = {}
-    watching = threading.Event()
-    watch_error: list[BaseException] = []
-    all_bound = threading.Event()
-
-    def watch() -> None:
-        # The API server drops a watcher that falls behind (a burst of 1000 pods, and this thread shares the GIL
-        # with the creators): resume from the last resourceVersion seen, so no event is missed.
-        resource_version = ""
-        deadline_s = time.monotonic() + timeout_s + 60
-        try:
-            while time.monotonic() < deadline_s:
-                connection = ApiConnection(cluster)
-                try:
-                    path = (f"/api/v1/namespaces/{NAMESPACE}/pods?watch=true&labelSelector=bench-run%3D{run_id}"
-                            f"&timeoutSeconds={int(timeout_s) + 60}&allowWatchBookmarks=true")
-                    if resource_version:
-                        path += f"&resourceVersion={resource_version}"
-                    events = connection.stream(path)
-                    watching.set()
-                    for event in events:
-                        obj = event.get("object") or {}
-                        if event.get("type") == "ERROR":
-                            raise RuntimeError(f"watch error: {obj.get('message')}")
-                        resource_version = (obj.get("metadata") or {}).get("resourceVersion", resource_version)
-                        name = (obj.get("metadata") or {}).get("name")
-                        if name in names and (obj.get("spec") or {}).get("nodeName") and name not in bound_at:
-                            bound_at[name] = time.monotonic()
-                            if len(bound_at) == len(names):
-                                all_bound.set()
-                                return
-                finally:
-                    connection.close()
-        except BaseException as exc:  # reported by the main thread
-            watch_error.append(exc)
-            watching.set()
-
-    watcher = threading.Thread(target=watch, name="watch", daemon=True)
-    watcher.start()
-    watching.wait(30)
-    time.sleep(0.2)  # the watch request is sent before stream() yields; give the server a moment to register it
+    watch = BindWatch(cluster, NAMESPACE, run_id, pods, timeout_s)
+    watch.start()
 
     profiler = (_start_profiler(cluster, profile_dir, f"extender-{nodes}-nodes-{run_id}") if mode in WITH_EXTENDER
                 else None)
@@ -305,16 +319,16 @@ def run_trial(  # noqa: C901
         start_s = time.monotonic()
         cluster.start_scheduler(with_extender=(mode in WITH_EXTENDER))
         created_s = start_s + create_took_s  # reported as the creation time
-    if not all_bound.wait(timeout_s):
+    if not watch.done.wait(timeout_s):
         raise RuntimeError(
-            f"{mode} at {nodes} nodes: only {len(bound_at)} of {pods} pods bound after {timeout_s:g} s"
-            f"{'; watch failed: ' + repr(watch_error[0]) if watch_error else ''}\n"
+            f"{mode} at {nodes} nodes: only {len(watch.bound_at)} of {pods} pods bound after {timeout_s:g} s"
+            f"{'; watch failed: ' + repr(watch.errors[0]) if watch.errors else ''}\n"
             f"kube-scheduler log:\n{cluster.log_tail('kube-scheduler')}\nextender log:\n{cluster.log_tail('extender')}"
         )
     cpu_after = _cpu_snapshot(cluster)
     after = _extender_counters(cluster) if mode in WITH_EXTENDER else ExtenderCounters()
     _stop_profiler(profiler)
-    last_s = max(bound_at.values())
+    last_s = max(watch.bound_at.values())
     total_s = last_s - start_s
     cpu = {}
     for name, (pid, ticks) in cpu_after.items():

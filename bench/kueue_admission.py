@@ -20,7 +20,6 @@ import argparse
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,7 +29,7 @@ import orjson
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from bench.e2e_throughput import CLK_TCK, ApiConnection, _cpu_snapshot, post_concurrently
+from bench.e2e_throughput import CLK_TCK, BindWatch, _cpu_snapshot, post_concurrently
 from kube_vgpu import protocol
 from kube_vgpu.dev.devcluster.cluster import ClusterOptions, DevCluster, NodeGroup, up
 from kube_vgpu.dev.devcluster.workload import PAUSE_IMAGE, delete_pods, ensure_namespace, wait_until_gone
@@ -96,64 +95,9 @@ def _job_bodies(mode: str, jobs: int, pods_per_job: int, run_id: str) -> list[by
     return bodies
 
 
-class BindWatch:
-    """A watch of the trial's pods recording when the last of `total` got its nodeName (it resumes from the last
-    resourceVersion when the API server drops it mid-burst)."""
-
-    def __init__(self, cluster: DevCluster, run_id: str, total: int) -> None:
-        self.cluster, self.run_id, self.total = cluster, run_id, total
-        self.bound: set[str] = set()
-        self.last_bind_s = 0.0
-        self.done = threading.Event()
-        self.watching = threading.Event()
-        self.errors: list[BaseException] = []
-        self.thread = threading.Thread(target=self._run, name="watch", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-        self.watching.wait(30)
-        time.sleep(0.2)  # the request is sent before stream() yields: give the server a moment to register it
-
-    def _run(self) -> None:
-        resource_version = ""
-        deadline_s = time.monotonic() + TRIAL_TIMEOUT_S + 60
-        try:
-            while time.monotonic() < deadline_s and not self.done.is_set():
-                connection = ApiConnection(self.cluster)
-                try:
-                    path = (f"/api/v1/namespaces/{NAMESPACE}/pods?watch=true&labelSelector=bench-run%3D{self.run_id}"
-                            f"&timeoutSeconds={int(TRIAL_TIMEOUT_S) + 60}&allowWatchBookmarks=true")
-                    if resource_version:
-                        path += f"&resourceVersion={resource_version}"
-                    events = connection.stream(path)
-                    self.watching.set()
-                    for event in events:
-                        resource_version = self._seen(event) or resource_version
-                        if self.done.is_set():
-                            return
-                finally:
-                    connection.close()
-        except BaseException as exc:  # reported by the main thread
-            self.errors.append(exc)
-            self.watching.set()
-
-    def _seen(self, event: dict[str, Any]) -> str:
-        obj = event.get("object") or {}
-        if event.get("type") == "ERROR":
-            raise RuntimeError(f"watch error: {obj.get('message')}")
-        metadata = obj.get("metadata") or {}
-        name = metadata.get("name")
-        if name and (obj.get("spec") or {}).get("nodeName") and name not in self.bound:
-            self.bound.add(name)
-            self.last_bind_s = time.monotonic()
-            if len(self.bound) == self.total:
-                self.done.set()
-        return str(metadata.get("resourceVersion") or "")
-
-
 def run_trial(cluster: DevCluster, mode: str, jobs: int, pods_per_job: int, creators: int, run_id: str) -> Trial:
     total_pods = jobs * pods_per_job
-    watch = BindWatch(cluster, run_id, total_pods)
+    watch = BindWatch(cluster, NAMESPACE, run_id, total_pods, TRIAL_TIMEOUT_S)
     watch.start()
     bodies = _job_bodies(mode, jobs, pods_per_job, run_id)
     cpu_before = _cpu_snapshot(cluster)
@@ -163,11 +107,11 @@ def run_trial(cluster: DevCluster, mode: str, jobs: int, pods_per_job: int, crea
     if failures:
         raise RuntimeError(f"{len(failures)} Job creations failed, e.g. {failures[0]}")
     if not watch.done.wait(TRIAL_TIMEOUT_S):
-        raise RuntimeError(f"{mode}: only {len(watch.bound)} of {total_pods} pods bound after {TRIAL_TIMEOUT_S:g} s"
+        raise RuntimeError(f"{mode}: only {len(watch.bound_at)} of {total_pods} pods bound after {TRIAL_TIMEOUT_S:g} s"
                            f"{'; watch failed: ' + repr(watch.errors[0]) if watch.errors else ''}\nkueue log:\n"
                            f"{cluster.log_tail('kueue')}\nextender log:\n{cluster.log_tail('extender')}")
     cpu_after = _cpu_snapshot(cluster)
-    total_s = watch.last_bind_s - start_s
+    total_s = max(watch.bound_at.values()) - start_s
     cpu = {name: (ticks - cpu_before.get(name, (pid, 0))[1]) / CLK_TCK for name, (pid, ticks) in cpu_after.items()}
     return Trial(mode, jobs, total_pods, jobs / total_s, total_pods / total_s, created_s - start_s, total_s, cpu)
 
