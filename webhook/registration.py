@@ -25,7 +25,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kube_vgpu.protocol import ANNOTATION_PREFIX, GPU_RESOURCES, LABEL_WEBHOOK, LABEL_WEBHOOK_DISABLED
+from kube_vgpu.protocol import (
+    ANNOTATION_PREFIX,
+    GPU_RESOURCES,
+    LABEL_WEBHOOK,
+    LABEL_WEBHOOK_DISABLED,
+    MIG_RESOURCE_PREFIX,
+    RESOURCE_TASK_PRIORITY,
+)
 from kube_vgpu.webhook.config import DEFAULT_TRUSTED_USERNAMES
 
 CONFIGURATION_NAME = "kube-vgpu-webhook"
@@ -150,11 +157,14 @@ def namespace_selector(excluded_namespaces: Iterable[str] = DEFAULT_EXCLUDED_NAM
 
 
 def _cel_container_asks_gpu(container: str) -> str:
-    names = ", ".join(cel_string(name) for name in GPU_RESOURCES)
+    """CEL: the container names a resource kube-vgpu serves (protocol.pod_asks_for_gpu's test): a GPU resource,
+    HAMi's task priority, or a MIG profile (nvidia.com/mig-<profile>)."""
+    names = ", ".join(cel_string(name) for name in (*GPU_RESOURCES, RESOURCE_TASK_PRIORITY))
+    test = f"k in [{names}] || k.startsWith({cel_string(MIG_RESOURCE_PREFIX)})"
     return (
         f"has({container}.resources) && ("
-        f"(has({container}.resources.limits) && {container}.resources.limits.exists(k, k in [{names}])) || "
-        f"(has({container}.resources.requests) && {container}.resources.requests.exists(k, k in [{names}])))"
+        f"(has({container}.resources.limits) && {container}.resources.limits.exists(k, {test})) || "
+        f"(has({container}.resources.requests) && {container}.resources.requests.exists(k, {test})))"
     )
 
 
