@@ -50,6 +50,7 @@ from kube_vgpu.extender.quota.usage import (
     PendingPod,
     PodInfo,
     assignment_usage,
+    gpu_memory_by_uuid,
     pod_info,
     request_usage_fixed,
     request_usage_on,
@@ -260,8 +261,7 @@ class QuotaGate:
         GPU sizes (a whole-GPU vGPU is charged 100): read only when the queue covers it."""
         sizes = None
         if TOTAL_GPU_CORES in covered:
-            node = self.state.nodes.get(record.node_name)
-            sizes = {g.uuid: g.memory_mib for g in node.gpus} if node is not None else None
+            sizes = gpu_memory_by_uuid(self.state.nodes.get(record.node_name))
         held = assignment_usage(record.assignment, sizes)
         return {r: v for r, v in held.items() if r in covered and v > 0}
 

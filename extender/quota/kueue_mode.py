@@ -25,7 +25,7 @@ from prometheus_client.registry import Collector
 
 from kube_vgpu import protocol
 from kube_vgpu.extender.engine.model import NodeState
-from kube_vgpu.extender.quota.usage import GPU_RESOURCES, assignment_usage
+from kube_vgpu.extender.quota.usage import GPU_RESOURCES, assignment_usage, gpu_memory_by_uuid
 from kube_vgpu.extender.quota.workloads import Workload, WorkloadIndex
 from kube_vgpu.extender.state import ClusterState
 from kube_vgpu.kubeapi import quantity_value
@@ -121,11 +121,13 @@ class KueueModeGate:
     def landed(self) -> dict[str, dict[str, int]]:
         """ClusterQueue -> GPU resources actually assigned to its pods now (vGPUs, MiB, percent; GPU_RESOURCES)."""
         totals: dict[str, dict[str, int]] = {}
+        sizes_of: dict[str, dict[str, int] | None] = {}  # node -> GPU UUID -> MiB, once per node
         for record in self.state.pods.values():
             if not record.applied:
                 continue
-            node = self.state.nodes.get(record.node_name)
-            sizes = {gpu.uuid: gpu.memory_mib for gpu in node.gpus} if node is not None else {}
+            if record.node_name not in sizes_of:
+                sizes_of[record.node_name] = gpu_memory_by_uuid(self.state.nodes.get(record.node_name))
+            sizes = sizes_of[record.node_name]
             usage = assignment_usage(record.assignment, sizes)
             queue = record.labels.get(protocol.LABEL_KUEUE_QUEUE_NAME, "")
             cluster_queue = self.local_queues.get((record.namespace, queue), NO_QUEUE) if queue else NO_QUEUE

@@ -82,6 +82,11 @@ def pod_info(pod: Mapping[str, Any], now_s: float) -> PodInfo:
     )
 
 
+def gpu_memory_by_uuid(node: NodeState | None) -> dict[str, int] | None:
+    """A node's GPU UUID -> MiB, what assignment_usage needs to tell a whole-GPU vGPU; None for a node not known."""
+    return {gpu.uuid: gpu.memory_mib for gpu in node.gpus} if node is not None else None
+
+
 def assignment_usage(assignment: PodAssignment, gpu_memory_mib: Mapping[str, int] | None = None) -> dict[str, int]:
     """vGPUs, MiB and cores % a written assignment holds at its peak: the largest, per resource, of the moments
     that hold devices at once (protocol.container_phases: each init container beside the sidecars started before
