@@ -84,6 +84,25 @@ BASE_NODE_GROUPS = (
 _counter = itertools.count()
 
 
+@contextlib.contextmanager
+def private_cluster(label: str, **options: Any) -> Iterator[DevCluster]:
+    """A dev cluster of a module's own (options as ClusterOptions'), stopped and its state dir removed afterwards;
+    a start-up failure fails the test with the reason. Progress lines carry `label`."""
+    state_dir = Path(tempfile.mkdtemp(prefix=f"kube-vgpu-e2e-{label}-"))
+    try:
+        cluster = up(ClusterOptions(state_dir=state_dir, die_with_parent=True,
+                                    progress=lambda message: print(f"[{label}] {message}", file=sys.stderr,
+                                                                   flush=True), **options))
+    except DevClusterError as exc:
+        shutil.rmtree(state_dir, ignore_errors=True)
+        pytest.fail(f"the {label} dev cluster did not start (and was torn down): {exc}", pytrace=False)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+        shutil.rmtree(state_dir, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def kueue_crds(dev_cluster: DevCluster) -> None:
     from kube_vgpu.dev.devcluster import kueue as kueue_module

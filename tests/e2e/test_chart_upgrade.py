@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from kube_vgpu.dev.devcluster.cluster import ClusterOptions, DevCluster, NodeGroup, up
+from kube_vgpu.dev.devcluster.cluster import DevCluster, NodeGroup
+from tests.e2e.conftest import private_cluster
 from tests.e2e.test_manifests_apply import run_kubectl
 from tests.manifests.test_chart import CHART, helm, helm_template
 
@@ -32,14 +33,9 @@ BASE_VALUES = ["--set", "certificates.mode=none"]
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]:
-    state_dir = tmp_path_factory.mktemp("chart-cluster")
-    started = up(ClusterOptions(state_dir=state_dir, node_groups=(NodeGroup(count=1, gpus=2),), webhook=False,
-                                die_with_parent=True, progress=lambda message: None))
-    try:
+def cluster() -> Iterator[DevCluster]:
+    with private_cluster("chart-cluster", node_groups=(NodeGroup(count=1, gpus=2),), webhook=False) as started:
         yield started
-    finally:
-        started.stop()
 
 
 def run_helm(cluster: DevCluster, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -13,12 +13,9 @@ enforces quota itself).
 from __future__ import annotations
 
 import contextlib
-import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -28,7 +25,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from kube_vgpu import protocol
-from kube_vgpu.dev.devcluster.cluster import ClusterOptions, DevCluster, DevClusterError, NodeGroup, up
+from kube_vgpu.dev.devcluster.cluster import DevCluster, NodeGroup
 from kube_vgpu.dev.devcluster.lifecycle import run_seconds_annotation
 from kube_vgpu.dev.devcluster.workload import (
     PAUSE_IMAGE,
@@ -38,7 +35,7 @@ from kube_vgpu.dev.devcluster.workload import (
     scheduling_failures,
 )
 from tests.e2e.checks import assert_no_overcommit, wait_until
-from tests.e2e.conftest import NODE_GROUP_LABEL
+from tests.e2e.conftest import NODE_GROUP_LABEL, private_cluster
 
 pytestmark = pytest.mark.e2e
 
@@ -54,24 +51,12 @@ FIRST_RUN_SECONDS = 30
 
 @pytest.fixture(scope="module")
 def kueue_cluster() -> Iterator[DevCluster]:
-    state_dir = Path(tempfile.mkdtemp(prefix="kube-vgpu-e2e-kueue-"))
-    options = ClusterOptions(
-        state_dir=state_dir,
+    with private_cluster(
+        "kueue-cluster",
         node_groups=(NodeGroup(count=1, gpus=4, prefix="kueue-a100", labels=((NODE_GROUP_LABEL, "kueue-a100"),)),),
-        die_with_parent=True,
-        lifecycle=True,
-        kueue=True,
-        progress=lambda message: print(f"[kueue-cluster] {message}", file=sys.stderr, flush=True),
-    )
-    try:
-        cluster = up(options)
-    except DevClusterError as exc:
-        pytest.fail(f"the dev cluster with Kueue did not start (and was torn down): {exc}", pytrace=False)
-    try:
+        lifecycle=True, kueue=True,
+    ) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
-        shutil.rmtree(state_dir, ignore_errors=True)
 
 
 def _queues(cluster: DevCluster, namespace: str, *, selector: dict[str, str]) -> None:

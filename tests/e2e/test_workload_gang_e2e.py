@@ -6,11 +6,7 @@ clusters do by default."""
 
 from __future__ import annotations
 
-import shutil
-import sys
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import orjson
@@ -20,9 +16,10 @@ from kubernetes.client.rest import ApiException
 
 from kube_vgpu import protocol
 from kube_vgpu.dev.devcluster.binaries import KUBERNETES_RELEASE
-from kube_vgpu.dev.devcluster.cluster import ClusterOptions, DevCluster, DevClusterError, NodeGroup, up
+from kube_vgpu.dev.devcluster.cluster import DevCluster, NodeGroup
 from kube_vgpu.dev.devcluster.workload import create_pods, ensure_namespace, gpu_pod, wait_for_pods
 from tests.e2e.checks import assert_no_overcommit, settle
+from tests.e2e.conftest import private_cluster
 
 pytestmark = [
     pytest.mark.e2e,
@@ -37,22 +34,10 @@ GROUP_VERSION = f"{protocol.WORKLOAD_API_GROUP}/{protocol.WORKLOAD_API_VERSION}"
 
 @pytest.fixture(scope="module")
 def workload_cluster() -> Iterator[DevCluster]:
-    state_dir = Path(tempfile.mkdtemp(prefix="kube-vgpu-e2e-workload-"))
-    options = ClusterOptions(
-        state_dir=state_dir, node_groups=(NodeGroup(count=2, gpus=1, prefix="wl-node"),), workload_api=True,
-        die_with_parent=True,
-        progress=lambda message: print(f"[workload-cluster] {message}", file=sys.stderr, flush=True),
-    )
-    try:
-        cluster = up(options)
-    except DevClusterError as exc:
-        pytest.fail(f"the Workload API dev cluster did not start (and was torn down): {exc}", pytrace=False)
-    try:
+    with private_cluster("workload-cluster", node_groups=(NodeGroup(count=2, gpus=1, prefix="wl-node"),),
+                         workload_api=True) as cluster:
         ensure_namespace(cluster.api, NAMESPACE)
         yield cluster
-    finally:
-        cluster.stop()
-        shutil.rmtree(state_dir, ignore_errors=True)
 
 
 def create(cluster: DevCluster, plural: str, body: dict[str, Any]) -> None:
