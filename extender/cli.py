@@ -200,7 +200,7 @@ def unused_quota_flags(args: argparse.Namespace, mode: str) -> list[str]:
         return []
     given = [("--quota-config", bool(args.quota_config)), ("--quota-unqueued", args.quota_unqueued != "admit"),
              ("--quota-check-strategy", args.quota_check_strategy != "BlockUndeclared"),
-             ("--fair-sharing", bool(args.fair_sharing))]
+             ("--fair-sharing", bool(args.fair_sharing)), ("--force-quota-mode", bool(args.force_quota_mode))]
     return [flag for flag, set_ in given if set_]
 
 

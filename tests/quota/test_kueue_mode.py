@@ -265,3 +265,5 @@ def test_the_gates_flags_given_with_a_mode_without_our_gate_are_named() -> None:
     assert unused_quota_flags(args, "kueue") == ["--quota-config", "--quota-unqueued", "--fair-sharing"]
     assert unused_quota_flags(args, "enforce") == []
     assert unused_quota_flags(parse_args(["--quota-mode=off"]), "off") == []
+    # auto found Kueue's controller: forcing enforce beside it was asked for, and does not happen
+    assert unused_quota_flags(parse_args(["--force-quota-mode"]), "kueue") == ["--force-quota-mode"]
