@@ -8,7 +8,7 @@ demo:
 	@venv=$$(scripts/bootstrap.sh) && "$$venv/bin/kube-vgpu" demo
 
 test:
-	@venv=$$(scripts/bootstrap.sh) && scripts/test.sh "$$venv"
+	@scripts/system-deps.sh && venv=$$(scripts/bootstrap.sh) && scripts/test.sh "$$venv"
 
 # Opt-in: the end-to-end tier against the oldest Kubernetes release we support (README), built and cached beside
 # the default one (another ~12 min of Go builds the first time).
