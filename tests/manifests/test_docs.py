@@ -126,10 +126,14 @@ def test_every_kustomization_and_object_the_kubectl_commands_name_exists() -> No
             assert argv[argv.index("-c") + 1] in container_names, where
 
 
+def heredoc(doc: str, path: str) -> str:
+    """The text a shell block of the doc writes to `path` with `cat > path <<'EOF'`."""
+    (found,) = re.findall(rf"^cat > {re.escape(path)} <<'EOF'\n(.*?)^EOF$", text(doc), flags=re.S | re.M)
+    return str(found)
+
+
 def test_the_overlay_of_install_md_renders_and_its_patches_hit_the_flags_they_mean() -> None:
-    blocks = re.findall(r"```yaml\n(# my-kube-vgpu/kustomization.yaml.*?)```", text("install.md"), flags=re.S)
-    assert len(blocks) == 2
-    kustomization = yaml.safe_load(blocks[0]) | yaml.safe_load(blocks[1])
+    kustomization = yaml.safe_load(heredoc("install.md", "my-kube-vgpu/kustomization.yaml"))
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         (root / "manifests").symlink_to(MANIFESTS)
@@ -147,10 +151,17 @@ def test_the_overlay_of_install_md_renders_and_its_patches_hit_the_flags_they_me
     assert "registry.example.com/kube-vgpu:0.1.0" in images and not any(i.startswith("ghcr.io") for i in images)
     [plugin] = [c for w in workloads(objects) if w["kind"] == "DaemonSet" for _, c in containers(w)]
     assert "--sharing-count=4" in plugin["args"] and not any(a.startswith("--sharing-count=10") for a in plugin["args"])
-    [webhook] = [c for w in workloads(objects) if w["metadata"]["name"] == "kube-vgpu-webhook"
-                 for _, c in containers(w)]
-    assert "--limiter-mode=ld-so-preload" in webhook["args"] and "--limiter-mode=ld-preload" not in webhook["args"]
-    build_parser(webhook["args"]).parse_args(webhook["args"])
+    build_parser(plugin["args"]).parse_args(plugin["args"])
+
+
+def test_the_helm_values_of_install_md_are_the_chart_s() -> None:
+    from tests.manifests.test_chart import helm_template
+
+    values = yaml.safe_load(heredoc("install.md", "my-values.yaml"))
+    objects = helm_template(values)  # values.schema.json refuses a key the chart does not have
+    images = {c["image"] for w in workloads(objects) for _, c in containers(w)}
+    assert "registry.example.com/kube-vgpu:0.1.0" in images
+    assert not [o for o in objects if o["kind"] == "Namespace"]  # namespace.create: false, as the page says
 
 
 def device_plugin_exposition() -> str:
