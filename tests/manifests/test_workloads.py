@@ -60,7 +60,7 @@ def certs_job_module() -> ModuleType:
 
 def all_workloads() -> list[tuple[str, dict[str, Any]]]:
     seen: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}
-    for overlay in INSTALLABLE:
+    for overlay in (*INSTALLABLE, "dashboard"):  # and the optional dashboard, hardened the same way
         for workload in workloads(render(overlay)):
             seen.setdefault((workload["kind"], workload["metadata"]["name"]), (overlay, workload))
     return list(seen.values())
