@@ -29,8 +29,9 @@ class PodUsage:
     utilization_percent: float
 
 
-def _gpu_view(gpu: Gpu) -> dict[str, Any]:
+def _gpu_view(gpu: Gpu, raw: Mapping[str, Any]) -> dict[str, Any]:
     return {
+        "migMode": raw.get("migMode") is True,
         "index": gpu.index, "uuid": gpu.uuid, "model": gpu.model, "healthy": gpu.healthy,
         "memoryMiB": gpu.memory_mib, "usedMemoryMiB": gpu.used_memory_mib,
         "cores": gpu.cores, "usedCores": gpu.used_cores,
@@ -67,15 +68,16 @@ def typical_request(raw_assignments: list[Any]) -> tuple[int, int, bool]:
     return int(statistics.median_low(memory)), int(statistics.median_low(cores)), True
 
 
-def stranded(nodes: list[Node], memory_mib: int, cores: int) -> dict[str, Any]:
+def stranded(nodes: list[Node], raw_nodes: list[Any], memory_mib: int, cores: int) -> dict[str, Any]:
     """Free memory on healthy GPUs that cannot take one more vGPU of the typical size (too little memory or compute
-    left, or no share left): capacity that is free but that such a request cannot use."""
+    left, or no share left): capacity that is free but that such a request cannot use. GPUs in MIG mode are left
+    out (their MIG devices are handed out whole, not shared)."""
     gpus = 0
     free_memory = 0
-    for node in nodes:
-        for gpu in node.gpus:
+    for node, raw_node in zip(nodes, raw_nodes, strict=True):
+        for gpu, raw_gpu in zip(node.gpus, raw_node["gpus"], strict=True):
             free = gpu.memory_mib - gpu.used_memory_mib
-            if not gpu.healthy or free <= 0:
+            if not gpu.healthy or free <= 0 or raw_gpu.get("migMode") is True:
                 continue
             fits = free >= memory_mib and gpu.cores - gpu.used_cores >= cores and gpu.used_shares < gpu.max_shares
             if not fits:
@@ -91,7 +93,11 @@ def _pending(quota: Mapping[str, Any] | None, raw_state: Mapping[str, Any]) -> l
     if quota is not None:
         for queue in quota.get("clusterQueues") or []:
             for pod in queue.get("pending") or []:
-                reasons[str(pod.get("reason") or "pending")] += 1
+                # grouped by queue: the gate's full reasons name amounts and differ per pod (the queues page shows them)
+                if pod.get("waitingForQuota"):
+                    reasons[f"waiting for quota in ClusterQueue {queue.get('name')}"] += 1
+                else:
+                    reasons[f"refused by ClusterQueue {queue.get('name')}: {pod.get('reason') or 'pending'}"] += 1
     for gang in raw_state.get("gangs") or []:
         if isinstance(gang, dict) and gang.get("waiting"):
             reasons[f"gang {gang.get('name')}: {gang['waiting']}"] += 1
@@ -144,14 +150,15 @@ def build_view(state_doc: Any, quota_doc: Any | None, quota_error: str | None,
         "maxShares": sum(g.max_shares for g in gpus),
         "usedShares": sum(g.used_shares for g in gpus),
         "pods": len(pods),
-        "stranded": {**stranded(nodes, memory_mib, cores), "typicalMemoryMiB": memory_mib, "typicalCores": cores,
-                     "typicalLearned": learned},
+        "stranded": {**stranded(nodes, raw_nodes, memory_mib, cores), "typicalMemoryMiB": memory_mib,
+                     "typicalCores": cores, "typicalLearned": learned},
         "pending": _pending(quota, state_doc),
         "inventoryErrors": sum(1 for n in nodes if n.inventory_error),
     }
     node_views = [
         {"name": node.name, "heartbeatAgeSeconds": node.heartbeat_age_s, "inventoryError": node.inventory_error,
-         "pods": node.pods, "gpus": [_gpu_view(g) for g in node.gpus], "mig": _mig_view(raw)}
+         "pods": node.pods, "gpus": [_gpu_view(g, r) for g, r in zip(node.gpus, raw["gpus"], strict=True)],
+         "mig": _mig_view(raw)}
         for node, raw in zip(nodes, raw_nodes, strict=True)
     ]
     pod_views = []

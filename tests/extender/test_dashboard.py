@@ -272,3 +272,19 @@ def test_parse_state_is_the_same_as_top(tmp_path: Path) -> None:
         _, pods = parse_state(httpx.get(f"{url}/state", timeout=10).json())
     assert sorted((p.namespace, p.name, p.memory_mib) for p in pods) == [
         (p["namespace"], p["name"], p["memoryMiB"]) for p in view["pods"]]
+
+
+def test_mig_devices_and_gpus_in_mig_mode(tmp_path: Path) -> None:
+    from kube_vgpu.dev.screenshots import cluster_items as populated
+
+    with extender(tmp_path, populated()) as (url, _), dashboard(Upstream(url)) as client:
+        view = client.get("/api/view").json()
+        state = httpx.get(f"{url}/state", timeout=10).json()
+    (mig,) = [n for n in view["nodes"] if n["name"] == "mig-0"]
+    (raw,) = [n for n in state["nodes"] if n["name"] == "mig-0"]
+    assert [g["migMode"] for g in mig["gpus"]] == [True, True, False, False]
+    assert mig["mig"] == raw["migDevices"] and len(mig["mig"]) == 11
+    assert sorted({d["profile"] for d in mig["mig"]}) == ["1g.5gb", "2g.10gb", "3g.20gb"]
+    # stranded capacity leaves MIG-mode GPUs out: only the two T4s (15360 MiB free each) and a100-0's GPU 0 and
+    # a100-1's GPUs 0 and 3 are too full or too small for the typical vGPU (40960 MiB, 40 cores)
+    assert view["overview"]["stranded"]["gpus"] == 5

@@ -90,7 +90,7 @@ function renderNodes(view) {
       el("td", {}, health(g.healthy, "healthy", "unhealthy")),
       el("td", {}, bar(g.usedMemoryMiB, g.memoryMiB, "usedMemoryMiB", " MiB")),
       el("td", {}, bar(g.usedCores, g.cores, "usedCores", "")),
-      el("td", {class: "num", "data-field": "usedShares", "data-value": g.usedShares}, `${g.usedShares} / ${g.maxShares}`),
+      el("td", {class: "num", "data-field": "usedShares", "data-value": g.usedShares}, g.migMode ? "MIG mode: see its MIG devices" : `${g.usedShares} / ${g.maxShares}`),
       el("td", {"data-field": "pods"}, g.pods.length ? el("ul", {class: "plain"}, g.pods.map((p) => el("li", {}, p))) : el("span", {class: "empty"}, "none"))));
     const parts = [
       el("h3", {}, node.name, el("span", {class: "meta"}, `${node.gpus.length} GPU(s) · ${node.pods} pod(s) · ${heartbeat}`)),
