@@ -288,3 +288,32 @@ def test_mig_devices_and_gpus_in_mig_mode(tmp_path: Path) -> None:
     # stranded capacity leaves MIG-mode GPUs out: only the two T4s (15360 MiB free each) and a100-0's GPU 0 and
     # a100-1's GPUs 0 and 3 are too full or too small for the typical vGPU (40960 MiB, 40 cores)
     assert view["overview"]["stranded"]["gpus"] == 5
+
+
+def test_the_command_serves_the_page(tmp_path: Path) -> None:
+    """`kube-vgpu dashboard` itself, as a process, against a real extender."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    port = free_port()
+    with extender(tmp_path) as (url, _):
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kube_vgpu.cli", "dashboard", "--extender", url, "--listen", f"127.0.0.1:{port}"],
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    view = httpx.get(f"http://127.0.0.1:{port}/api/view", timeout=5).json()
+                    break
+                except httpx.TransportError:
+                    assert time.monotonic() < deadline and process.poll() is None, "the dashboard did not start"
+                    time.sleep(0.2)
+            assert view["overview"]["pods"] == 4
+            assert "kube-vgpu dashboard" in httpx.get(f"http://127.0.0.1:{port}/", timeout=5).text
+        finally:
+            process.terminate()
+            process.wait(10)
