@@ -306,7 +306,7 @@ def run(args: argparse.Namespace) -> int:
     if args.metrics_port:
         from kube_vgpu.extender.server import serve_probes
 
-        serve_probes(extender.app.state.registry, extender.state, args.metrics_host, args.metrics_port)
+        serve_probes(extender.app.state.registry, extender.scheduler, args.metrics_host, args.metrics_port)
         log.info("metrics and probes on %s:%d", args.metrics_host, args.metrics_port)
     # Binds finish their API call in worker threads while the event loop answers filter and prioritize. With the
     # default 5 ms switch interval a thread whose reply has arrived waits up to 5 ms for the GIL, and binds to one

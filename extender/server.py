@@ -394,20 +394,32 @@ def add_views(app: FastAPI, scheduler: Scheduler, registry: CollectorRegistry) -
 
     @app.get("/state")
     async def state_view() -> Response:
-        view = state.snapshot()
-        with state.lock:
-            view["gangs"] = gangs_view(scheduler.gangs)
-            view["nominations"] = scheduler.nominations.view()
-        return _json(view)
+        return _json(state_document(scheduler))
 
     @app.get("/quota")
     async def quota_view() -> Response:
         """Per ClusterQueue and flavor: nominal, borrowed, lent, used, pending pods."""
-        for gate in scheduler.gates:
-            view = await run_in_threadpool(gate.snapshot, scheduler.gangs)
-            if view is not None:
-                return _json(view)
-        return _json({"Error": "no quota gate: start the extender with --quota-config or in live mode"}, 404)
+        status, view = await run_in_threadpool(quota_document, scheduler)
+        return _json(view, status)
+
+
+def state_document(scheduler: Scheduler) -> dict[str, Any]:
+    """GET /state: the cache's nodes, GPUs and assignments, with the gangs and preemption nominations."""
+    state = scheduler.state
+    view = state.snapshot()
+    with state.lock:
+        view["gangs"] = gangs_view(scheduler.gangs)
+        view["nominations"] = scheduler.nominations.view()
+    return view
+
+
+def quota_document(scheduler: Scheduler) -> tuple[int, dict[str, Any]]:
+    """GET /quota as (status, body): the first gate with queues, or 404 naming why there is none."""
+    for gate in scheduler.gates:
+        view = gate.snapshot(scheduler.gangs)
+        if view is not None:
+            return 200, view
+    return 404, {"Error": "no quota gate: start the extender with --quota-config or in live mode"}
 
 
 def create_app(scheduler: Scheduler, *, on_startup: Callable[[], None] | None = None) -> ExtenderApp:
@@ -429,10 +441,12 @@ def create_app(scheduler: Scheduler, *, on_startup: Callable[[], None] | None = 
     return app
 
 
-def serve_probes(registry: CollectorRegistry, state: ClusterState, host: str, port: int) -> ProbeServer:
-    """/metrics, /healthz and /readyz on their own listener (a thread), so the extender's verbs can stay on
-    loopback beside kube-scheduler while Prometheus and the kubelet's probes reach these from outside the Pod.
-    The listener bounds its connections, threads and waits (kube_vgpu.probes)."""
+def serve_probes(registry: CollectorRegistry, scheduler: Scheduler, host: str, port: int) -> ProbeServer:
+    """/metrics, /healthz, /readyz and the read-only views /state and /quota on their own listener (a thread), so
+    the extender's verbs can stay on loopback beside kube-scheduler while Prometheus, the kubelet's probes and the
+    dashboard (kube_vgpu.extender.dashboard, through a Service) reach these from outside the Pod. The listener
+    bounds its connections, threads and waits (kube_vgpu.probes)."""
+    state = scheduler.state
 
     def readyz() -> Reply:
         reason = state.unready_reason()  # the initial sync, then the watches (a dead one: 503)
@@ -440,9 +454,15 @@ def serve_probes(registry: CollectorRegistry, state: ClusterState, host: str, po
             return 200, "text/plain", b"ok"
         return 503, "text/plain", reason.encode()
 
+    def quota() -> Reply:
+        status, view = quota_document(scheduler)
+        return status, "application/json", orjson.dumps(view)
+
     routes: dict[str, Route] = {
         "/metrics": lambda: (200, CONTENT_TYPE_LATEST, generate_latest(registry)),
         "/healthz": lambda: (200, "text/plain", b"ok"),
         "/readyz": readyz,
+        "/state": lambda: (200, "application/json", orjson.dumps(state_document(scheduler))),
+        "/quota": quota,
     }
     return serve_probe_routes(host, port, routes)

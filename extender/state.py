@@ -521,6 +521,8 @@ class ClusterState:
                                 "maxShares": gpu.max_vgpus,
                                 "usedShares": gpu.used_vgpus,
                                 "exclusive": gpu.exclusive_holders > 0,
+                                # a GPU in MIG mode is never offered to vGPUs: its MIG devices are (migDevices)
+                                "migMode": gpu.mig_mode,
                             }
                             for gpu in node.gpus
                         ],

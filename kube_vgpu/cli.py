@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("kube_vgpu.dev.simulator.cli", "trace-driven placement simulator (openb traces)"),
     "quota": ("kube_vgpu.extender.quota.cli", "quota status"),
     "top": ("kube_vgpu.extender.top", "GPUs assigned per node, GPU and pod (top nodes|gpus|pods)"),
+    "dashboard": ("kube_vgpu.extender.dashboard.cli", "web dashboard over the extender's live state (read-only)"),
     "usage": ("kube_vgpu.extender.usage_report", "GPU-hours per namespace or ClusterQueue for a period (Prometheus)"),
     "certs": ("kube_vgpu.webhook.certs", "create a CA and serving certificate"),
 }

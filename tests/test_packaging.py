@@ -52,7 +52,12 @@ def test_the_wheel_holds_only_the_kube_vgpu_package(wheel: Path) -> None:
                      # the dev cluster and demo apply these from the installed package
                      "kube_vgpu/manifests/base/scheduler/kube-scheduler-config.yaml",
                      "kube_vgpu/manifests/base/scheduler/rbac.yaml",
-                     "kube_vgpu/manifests/base/deviceplugin/rbac.yaml"):
+                     "kube_vgpu/manifests/base/deviceplugin/rbac.yaml",
+                     # the dashboard serves its page from the installed package
+                     "kube_vgpu/extender/dashboard/static/index.html",
+                     "kube_vgpu/extender/dashboard/static/app.js",
+                     "kube_vgpu/extender/dashboard/static/style.css",
+                     "kube_vgpu/manifests/dashboard/deployment.yaml"):
         assert expected in names, expected
     top_level_txt = [n for n in names if n.endswith(".dist-info/top_level.txt")]
     if top_level_txt:

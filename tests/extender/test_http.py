@@ -174,13 +174,21 @@ def test_separate_probe_listener_serves_metrics_and_health(extender: Extender) -
     from tests.servers import free_port
 
     port = free_port()
-    server = serve_probes(extender.app.state.registry, extender.state, "127.0.0.1", port)
+    server = serve_probes(extender.app.state.registry, extender.scheduler, "127.0.0.1", port)
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as probes:
             assert probes.get("/healthz").text == "ok"
             assert probes.get("/readyz").status_code == 200
             assert "kube_vgpu_gpu_memory_mib" in probes.get("/metrics").text
             assert probes.post("/bind", json={}).status_code == 501  # the verbs are not on this listener
+            # the read-only views too (the dashboard reads them through a Service), the same as the verbs app's
+            with serve(extender.app) as url, httpx.Client(base_url=url, timeout=10) as verbs_app:
+                state = probes.get("/state")
+                assert state.headers["content-type"] == "application/json"
+                assert state.json() == verbs_app.get("/state").json()
+                assert {n["name"] for n in state.json()["nodes"]} == set(NAMES)
+                quota, app_quota = probes.get("/quota"), verbs_app.get("/quota")
+                assert (quota.status_code, quota.json()) == (app_quota.status_code, app_quota.json())
     finally:
         server.shutdown()
 

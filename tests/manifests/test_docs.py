@@ -36,7 +36,7 @@ from tests.deviceplugin.regionfiles import Region
 from tests.manifests.render import INSTALLABLE, KUSTOMIZATIONS, MANIFESTS, ROOT, containers, render, workloads
 
 DOCS = ("architecture.md", "install.md", "user-guide.md", "operations.md", "troubleshooting.md",
-        "migrating-from-hami.md")
+        "migrating-from-hami.md", "dashboard.md")
 SHORT_KINDS = {"deployment": "Deployment", "daemonset": "DaemonSet", "job": "Job", "cronjob": "CronJob",
                "certificate": "Certificate", "configmap": "ConfigMap", "service": "Service"}
 #: Objects made at run time, not rendered: the Lease (kube-scheduler), the Secrets (the Job or cert-manager).
@@ -92,7 +92,7 @@ def test_every_kube_vgpu_command_in_the_docs_parses(doc: str, argv: list[str]) -
 
 def rendered_names() -> set[tuple[str, str, str | None]]:
     names = set()
-    for overlay in (*INSTALLABLE, "examples"):
+    for overlay in (*INSTALLABLE, "examples", "dashboard"):
         for obj in render(overlay):
             names.add((obj["kind"], obj["metadata"]["name"], obj["metadata"].get("namespace")))
     return names

@@ -51,7 +51,7 @@ def test_every_kustomization_renders(kustomization: str) -> None:
 
 @pytest.mark.parametrize("directory", ["base", "base/scheduler", "base/webhook", "base/deviceplugin",
                                        "base/admission", "overlays/cert-manager", "overlays/self-signed", "examples",
-                                       "monitoring"])
+                                       "monitoring", "dashboard"])
 def test_no_manifest_file_is_left_out_of_its_kustomization(directory: str) -> None:
     folder = MANIFESTS / directory
     kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())

@@ -60,7 +60,7 @@ def certs_job_module() -> ModuleType:
 
 def all_workloads() -> list[tuple[str, dict[str, Any]]]:
     seen: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}
-    for overlay in INSTALLABLE:
+    for overlay in (*INSTALLABLE, "dashboard"):  # and the optional dashboard, hardened the same way
         for workload in workloads(render(overlay)):
             seen.setdefault((workload["kind"], workload["metadata"]["name"]), (overlay, workload))
     return list(seen.values())
@@ -175,7 +175,7 @@ def test_the_extender_probes_hit_the_probe_listener_which_serves_them() -> None:
     state = ClusterState()
     app = create_app(Scheduler(state, SnapshotCluster(state, [])))
     port = free_port()
-    server = serve_probes(app.state.registry, state, "127.0.0.1", port)
+    server = serve_probes(app.state.registry, app.state.scheduler, "127.0.0.1", port)
     try:
         for path in set(probed.values()) | {"/metrics"}:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as reply:
