@@ -286,8 +286,8 @@ def test_a_mig_resource_the_queue_does_not_cover(strategy: str, quotas: dict[str
             "nvidia.com/mig-1g.5gb)")
 
 
-def test_a_vgpu_pod_is_not_blocked_by_a_queue_that_covers_mig_resources_only() -> None:
-    """The other direction: a queue of MIG profiles only blocks vGPU pods (nvidia.com/gpu undeclared)."""
+def test_a_queue_of_mig_profiles_only_blocks_vgpu_pods() -> None:
+    """The other direction: a MIG device is no nvidia.com/gpu, so covering MIG profiles does not cover vGPUs."""
     env = make_env(FLAVOR + mig_queue("research", {MIG_1G: 1}), [node_object("mig-node", a100_mig())],
                    quota_check_strategy=BLOCK_UNDECLARED)
     refused = env.submit(queued_pod("research", gpus=1))
@@ -327,3 +327,20 @@ def test_a_queue_naming_an_uncountable_mig_resource_is_warned_about_in_quota_and
     assert "nvidia.com/mig-1g.5gb (MIG devices)" in table  # its unit in the table
     # the countable resource still works beside it
     assert env.submit(_queued("p", ("main", "mig-1g.5gb", 1))) == "mig-node"
+
+
+def test_a_pending_mig_gangs_ask_shows_its_mig_devices_and_leaves_the_memory_to_the_node() -> None:
+    env = _env(mig_queue("research", {MIG_1G: 1, GPUMEM: 10**5}))
+    gang = []
+    for index in range(2):
+        member = _queued(f"train-{index}", ("main", "mig-1g.5gb", 1))
+        member["metadata"]["labels"][protocol.LABEL_KUEUE_POD_GROUP_NAME] = "train"
+        member["metadata"].setdefault("annotations", {})[protocol.ANNOTATION_KUEUE_POD_GROUP_TOTAL_COUNT] = "2"
+        env.cluster.add_pod(member)
+        gang.append(member)
+    outcome = env.filter(gang[0])
+    assert outcome.passed == []
+    [queue] = env.gate.snapshot(env.scheduler.gangs)["clusterQueues"]
+    [entry] = queue["gangs"]
+    assert entry["quota"] == {"resources": [{"resource": MIG_1G, "unit": "MIG devices", "amount": 2}],
+                              "dependsOnNode": [GPUMEM]}
