@@ -14,6 +14,8 @@ COLUMNS = ("CLUSTERQUEUE", "FLAVOR", "RESOURCE", "NOMINAL", "BORROWED", "LENT", 
            "PENDING")
 #: Kueue's math.MaxInt: a zero-weight queue that borrows (kept here: this module imports no extender code)
 INFINITE_SHARE = 2**63 - 1
+#: protocol.MIG_RESOURCE_PREFIX (kept here for the same reason)
+MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
 GANG_COLUMNS = ("GANG", "SIZE", "SEEN", "BOUND", "PLANNED", "WAITING")
 
 
@@ -78,7 +80,9 @@ def render_kueue_mode(doc: dict[str, Any]) -> str:
         for flavor in queue.get("kueueCharged", []):
             for usage in flavor.get("resources", []):
                 charged[usage["resource"]] = charged.get(usage["resource"], 0) + usage["total"]
-        resources = [*LANDED_SHOWN, *sorted(set(charged) - set(LANDED_SHOWN))]
+        # what Kueue charged beside what landed, and the MIG resources that landed even where Kueue charged none
+        landed_mig = {r for r in queue["landed"] if r.startswith(MIG_RESOURCE_PREFIX)}
+        resources = [*LANDED_SHOWN, *sorted((set(charged) | landed_mig) - set(LANDED_SHOWN))]
         for index, resource in enumerate(resources):
             first = index == 0
             rows.append((queue["name"] if first else "", resource, _cell(queue["landed"].get(resource)),

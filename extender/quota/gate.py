@@ -29,6 +29,7 @@ from kube_vgpu.extender.quota.accounting import FlavorResource, QuotaTree, Short
 from kube_vgpu.extender.quota.admission import Admission, DecisionCache, Refusal
 from kube_vgpu.extender.quota.fairsharing import Share, queue_share, weights_of
 from kube_vgpu.extender.quota.metrics import QuotaCollector
+from kube_vgpu.extender.quota.mig import is_mig_resource, mig_profiles_by_uuid, resource_unit
 from kube_vgpu.extender.quota.objects import (
     RESOURCE_CPU,
     RESOURCE_MEMORY,
@@ -44,12 +45,13 @@ from kube_vgpu.extender.quota.objects import (
 )
 from kube_vgpu.extender.quota.usage import (
     BLOCK_UNDECLARED,
-    DECLARED_BY,
+    GPU_RESOURCES,
     QUOTA_CHECK_STRATEGIES,
     Charge,
     PendingPod,
     PodInfo,
     assignment_usage,
+    declared_by,
     gpu_memory_by_uuid,
     pod_info,
     request_usage_fixed,
@@ -258,11 +260,11 @@ class QuotaGate:
 
     def _gpu_held(self, record: PodRecord, covered: frozenset[str]) -> dict[str, int]:
         """The GPU resources the queue covers that the pod's assignment holds. total-gpucores needs its node's
-        GPU sizes (a whole-GPU vGPU is charged 100): read only when the queue covers it."""
-        sizes = None
-        if TOTAL_GPU_CORES in covered:
-            sizes = gpu_memory_by_uuid(self.state.nodes.get(record.node_name))
-        held = assignment_usage(record.assignment, sizes)
+        GPU sizes (a whole-GPU vGPU is charged 100): read only when the queue covers it; a MIG device's resource
+        needs the node's MIG devices (their profiles)."""
+        node = self.state.nodes.get(record.node_name)
+        sizes = gpu_memory_by_uuid(node) if TOTAL_GPU_CORES in covered else None
+        held = assignment_usage(record.assignment, sizes, mig_profiles_by_uuid(node))
         return {r: v for r, v in held.items() if r in covered and v > 0}
 
     def _count(self, charge: Charge, info: PodInfo | None) -> None:
@@ -276,8 +278,11 @@ class QuotaGate:
             self._unresolved.add(charge.uid)
             return
         record = self.state.pods.get(charge.uid)
-        if charge.problem and record is not None and TOTAL_GPU_CORES in cluster_queue.covered_resources:
-            # counted late (its node was not known): whole GPUs are told by the node's GPU sizes, known now
+        if charge.problem and record is not None:
+            # counted late (its node was not known): whole GPUs are told by the node's GPU sizes and MIG devices
+            # by its MIG devices' profiles, known now
+            charge.resources = {r: v for r, v in charge.resources.items()
+                                if r not in GPU_RESOURCES and not is_mig_resource(r)}
             charge.resources.update(self._gpu_held(record, cluster_queue.covered_resources))
         flavors = self._flavors(cluster_queue, node.labels, charge.resources, info.tolerations if info else None)
         if isinstance(flavors, str):
@@ -510,7 +515,7 @@ class QuotaGate:
         if not missing:
             return None
         queue = admission.cluster_queue.name
-        forms = "; ".join(f"{r}: {' or '.join(DECLARED_BY[r])}" for r in missing)
+        forms = "; ".join(f"{r}: {' or '.join(declared_by(r))}" for r in missing)
         return Refusal(f"quota: ClusterQueue {queue} (LocalQueue {admission.local_queue.namespace}/"
                        f"{admission.local_queue.name}) does not cover {', '.join(missing)}, which the pod requests: "
                        f"resource unavailable in ClusterQueue (Kueue's default quotaCheckStrategy BlockUndeclared). "
@@ -631,7 +636,7 @@ class QuotaGate:
 
     @staticmethod
     def _shortfall_text(s: Shortfall) -> str:
-        unit = RESOURCE_UNITS.get(s.resource, "")
+        unit = resource_unit(s.resource, RESOURCE_UNITS)
         limits = [f"nominal {s.quota.nominal}"]
         if s.quota.borrowing_limit is not None:
             limits.append(f"borrowing limit {s.quota.borrowing_limit}")

@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector
 
 from kube_vgpu import protocol
 from kube_vgpu.extender.engine.model import NodeState
+from kube_vgpu.extender.quota.mig import mig_profiles_by_uuid
 from kube_vgpu.extender.quota.usage import GPU_RESOURCES, assignment_usage, gpu_memory_by_uuid
 from kube_vgpu.extender.quota.workloads import Workload, WorkloadIndex
 from kube_vgpu.extender.state import ClusterState
@@ -119,21 +120,23 @@ class KueueModeGate:
 
     # --- what landed, beside what Kueue charged -----------------------------------------------
     def landed(self) -> dict[str, dict[str, int]]:
-        """ClusterQueue -> GPU resources actually assigned to its pods now (vGPUs, MiB, percent; GPU_RESOURCES)."""
+        """ClusterQueue -> GPU resources actually assigned to its pods now (vGPUs, MiB, percent; GPU_RESOURCES), and
+        the MIG devices per nvidia.com/mig-<profile> (as Kueue charges them: the pod's request as written)."""
         totals: dict[str, dict[str, int]] = {}
-        sizes_of: dict[str, dict[str, int] | None] = {}  # node -> GPU UUID -> MiB, once per node
+        #: node -> (GPU UUID -> MiB, MIG device UUID -> profile), once per node
+        devices_of: dict[str, tuple[dict[str, int] | None, dict[str, str] | None]] = {}
         for record in self.state.pods.values():
             if not record.applied:
                 continue
-            if record.node_name not in sizes_of:
-                sizes_of[record.node_name] = gpu_memory_by_uuid(self.state.nodes.get(record.node_name))
-            sizes = sizes_of[record.node_name]
-            usage = assignment_usage(record.assignment, sizes)
+            if record.node_name not in devices_of:
+                node = self.state.nodes.get(record.node_name)
+                devices_of[record.node_name] = (gpu_memory_by_uuid(node), mig_profiles_by_uuid(node))
+            usage = assignment_usage(record.assignment, *devices_of[record.node_name])
             queue = record.labels.get(protocol.LABEL_KUEUE_QUEUE_NAME, "")
             cluster_queue = self.local_queues.get((record.namespace, queue), NO_QUEUE) if queue else NO_QUEUE
-            into = totals.setdefault(cluster_queue, {resource: 0 for resource in (*GPU_RESOURCES, "pods")})
-            for resource, value in usage.items():
-                into[resource] += value
+            into = totals.setdefault(cluster_queue, _zero())
+            for resource, value in usage.items():  # MIG resources (nvidia.com/mig-<profile>) only where held
+                into[resource] = into.get(resource, 0) + value
             into["pods"] += 1
         return totals
 

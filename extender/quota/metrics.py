@@ -14,7 +14,7 @@ from kube_vgpu.extender.quota.views import quota_view
 if TYPE_CHECKING:
     from kube_vgpu.extender.quota.gate import QuotaGate
 
-_UNIT_NOTE = ", in the resource's unit (vGPUs, MiB, percent of a GPU, millicores, bytes, pods)"
+_UNIT_NOTE = ", in the resource's unit (vGPUs, MiB, percent of a GPU, MIG devices, millicores, bytes, pods)"
 #: /quota field -> (metric name, help)
 QUEUE_RESOURCE_GAUGES: dict[str, tuple[str, str]] = {
     "nominal": ("kube_vgpu_quota_nominal", "ClusterQueue nominal quota"),

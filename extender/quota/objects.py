@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from kube_vgpu import kubeapi, protocol
+from kube_vgpu.extender.quota.mig import uncountable_reason
 
 KUEUE_VERSIONS = ("v1beta1", "v1beta2")
 #: Cohort objects were kueue.x-k8s.io/v1alpha1 before they reached v1beta1.
@@ -676,6 +677,10 @@ def build_config(docs: Iterable[tuple[str, Mapping[str, Any]]], *, fair_sharing:
                 if resource == protocol.RESOURCE_GPU_MEMORY_PERCENTAGE:
                     config.warnings.append(f"ClusterQueue {parsed.name}: {resource} is never counted (usage is "
                                            f"counted in MiB); cover {protocol.RESOURCE_GPU_MEMORY} instead")
+                mig_problem = uncountable_reason(resource)
+                if mig_problem is not None:
+                    config.warnings.append(f"ClusterQueue {parsed.name}: {resource} is never counted: "
+                                           f"{mig_problem}")
         elif isinstance(parsed, LocalQueue):
             config.local_queues[(parsed.namespace, parsed.name)] = parsed
         elif isinstance(parsed, Cohort):

@@ -11,13 +11,15 @@ from typing import Any
 from kube_vgpu import kubeapi, protocol
 from kube_vgpu.extender.engine.fit import gpu_eligible
 from kube_vgpu.extender.engine.model import NodeState
+from kube_vgpu.extender.quota import mig
 from kube_vgpu.extender.quota.accounting import FlavorResource
 from kube_vgpu.extender.quota.objects import TOTAL_GPU_CORES, TOTAL_GPU_MEMORY, Toleration, parse_tolerations
 from kube_vgpu.protocol import ContainerGpuRequest, PodAssignment, PodGpuRequest
 
 log = logging.getLogger(__name__)
 
-#: the GPU resources a ClusterQueue may budget, in the order usage tuples list them (_moment)
+#: the vGPU resources a ClusterQueue may budget, in the order usage tuples list them (_moment); a pod's usage
+#: also names each nvidia.com/mig-<profile> it holds (quota/mig.py), only when it holds one
 GPU_RESOURCES = (protocol.RESOURCE_GPU, protocol.RESOURCE_GPU_MEMORY, protocol.RESOURCE_GPU_CORES,
                  TOTAL_GPU_MEMORY, TOTAL_GPU_CORES)
 
@@ -30,10 +32,13 @@ def _moment(vgpus: int, memory_mib: int, cores: int, charged_cores: int) -> tupl
     return (vgpus, memory_mib, cores, memory_mib, charged_cores)
 
 
-def _max_into(totals: dict[str, int], values: tuple[int, ...]) -> None:
-    """Per resource, the largest moment (Kueue's pod-request rule: the peak of init containers vs app containers)."""
+def _max_into(totals: dict[str, int], values: tuple[int, ...], mig_devices: Mapping[str, int]) -> None:
+    """Per resource, the largest moment (Kueue's pod-request rule: the peak of init containers vs app containers).
+    `mig_devices`: the moment's MIG devices per MIG resource (quota/mig.py), added to the totals when held."""
     for resource, value in zip(GPU_RESOURCES, values, strict=True):
         totals[resource] = max(totals[resource], value)
+    for resource, count in mig_devices.items():
+        totals[resource] = max(totals.get(resource, 0), count)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,20 +92,34 @@ def gpu_memory_by_uuid(node: NodeState | None) -> dict[str, int] | None:
     return {gpu.uuid: gpu.memory_mib for gpu in node.gpus} if node is not None else None
 
 
-def assignment_usage(assignment: PodAssignment, gpu_memory_mib: Mapping[str, int] | None = None) -> dict[str, int]:
+def assignment_usage(assignment: PodAssignment, gpu_memory_mib: Mapping[str, int] | None = None,
+                     mig_profiles: Mapping[str, str] | None = None) -> dict[str, int]:
     """vGPUs, MiB and cores % a written assignment holds at its peak: the largest, per resource, of the moments
     that hold devices at once (protocol.container_phases: each init container beside the sidecars started before
     it, then the app containers beside every sidecar), as Kueue's pod-request rule counts them.
     `gpu_memory_mib`: uuid -> the GPU's MiB (the node's inventory), to tell a whole-GPU vGPU (all the memory, no
-    cores asked) for total-gpucores; a GPU not in it counts its assigned cores."""
+    cores asked) for total-gpucores; a GPU not in it counts its assigned cores.
+    `mig_profiles`: uuid -> profile of the node's MIG devices (quota/mig.py): a MIG device counts one of its
+    nvidia.com/mig-<profile> and its memory, no vGPU and no cores. Without it (node not known) a MIG device, told
+    by its UUID, counts its memory only."""
     sizes = gpu_memory_mib or {}
+    profiles = mig_profiles or {}
     totals = {r: 0 for r in GPU_RESOURCES}
     for phase in assignment.phases:
-        devices = [d for c in phase for d in c.devices]
+        devices = []
+        memory_mib = 0
+        mig_devices: dict[str, int] = {}
+        for device in (d for c in phase for d in c.devices):
+            memory_mib += device.memory_mib
+            profile = profiles.get(device.uuid)
+            if profile is not None:
+                resource = mig.mig_resource(profile)
+                mig_devices[resource] = mig_devices.get(resource, 0) + 1
+            elif not device.uuid.startswith(mig.MIG_UUID_PREFIX):
+                devices.append(device)
         charged = sum(protocol.CORES_PER_GPU if d.cores == 0 and d.memory_mib >= sizes.get(d.uuid, d.memory_mib + 1)
                       else d.cores for d in devices)
-        _max_into(totals, _moment(len(devices), sum(d.memory_mib for d in devices), sum(d.cores for d in devices),
-                                  charged))
+        _max_into(totals, _moment(len(devices), memory_mib, sum(d.cores for d in devices), charged), mig_devices)
     return totals
 
 
@@ -111,15 +130,15 @@ def _whole_gpu(container: ContainerGpuRequest) -> bool:
 
 def request_usage_fixed(request: PodGpuRequest) -> dict[str, int] | None:
     """What the pod will hold on any node, when that does not depend on the node's GPUs (every container names
-    its MiB per vGPU); None otherwise. Cores: what the engine assigns on a GPU of 100 compute units (for
-    exclusive use it assigns the GPU's units, never more than the 100 requested)."""
+    its MiB per vGPU); None otherwise (a MIG device's MiB is the node's). Cores: what the engine assigns on a GPU
+    of 100 compute units (for exclusive use it assigns the GPU's units, never more than the 100 requested)."""
     if any(c.memory_mib is None for c in request.containers):
         return None
     totals = {r: 0 for r in GPU_RESOURCES}
     for phase in request.phases:
         cores = sum(c.count * c.cores for c in phase)
         _max_into(totals, _moment(sum(c.count for c in phase), sum(c.count * (c.memory_mib or 0) for c in phase),
-                                  cores, cores))  # memory named: never a whole-GPU vGPU
+                                  cores, cores), {})  # memory named: never a whole-GPU vGPU
     return totals
 
 
@@ -131,15 +150,13 @@ def request_usage_on(request: PodGpuRequest, node: NodeState) -> dict[str, int]:
     totals = {r: 0 for r in GPU_RESOURCES}
     for phase in request.phases:
         count = memory_mib = cores = charged_cores = 0
+        mig_devices: dict[str, int] = {}
         for container in phase:
             if container.mig_profile is not None:
-                # a MIG device counts as one GPU with its memory and its whole compute, as its assignment will
-                per_memory = max((d.memory_mib for d in node.mig_devices if d.mig_profile == container.mig_profile),
-                                 default=0)
-                count += container.count
-                memory_mib += container.count * per_memory
-                cores += container.count * protocol.CORES_PER_GPU
-                charged_cores += container.count * protocol.CORES_PER_GPU
+                # its MIG resource as written, and its memory: no vGPU, no cores (quota/mig.py says why)
+                resource = mig.mig_resource(container.mig_profile)
+                mig_devices[resource] = mig_devices.get(resource, 0) + container.count
+                memory_mib += container.count * mig.profile_memory_mib(container.mig_profile, node)
                 continue
             per_memory = container.memory_mib if container.memory_mib is not None else max(
                 (container.memory_on(g.memory_mib) for g in eligible), default=0)
@@ -149,7 +166,22 @@ def request_usage_on(request: PodGpuRequest, node: NodeState) -> dict[str, int]:
             memory_mib += container.count * per_memory
             cores += container.count * per_cores
             charged_cores += container.count * (protocol.CORES_PER_GPU if _whole_gpu(container) else per_cores)
-        _max_into(totals, _moment(count, memory_mib, cores, charged_cores))
+        _max_into(totals, _moment(count, memory_mib, cores, charged_cores), mig_devices)
+    return totals
+
+
+def request_counts(request: PodGpuRequest) -> dict[str, int]:
+    """The device counts a pod asks, which no node changes: its peak of vGPUs (nvidia.com/gpu) and of each MIG
+    resource; what a view shows of a pod whose MiB and cores depend on the node."""
+    totals: dict[str, int] = {protocol.RESOURCE_GPU: 0}
+    for phase in request.phases:
+        moment: dict[str, int] = {}
+        for container in phase:
+            resource = protocol.RESOURCE_GPU if container.mig_profile is None else mig.mig_resource(
+                container.mig_profile)
+            moment[resource] = moment.get(resource, 0) + container.count
+        for resource, count in moment.items():
+            totals[resource] = max(totals.get(resource, 0), count)
     return totals
 
 
@@ -171,24 +203,33 @@ DECLARED_BY = {
 }
 
 
+def declared_by(resource: str) -> tuple[str, ...]:
+    """The resources a ClusterQueue may cover `resource` with (DECLARED_BY); a MIG resource only itself: the
+    gate also charges a MIG device's memory, but as Kueue would with a Retain transformation, which still needs
+    the MIG resource covered (so the same ClusterQueue admits the same pods in quota modes enforce and kueue)."""
+    return DECLARED_BY.get(resource, (resource,))
+
+
 def named_gpu_resources(request: PodGpuRequest) -> list[str]:
-    """The GPU resources the pod's containers name (what Kueue reads from the pod spec), in DECLARED_BY order."""
+    """The GPU resources the pod's containers name (what Kueue reads from the pod spec), in DECLARED_BY order,
+    then the MIG resources sorted."""
     containers = [c for c in request.containers if c.count > 0]
-    shares = [c for c in containers if c.mig_profile is None]  # a MIG container names its device as one GPU only
+    shares = [c for c in containers if c.mig_profile is None]  # a MIG container names its MIG resource only
     named = {
-        protocol.RESOURCE_GPU: bool(containers),
+        protocol.RESOURCE_GPU: bool(shares),
         protocol.RESOURCE_GPU_MEMORY: any(c.memory_mib is not None for c in shares),
         protocol.RESOURCE_GPU_MEMORY_PERCENTAGE: any(c.memory_percent is not None for c in shares),
         protocol.RESOURCE_GPU_CORES: any(c.cores > 0 for c in shares),
     }
-    return [resource for resource in DECLARED_BY if named[resource]]
+    migs = sorted({mig.mig_resource(c.mig_profile) for c in containers if c.mig_profile is not None})
+    return [resource for resource in DECLARED_BY if named[resource]] + migs
 
 
 def undeclared_gpu_resources(request: PodGpuRequest, covered: frozenset[str]) -> list[str]:
     """BlockUndeclared: the GPU resources the pod names that no resource group of its queue covers in any form.
     Only the GPU resources are checked: the gate does not see every resource a pod requests (CPU and memory
     are counted when covered, as with IgnoreUndeclared; docs/quota.md)."""
-    return [r for r in named_gpu_resources(request) if not any(form in covered for form in DECLARED_BY[r])]
+    return [r for r in named_gpu_resources(request) if not any(form in covered for form in declared_by(r))]
 
 
 @dataclass(slots=True)

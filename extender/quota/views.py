@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING, Any
 from kube_vgpu import protocol
 from kube_vgpu.extender.gangs import gang_summary
 from kube_vgpu.extender.quota.fairsharing import dominant_resource_share
+from kube_vgpu.extender.quota.mig import resource_unit
 from kube_vgpu.extender.quota.objects import RESOURCE_CPU, RESOURCE_MEMORY, RESOURCE_PODS, RESOURCE_UNITS
-from kube_vgpu.extender.quota.usage import GPU_RESOURCES, pod_info, request_usage_fixed
+from kube_vgpu.extender.quota.usage import GPU_RESOURCES, pod_info, request_counts, request_usage_fixed
 from kube_vgpu.protocol import InvalidGpuRequest
 
 if TYPE_CHECKING:
@@ -48,17 +49,18 @@ def _gang_quota(gate: QuotaGate, cluster_queue: ClusterQueue, members: list[Memb
                 request = None  # filter says why, to the pod's owner
             fixed = request_usage_fixed(request) if request is not None else None
             if fixed is None:
-                # MiB and cores depend on the node's GPUs; the vGPU count does not (as request_usage_fixed counts)
+                # MiB and cores depend on the node's GPUs (a MIG device's MiB on its node's devices); the vGPU and
+                # MIG device counts do not
                 depends_on_node.update(r for r in GPU_RESOURCES[1:] if r in covered)
-                fixed = {GPU_RESOURCES[0]: max((sum(c.count for c in phase) for phase in request.phases),
-                                               default=0) if request is not None else 0}
+                fixed = request_counts(request) if request is not None else {}
             info = pod_info(member.pod, now_s)
             asked = {**fixed, RESOURCE_CPU: info.cpu_milli, RESOURCE_MEMORY: info.memory_bytes, RESOURCE_PODS: 1}
         for resource, amount in asked.items():
             if resource in covered and amount > 0:
                 totals[resource] = totals.get(resource, 0) + amount
     return {
-        "resources": [{"resource": r, "unit": RESOURCE_UNITS.get(r, ""), "amount": totals[r]} for r in sorted(totals)],
+        "resources": [{"resource": r, "unit": resource_unit(r, RESOURCE_UNITS), "amount": totals[r]}
+                      for r in sorted(totals)],
         "dependsOnNode": sorted(depends_on_node),
     }
 
@@ -141,7 +143,7 @@ def quota_view(gate: QuotaGate, gangs: GangTracker | None = None) -> dict[str, A
                         status = gate.tree.status(cluster_queue.name, (flavor_quotas.name, resource))
                         resources.append({
                             "resource": resource,
-                            "unit": RESOURCE_UNITS.get(resource, ""),
+                            "unit": resource_unit(resource, RESOURCE_UNITS),
                             "nominal": status.nominal,
                             "borrowingLimit": status.borrowing_limit,
                             "lendingLimit": status.lending_limit,

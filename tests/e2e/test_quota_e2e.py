@@ -4,6 +4,7 @@ its budget stays Pending with our reason and is scheduled once its earlier pods 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -13,10 +14,11 @@ import pytest
 from kubernetes import client
 
 from kube_vgpu import protocol
-from kube_vgpu.dev.devcluster.cluster import DevCluster
+from kube_vgpu.dev.devcluster.cluster import DevCluster, NodeGroup
 from kube_vgpu.dev.devcluster.lifecycle import run_seconds_annotation
-from kube_vgpu.dev.devcluster.workload import create_pods, gpu_pod, list_pods, wait_for_pods
+from kube_vgpu.dev.devcluster.workload import PAUSE_IMAGE, create_pods, gpu_pod, list_pods, wait_for_pods
 from tests.e2e.checks import assert_no_overcommit
+from tests.e2e.conftest import NODE_GROUP_LABEL
 
 pytestmark = pytest.mark.e2e
 
@@ -181,3 +183,72 @@ def test_a_team_within_its_nominal_quota_takes_back_what_another_borrows(
             for q in quota["clusterQueues"] if q["name"].startswith(e2e_namespace)}
     assert used == {f"{e2e_namespace}-a": 2, f"{e2e_namespace}-b": 2}, used
     assert_no_overcommit(dev_cluster)
+
+
+MIG_RESOURCE = "nvidia.com/mig-1g.5gb"
+
+
+def test_a_queues_mig_quota_admits_one_mig_pod_and_refuses_the_next_with_the_reason(
+    dev_cluster: DevCluster, kueue_crds: None, e2e_namespace: str
+) -> None:
+    """Issue 16: a ClusterQueue with a quota of 1 nvidia.com/mig-1g.5gb on a node of nine such devices (the fake
+    NVML's a100-mig profile): the first MIG pod is placed and charged the MIG resource, the second stays Pending with
+    our reason naming the resource and the queue (quota refuses it, not the node), until the first is deleted."""
+    label = f"migq-{e2e_namespace}"[:63]
+    names = dev_cluster.add_nodes(NodeGroup(count=1, prefix=f"migq-{e2e_namespace}"[:40], fake_profile="a100-mig",
+                                            labels=((NODE_GROUP_LABEL, label),)))
+    selector = {NODE_GROUP_LABEL: label}
+    custom: Any = client.CustomObjectsApi(dev_cluster.api)
+    name = f"{e2e_namespace}-mig"
+    flavor = {"apiVersion": f"{GROUP}/v1beta2", "kind": "ResourceFlavor", "metadata": {"name": name},
+              "spec": {"nodeLabels": selector}}
+    queue = {"apiVersion": f"{GROUP}/v1beta2", "kind": "ClusterQueue", "metadata": {"name": name},
+             "spec": {"namespaceSelector": {"matchLabels": {protocol.LABEL_NAMESPACE_NAME: e2e_namespace}},
+                      "resourceGroups": [{"coveredResources": [MIG_RESOURCE], "flavors": [
+                          {"name": name, "resources": [{"name": MIG_RESOURCE, "nominalQuota": 1}]}]}]}}
+    local = {"apiVersion": f"{GROUP}/v1beta2", "kind": "LocalQueue", "metadata": {"name": "mig"},
+             "spec": {"clusterQueue": name}}
+
+    def mig_pod(pod_name: str) -> dict[str, Any]:
+        return {"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": pod_name, "labels": {protocol.LABEL_KUEUE_QUEUE_NAME: "mig"}},
+                "spec": {"nodeSelector": selector, "terminationGracePeriodSeconds": 0,
+                         "containers": [{"name": "main", "image": PAUSE_IMAGE,
+                                         "resources": {"limits": {MIG_RESOURCE: "1"}}}]}}
+
+    try:
+        custom.create_cluster_custom_object(GROUP, "v1beta2", "resourceflavors", flavor)
+        custom.create_cluster_custom_object(GROUP, "v1beta2", "clusterqueues", queue)
+        custom.create_namespaced_custom_object(GROUP, "v1beta2", e2e_namespace, "localqueues", local)
+        deadline = time.monotonic() + 30
+        while not any(q["name"] == name and q["flavors"]
+                      for q in httpx.get(f"{dev_cluster.extender_url}/quota").json()["clusterQueues"]):
+            assert time.monotonic() < deadline, "the extender never saw the ClusterQueue:\n" + dev_cluster.log_tail(
+                "extender")
+            time.sleep(0.2)
+        create_pods(dev_cluster.api, e2e_namespace, [mig_pod("first")])
+        first = wait_for_pods(dev_cluster.api, e2e_namespace, ["first"], timeout_s=60)
+        assert first.bound == {"first": names[0]}, first.describe() + dev_cluster.log_tail("extender")
+        create_pods(dev_cluster.api, e2e_namespace, [mig_pod("second")])
+        waiting = wait_for_pods(dev_cluster.api, e2e_namespace, ["second"], timeout_s=60, expect_refused=["second"])
+        reason = waiting.refused.get("second", "")
+        assert f"ClusterQueue {name}" in reason and f"{MIG_RESOURCE}: needs 1, used 1/1" in reason, waiting.describe()
+        quota = httpx.get(f"{dev_cluster.extender_url}/quota").json()
+        (mine,) = [q for q in quota["clusterQueues"] if q["name"] == name]
+        used = {r["resource"]: (r["used"], r["unit"]) for f in mine["flavors"] for r in f["resources"]}
+        assert used == {MIG_RESOURCE: (1, "MIG devices")} and mine["admittedPods"] == 1, mine
+        dev_cluster.core.delete_namespaced_pod("first", e2e_namespace, grace_period_seconds=0, _preload_content=False)
+        after = wait_for_pods(dev_cluster.api, e2e_namespace, ["second"], timeout_s=90)
+        assert after.bound == {"second": names[0]}, after.describe() + dev_cluster.log_tail("extender")
+    finally:
+        for pod_name in ("first", "second"):
+            with contextlib.suppress(Exception):
+                dev_cluster.core.delete_namespaced_pod(pod_name, e2e_namespace, grace_period_seconds=0,
+                                                       _preload_content=False)
+        with contextlib.suppress(Exception):
+            custom.delete_namespaced_custom_object(GROUP, "v1beta2", e2e_namespace, "localqueues", "mig")
+        with contextlib.suppress(Exception):
+            custom.delete_cluster_custom_object(GROUP, "v1beta2", "clusterqueues", name)
+        with contextlib.suppress(Exception):
+            custom.delete_cluster_custom_object(GROUP, "v1beta2", "resourceflavors", name)
+        dev_cluster.delete_nodes(names)

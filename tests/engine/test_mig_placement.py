@@ -24,6 +24,7 @@ from kube_vgpu.extender.engine.model import (
     assignment_from_placement,
 )
 from kube_vgpu.extender.engine.policies import make_policy, policy_names
+from kube_vgpu.extender.quota.mig import mig_profiles_by_uuid
 from kube_vgpu.extender.quota.usage import (
     TOTAL_GPU_CORES,
     TOTAL_GPU_MEMORY,
@@ -261,16 +262,18 @@ def test_a_gpu_in_mig_mode_never_gets_a_shared_vgpu(
 # -- quota and the extender's filter / prioritize / bind ---------------------------------------------------------
 
 
-def test_quota_counts_a_mig_device_as_one_gpu_with_its_memory_and_whole_compute() -> None:
+def test_quota_counts_a_mig_device_as_its_mig_resource_with_its_memory() -> None:
+    """No nvidia.com/gpu and no cores: quota/mig.py (tests/quota/test_mig_quota.py has the cases)."""
     node = NodeState("n", a100_mig())
     request = protocol.parse_pod_gpu_request(mig_pod(("main", "mig-3g.20gb", 1), ("side", "mig-1g.5gb", 2)))
     result = place(node, PlacementRequest(request), BFGD, BFGD)
     assert isinstance(result, Placement)
-    counted = assignment_usage(assignment_from_placement(node, result))
+    counted = assignment_usage(assignment_from_placement(node, result), None, mig_profiles_by_uuid(node))
     assert request_usage_on(request, node) == counted == {
-        protocol.RESOURCE_GPU: 3, protocol.RESOURCE_GPU_MEMORY: 20096 + 2 * 4864,
-        TOTAL_GPU_MEMORY: 20096 + 2 * 4864, protocol.RESOURCE_GPU_CORES: 300, TOTAL_GPU_CORES: 300}
-    assert named_gpu_resources(request) == [protocol.RESOURCE_GPU]
+        protocol.RESOURCE_GPU: 0, protocol.RESOURCE_GPU_MEMORY: 20096 + 2 * 4864,
+        TOTAL_GPU_MEMORY: 20096 + 2 * 4864, protocol.RESOURCE_GPU_CORES: 0, TOTAL_GPU_CORES: 0,
+        "nvidia.com/mig-3g.20gb": 1, "nvidia.com/mig-1g.5gb": 2}
+    assert named_gpu_resources(request) == ["nvidia.com/mig-1g.5gb", "nvidia.com/mig-3g.20gb"]
 
 
 def test_a_mig_nodes_capacity_counts_mig_devices_per_profile_as_kubelet_reports_them() -> None:

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from kube_vgpu import protocol
+from kube_vgpu.dev.fixtures import node_object
 from kube_vgpu.extender.quota import cli as quota_cli
 from kube_vgpu.extender.quota.factory import QuotaModeError, kueue_controller_evidence, resolve_quota_mode
 from kube_vgpu.extender.quota.gate import QuotaGate
@@ -17,6 +18,7 @@ from kube_vgpu.extender.quota.workloads import WorkloadIndex, parse_workload
 from kube_vgpu.extender.scheduler import BindError, Scheduler
 from kube_vgpu.extender.sources.snapshot import SnapshotCluster
 from kube_vgpu.extender.state import ClusterState
+from tests.engine.test_mig_placement import a100_mig, mig_pod
 from tests.helpers import gpu_node, pod
 
 JOB_UID = "job-uid-1"
@@ -267,3 +269,45 @@ def test_the_gates_flags_given_with_a_mode_without_our_gate_are_named() -> None:
     assert unused_quota_flags(parse_args(["--quota-mode=off"]), "off") == []
     # auto found Kueue's controller: forcing enforce beside it was asked for, and does not happen
     assert unused_quota_flags(parse_args(["--force-quota-mode"]), "kueue") == ["--force-quota-mode"]
+
+
+def test_landed_mig_devices_are_shown_beside_what_kueue_charged_for_them() -> None:
+    """A MIG pod landed as its nvidia.com/mig-<profile> (what Kueue charges for the request as written) and its
+    memory, no vGPU; the table shows the MIG resource even where Kueue charged it under another name (a Replace
+    ResourceTransformation)."""
+    charged = [{"name": "nvidia.com/mig-1g.5gb", "total": "1", "borrowed": "0"}]
+    cluster_queue: dict[str, Any] = {
+        "apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ClusterQueue", "metadata": {"name": "gpu-queue"},
+        "status": {"admittedWorkloads": 1, "flavorsReservation": [{"name": "a100-mig", "resources": charged}]}}
+    local: dict[str, Any] = {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue",
+                             "metadata": {"name": "team", "namespace": "team-a"}, "spec": {"clusterQueue": "gpu-queue"}}
+    state = ClusterState()
+    gate = KueueModeGate(state, live=False)
+    for kind, items in (("Workload", [workload(conditions=ADMITTED)]), ("ClusterQueue", [cluster_queue]),
+                        ("LocalQueue", [local])):
+        gate.set_cluster_objects(kind, {(o["metadata"].get("namespace", ""), o["metadata"]["name"]): o
+                                        for o in items})
+    cluster = SnapshotCluster(state, [node_object("mig-node", a100_mig())])
+    scheduler = Scheduler(state, cluster, gates=[gate])
+    p = mig_pod(("main", "mig-1g.5gb", 1))
+    p["metadata"].update(name="train-0", namespace="team-a", uid="pod-uid",
+                         labels={protocol.LABEL_KUEUE_QUEUE_NAME: "team"},
+                         ownerReferences=_pod()["metadata"]["ownerReferences"])
+    cluster.add_pod(p)
+    assert scheduler.filter(p, ["mig-node"]).passed == ["mig-node"]
+    scheduler.bind("team-a", "train-0", "pod-uid", "mig-node")
+    view = gate.snapshot()
+    (queue,) = view["clusterQueues"]
+    assert queue["landed"] == {"nvidia.com/gpu": 0, "nvidia.com/gpumem": 4864, "nvidia.com/gpucores": 0,
+                               "nvidia.com/total-gpumem": 4864, "nvidia.com/total-gpucores": 0, "pods": 1,
+                               "nvidia.com/mig-1g.5gb": 1}
+    row = next(line for line in quota_cli.render(view).splitlines() if "nvidia.com/mig-1g.5gb" in line)
+    assert row.split()[-2:] == ["1", "1"]  # landed 1, Kueue charged 1
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in gate.collector().collect() for s in family.samples}
+    assert samples[("kube_vgpu_queue_landed", (("cluster_queue", "gpu-queue"),
+                                               ("resource", "nvidia.com/mig-1g.5gb")))] == 1
+    # Kueue charged the device as accelerator memory (a Replace transformation): the landed device still shows
+    charged[:] = [{"name": "example.com/accelerator-memory", "total": "5Gi", "borrowed": "0"}]
+    row = next(line for line in quota_cli.render(gate.snapshot()).splitlines() if "nvidia.com/mig-1g.5gb" in line)
+    assert row.split()[-2:] == ["1", "-"]
