@@ -273,7 +273,7 @@ def _place(source: Source, host_dir: Path) -> bool:
 
 
 def _switch(host_dir: Path, name: str, sha256: str) -> bool:
-    """Point <host-dir>/libvgpu.so at `name` (rename of a new symlink over it) and write the status files. True
+    """Point <host-dir>/libvgpu.so at `name` (rename of a new symlink over it) and write the status file. True
     when the link changed."""
     link = host_dir / LIBRARY_NAME
     if link.is_dir() and not link.is_symlink():
@@ -290,9 +290,6 @@ def _switch(host_dir: Path, name: str, sha256: str) -> bool:
         _fsync_dir(host_dir)
     # made current now: the order garbage collection keeps versions in
     os.utime(host_dir / VERSIONS_DIR / name)
-    preload = f"{host_dir / LIBRARY_NAME}\n".encode()
-    if _read_bytes(host_dir / LD_SO_PRELOAD_NAME) != preload:
-        _write_atomic(host_dir / LD_SO_PRELOAD_NAME, preload)
     version = name[: -(_SHA12 + 1)]
     status = json.dumps({"name": name, "version": version, "sha256": sha256}, indent=2).encode() + b"\n"
     if _read_bytes(host_dir / STATUS_NAME) != status:
@@ -376,6 +373,11 @@ def install(
     with host_lock(host_dir, lock_timeout_s):
         copied = _place(source, host_dir)
         switched = _switch(host_dir, source.name, source.sha256)
+        # names the link, which never moves: written by install only, where host_dir is the node's own path (a
+        # rollback may run with the node's root mounted elsewhere, e.g. kubectl debug node's /host)
+        preload = f"{host_dir / LIBRARY_NAME}\n".encode()
+        if _read_bytes(host_dir / LD_SO_PRELOAD_NAME) != preload:
+            _write_atomic(host_dir / LD_SO_PRELOAD_NAME, preload)
         removed = collect_garbage(host_dir, keep, versions_in_use(proc_dir))
     return InstallResult(source.name, copied, switched, removed)
 
