@@ -268,6 +268,11 @@ def _value_flag(t: Templater, flag: str, path: str) -> Callable[[str], str]:
     return expression
 
 
+def _directory_flag(flag: str) -> Callable[[str], str]:
+    """`flag=<the directory of limiter.libraryPath>`."""
+    return lambda _default: _printf_flag(flag, "(dir .Values.limiter.libraryPath)")
+
+
 def _printf_flag(flag: str, value: str, verb: str = "%s") -> str:
     return f'printf "{flag}={verb}" {value} | quote'
 
@@ -342,8 +347,7 @@ def _edit_device_plugin(t: Templater, obj: Object) -> None:
         raise ChartError(f"the limiter-install init container should mount the host's {directory} at the same path")
     install_mounts[0]["mountPath"] = t.action("dir .Values.limiter.libraryPath | quote")
     for container, flag in ((install, "--host-dir"), (plugin, "--limiter-dir")):
-        if _flag(t, container, flag, lambda _default, flag=flag: _printf_flag(
-                flag, "(dir .Values.limiter.libraryPath)")) != directory:
+        if _flag(t, container, flag, _directory_flag(flag)) != directory:
             raise ChartError(f"container {container['name']}: {flag} should be {directory}")
     _flag(t, install, "--keep", lambda default: _printf_flag(
         "--keep", f"(int {t.value('limiter.keep', int(default))})", "%d"))
