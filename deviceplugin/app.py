@@ -21,6 +21,7 @@ from kube_vgpu.deviceplugin.discovery import Discovery, discover
 from kube_vgpu.deviceplugin.foreign import DeviceHolders, ForeignPodMonitor
 from kube_vgpu.deviceplugin.health import APPLICATION_XIDS, HealthMonitor
 from kube_vgpu.deviceplugin.kube import NodeClient, PodSource
+from kube_vgpu.deviceplugin.limiter_install import verified_name
 from kube_vgpu.deviceplugin.metrics import DevicePluginCollector
 from kube_vgpu.deviceplugin.nvml import Nvml
 from kube_vgpu.deviceplugin.publisher import DEFAULT_HEARTBEAT_SECONDS, Publisher
@@ -62,6 +63,12 @@ class PluginConfig:
     metrics_address: str = ""
     #: kubelet's pods directory, where the webhook's cache emptyDirs are read for container usage ("" = not read)
     kubelet_pods_dir: str = ""
+    #: node label telling the webhook that the limiter is installed here ("" = the plugin leaves it alone)
+    limiter_label: str = ""
+    #: where `kube-vgpu limiter install` put the library; the label carries its version while it is intact
+    limiter_dir: str = ""
+    #: fake GPUs: the node stands for one with the limiter installed (protocol.LIMITER_LABEL_SIMULATED)
+    limiter_simulated: bool = False
 
 
 class DevicePluginApp:
@@ -131,6 +138,8 @@ class DevicePluginApp:
                 self.state,
                 heartbeat_seconds=config.heartbeat_seconds,
                 before_publish=[self.foreign.scan],
+                limiter_label=config.limiter_label,
+                limiter_state=_limiter_state(config),
             )
 
     def _thread(self, name: str, target: Any) -> None:
@@ -221,3 +230,16 @@ def split_address(address: str) -> tuple[str, int]:
     if not separator or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ValueError(f"expected HOST:PORT or :PORT, got {address!r}")
     return host or "0.0.0.0", int(port)
+
+
+def _limiter_state(config: PluginConfig) -> Callable[[], str | None] | None:
+    """What the limiter label should say at each publish: the installed version while its library matches its
+    checksum (hashing a few MiB every heartbeat is cheap, and catches a library replaced or damaged by hand)."""
+    if not config.limiter_label:
+        return None
+    if config.limiter_simulated:
+        return lambda: protocol.LIMITER_LABEL_SIMULATED
+    if not config.limiter_dir:
+        return lambda: None
+    directory = Path(config.limiter_dir)
+    return lambda: verified_name(directory)

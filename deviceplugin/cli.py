@@ -15,6 +15,7 @@ from kube_vgpu.deviceplugin.allocate import DEVICE_LIST_STRATEGIES, DeliveryConf
 from kube_vgpu.deviceplugin.fakenvml import profile_names
 from kube_vgpu.deviceplugin.foreign import DEFAULT_POD_RESOURCES_SOCKET, PodResourcesClient
 from kube_vgpu.deviceplugin.health import APPLICATION_XIDS
+from kube_vgpu.deviceplugin.limiter_install import DEFAULT_HOST_DIR
 from kube_vgpu.deviceplugin.publisher import DEFAULT_HEARTBEAT_SECONDS
 from kube_vgpu.deviceplugin.server import DEFAULT_KUBELET_DIR
 
@@ -73,6 +74,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--limiter-library",
         default=protocol.DEFAULT_LIMITER_LIBRARY_PATH,
         help="limiter library on the node, mounted read-only into GPU containers ('' = not mounted)",
+    )
+    parser.add_argument(
+        "--limiter-dir",
+        default=str(DEFAULT_HOST_DIR),
+        help="where `kube-vgpu limiter install` (the init container) installs the limiter; while the installed "
+        "library matches its checksum the node carries --limiter-label ('' = never: the label is removed)",
+    )
+    parser.add_argument(
+        "--limiter-label",
+        default=protocol.LABEL_LIMITER,
+        help="node label saying the limiter is installed (the webhook's node affinity requires it); '' = the plugin "
+        "leaves it alone (e.g. set by hand where the library is installed another way)",
     )
     parser.add_argument(
         "--ld-so-preload", default="", help="node file mounted at /etc/ld.so.preload in GPU containers ('' = off)"
@@ -151,6 +164,9 @@ def run(args: argparse.Namespace) -> int:
         probe_address=args.probe_address,
         metrics_address=metrics_address,
         kubelet_pods_dir=args.kubelet_pods_dir,
+        limiter_label=args.limiter_label,
+        limiter_dir=args.limiter_dir,
+        limiter_simulated=bool(args.fake_nvml),
         delivery=DeliveryConfig(
             limiter_library_path=args.limiter_library,
             ld_so_preload_path=args.ld_so_preload,

@@ -50,7 +50,11 @@ class Publisher:
         heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS,
         before_publish: list[Callable[[], None]] | None = None,
         clock: Callable[[], dt.datetime] = _now,
+        limiter_label: str = "",
+        limiter_state: Callable[[], str | None] | None = None,
     ) -> None:
+        """`limiter_label`: the node label (protocol.LABEL_LIMITER) set to what `limiter_state` returns, removed when
+        it returns None ("" = not managed: a label set by hand stays)."""
         if heartbeat_seconds <= 0:
             raise ValueError(f"heartbeat interval must be positive, got {heartbeat_seconds}")
         self.node_name = node_name
@@ -59,6 +63,9 @@ class Publisher:
         self.heartbeat_seconds = heartbeat_seconds
         self.before_publish = list(before_publish or ())
         self.clock = clock
+        self.limiter_label = limiter_label if limiter_state is not None else ""
+        self.limiter_state = limiter_state
+        self.owned_labels = OWNED_LABELS + ((self.limiter_label,) if self.limiter_label else ())
         self._published_text: str | None = None  # what the node carries (None: not read yet)
         self._published_labels: dict[str, str | None] | None = None
         self.inventory_writes = 0
@@ -70,7 +77,7 @@ class Publisher:
         metadata = node.get("metadata") or {}
         self._published_text = (metadata.get("annotations") or {}).get(protocol.NODE_INVENTORY_ANNOTATION, "")
         labels = metadata.get("labels") or {}
-        self._published_labels = {key: labels.get(key) for key in OWNED_LABELS}
+        self._published_labels = {key: labels.get(key) for key in self.owned_labels}
 
     def publish_once(self) -> bool:
         """Write the heartbeat, plus the inventory and labels when they differ from what the node carries.
@@ -83,8 +90,10 @@ class Publisher:
         inventory_changed = text != self._published_text
         if not inventory_changed:
             del annotations[protocol.NODE_INVENTORY_ANNOTATION]
-        desired: dict[str, str | None] = {key: None for key in OWNED_LABELS}
+        desired: dict[str, str | None] = {key: None for key in self.owned_labels}
         desired.update(node_labels(inventory))
+        if self.limiter_label and self.limiter_state is not None:
+            desired[self.limiter_label] = self.limiter_state()
         labels = {} if desired == self._published_labels else desired
         try:
             self.nodes.patch_node_metadata(self.node_name, annotations, labels)

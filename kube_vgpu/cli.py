@@ -13,6 +13,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "extender": ("kube_vgpu.extender.cli", "run the scheduler extender (filter / prioritize / bind)"),
     "webhook": ("kube_vgpu.webhook.cli", "run the mutating admission webhook"),
     "device-plugin": ("kube_vgpu.deviceplugin.cli", "run the device plugin on a GPU node"),
+    "limiter": ("kube_vgpu.deviceplugin.limiter_cli", "the limiter library on a node: install, rollback"),
     "cluster": ("kube_vgpu.dev.synth", "synthetic clusters (cluster synth)"),
     "dev-cluster": ("kube_vgpu.dev.devcluster.cli", "a local control plane with simulated GPU nodes"),
     "demo": ("kube_vgpu.dev.devcluster.demo", "dev cluster + sample workload + placement table"),

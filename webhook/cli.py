@@ -20,6 +20,7 @@ from kube_vgpu.protocol import (
     DEFAULT_LIMITER_LIBRARY_PATH,
     DEFAULT_SCHEDULER_NAME,
     LABEL_KUEUE_QUEUE_NAME,
+    LABEL_LIMITER,
 )
 from kube_vgpu.webhook.config import (
     DEFAULT_CACHE_DIR,
@@ -121,6 +122,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_LIMITER_LD_SO_PRELOAD_PATH,
         help="host file mounted at /etc/ld.so.preload in ld-so-preload mode (default: %(default)s)",
     )
+    policy.add_argument(
+        "--limiter-node-label",
+        default=LABEL_LIMITER,
+        help="node label the device plugin sets where the limiter is installed: GPU pods that load the limiter from "
+        "the node (every mode but none) get a required node affinity on it ('' = no affinity, e.g. nodes where you "
+        "install the library yourself) (default: %(default)s)",
+    )
     policy.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help="limiter cache directory (default: %(default)s)")
     policy.add_argument(
         "--trusted-user",
@@ -138,6 +146,7 @@ def config_from_args(args: argparse.Namespace) -> WebhookConfig:
         limiter_mode=LimiterMode(args.limiter_mode),
         limiter_library_path=args.limiter_library_path,
         limiter_ld_so_preload_path=args.limiter_ld_so_preload_path,
+        limiter_node_label=args.limiter_node_label,
         cache_dir=args.cache_dir,
         trusted_usernames=frozenset(args.trusted_user) if args.trusted_user else DEFAULT_TRUSTED_USERNAMES,
     )

@@ -10,6 +10,7 @@ from kube_vgpu.protocol import (
     DEFAULT_LIMITER_LD_SO_PRELOAD_PATH,
     DEFAULT_LIMITER_LIBRARY_PATH,
     DEFAULT_SCHEDULER_NAME,
+    LABEL_LIMITER,
 )
 
 #: The service accounts of the components that write kube-vgpu's internal pod annotations, as named in manifests/:
@@ -50,6 +51,9 @@ class WebhookConfig:
     limiter_library_path: str = DEFAULT_LIMITER_LIBRARY_PATH
     #: Path on the node of the file listing the library (LD_SO_PRELOAD mode only).
     limiter_ld_so_preload_path: str = DEFAULT_LIMITER_LD_SO_PRELOAD_PATH
+    #: Node label present where the device plugin found the installed limiter intact: pods that load the limiter
+    #: from the node require it (node affinity), so none lands where the library is missing ("" = no affinity).
+    limiter_node_label: str = LABEL_LIMITER
     cache_dir: str = DEFAULT_CACHE_DIR
     #: Users (AdmissionReview userInfo.username) allowed to write kube-vgpu's internal pod annotations.
     trusted_usernames: frozenset[str] = DEFAULT_TRUSTED_USERNAMES

@@ -74,6 +74,10 @@ LD_SO_PRELOAD_MOUNT_PATH = "/etc/ld.so.preload"
 #: those), and modes that set LD_PRELOAD in the pod's env (the device plugin's env would lose to the pod's own).
 _HOST_PATH_MODES = (LimiterMode.LD_PRELOAD, LimiterMode.LD_SO_PRELOAD)
 _LD_PRELOAD_ENV_MODES = (LimiterMode.LD_PRELOAD, LimiterMode.DEVICE_PLUGIN)
+#: Modes that load the library from the node (a hostPath volume, or the device plugin's mount): their pods require
+#: the node label saying it is installed there (mode none: the cluster provides the limiter its own way).
+_NODE_LIBRARY_MODES = (LimiterMode.LD_PRELOAD, LimiterMode.LD_SO_PRELOAD, LimiterMode.DEVICE_PLUGIN)
+_REQUIRED_AFFINITY = "requiredDuringSchedulingIgnoredDuringExecution"
 #: NVIDIA_VISIBLE_DEVICES value for which the NVIDIA container runtime adds no GPU (and no driver files).
 NO_DEVICES = "void"
 
@@ -481,7 +485,44 @@ def mutate_gpu_pod(pod: dict[str, Any], request: PodGpuRequest, config: WebhookC
             if (key, index) not in with_gpus:
                 _patch_no_devices(ops, warnings, container, ("spec", key, index))
     _patch_volumes(ops, warnings, spec, _desired_volumes(config))
+    if any(gpu.mig_profile is None for _key, _index, _container, gpu in gpu_containers):
+        _patch_limiter_affinity(ops, spec, config)
     return decision
+
+
+def _patch_limiter_affinity(ops: list[dict[str, Any]], spec: dict[str, Any], config: WebhookConfig) -> None:
+    """A required node affinity on the limiter label: the pod is placed only where the device plugin found the
+    installed limiter intact, instead of starting without limits or failing on a missing file (the hostPath's
+    `type: File` stays as the second line of defence). nodeSelectorTerms are ORed, so every term gets the
+    requirement; an empty term matches no node and is left so. MIG-only pods load no limiter and get none."""
+    if not config.limiter_node_label or config.limiter_mode not in _NODE_LIBRARY_MODES:
+        return
+    requirement = {"key": config.limiter_node_label, "operator": "Exists"}
+    only_ours = {"nodeSelectorTerms": [{"matchExpressions": [requirement]}]}
+    affinity = spec.get("affinity")
+    if not affinity:
+        _set(ops, spec, "affinity", "/spec/affinity", {"nodeAffinity": {_REQUIRED_AFFINITY: only_ours}})
+        return
+    node_affinity = affinity.get("nodeAffinity")
+    if not node_affinity:
+        _set(ops, affinity, "nodeAffinity", "/spec/affinity/nodeAffinity", {_REQUIRED_AFFINITY: only_ours})
+        return
+    required = node_affinity.get(_REQUIRED_AFFINITY)
+    terms: list[dict[str, Any]] = (required or {}).get("nodeSelectorTerms") or []
+    if not terms:  # none (the API server refuses a required affinity without terms): ours alone
+        _set(ops, node_affinity, _REQUIRED_AFFINITY, _pointer("spec", "affinity", "nodeAffinity", _REQUIRED_AFFINITY),
+             {**(required or {}), **only_ours})
+        return
+    new_terms = []
+    for term in terms:
+        expressions = term.get("matchExpressions") or []
+        if requirement in expressions or not (expressions or term.get("matchFields")):
+            new_terms.append(term)
+        else:
+            new_terms.append({**term, "matchExpressions": [*expressions, requirement]})
+    if new_terms != terms:
+        path = _pointer("spec", "affinity", "nodeAffinity", _REQUIRED_AFFINITY, "nodeSelectorTerms")
+        ops.append({"op": "replace", "path": path, "value": new_terms})
 
 
 #: Gang declarations of other systems that kube-vgpu does not read (yet): said, not silently ignored.

@@ -6,7 +6,8 @@ without calling any webhook, as plain dicts; manifests/base/admission holds them
    node named by its token (the `authentication.kubernetes.io/node-name` claim that the kubelet-projected token of
    a DaemonSet pod carries since Kubernetes 1.30, or a TokenRequest bound to the Node), and to the keys it writes:
    on pods bound to that node only the gpu-allocation annotation (Allocate); on that Node only the inventory and
-   heartbeat annotations and the GPU labels (the publisher). A token without the claim is refused outright.
+   heartbeat annotations, the GPU labels and the limiter label (the publisher). A token without the claim is
+   refused outright.
 2. kube-vgpu-pod-annotations: kube-vgpu.io/ pod annotations are written only by kube-vgpu's components (the
    extender at bind, the device plugin in Allocate, the webhook's admission mark at creation). The webhook refuses
    them from anyone else, but only in the namespaces it sees and only while it runs. This policy refuses, from
@@ -31,6 +32,7 @@ from kube_vgpu.protocol import (
     LABEL_GPU_MEMORY_MIB,
     LABEL_GPU_PRODUCT,
     LABEL_KUEUE_QUEUE_NAME,
+    LABEL_LIMITER,
     NODE_HEARTBEAT_ANNOTATION,
     NODE_INVENTORY_ANNOTATION,
     POD_ALLOCATION_ANNOTATION,
@@ -50,9 +52,10 @@ NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
 #: The only pod annotation the device plugin writes (Allocate's claim, deviceplugin/allocate.py).
 DEVICE_PLUGIN_POD_ANNOTATIONS = (POD_ALLOCATION_ANNOTATION,)
 #: What the device plugin's publisher writes on its Node (deviceplugin/publisher.py: inventory_annotations and
-#: OWNED_LABELS); nothing else on the Node may change under its identity.
+#: OWNED_LABELS, and the limiter label it sets while the installed limiter is intact); nothing else on the Node may
+#: change under its identity.
 DEVICE_PLUGIN_NODE_ANNOTATIONS = (NODE_INVENTORY_ANNOTATION, NODE_HEARTBEAT_ANNOTATION)
-DEVICE_PLUGIN_NODE_LABELS = (LABEL_GPU_PRODUCT, LABEL_GPU_COUNT, LABEL_GPU_MEMORY_MIB)
+DEVICE_PLUGIN_NODE_LABELS = (LABEL_GPU_PRODUCT, LABEL_GPU_COUNT, LABEL_GPU_MEMORY_MIB, LABEL_LIMITER)
 
 _LABELS = {"app.kubernetes.io/name": "kube-vgpu", "app.kubernetes.io/component": "admission-policy"}
 

@@ -90,7 +90,6 @@ def _values() -> list[Value]:
     quota_modes = [str(choice) for action in extender._actions if "--quota-mode" in action.option_strings
                    for choice in action.choices or ()]
     pull_policy = {"type": "string", "enum": ["", "Always", "IfNotPresent", "Never"]}
-    path = {"type": "string", "pattern": r"^/[^\s'\"]+$"}
     cidrs = {"type": "array", "items": {"type": "string", "pattern": r"^[0-9a-fA-F:.]+/[0-9]+$"}}
     return [
         Value("image.repository", "the kube-vgpu image (every component runs it)", {"type": "string", "minLength": 1}),
@@ -126,7 +125,11 @@ def _values() -> list[Value]:
         Value("limiter.mode", "webhook --limiter-mode: how GPU containers load the limiter; device-plugin: the device"
               " plugin mounts the library (no hostPath in tenants' pods), else the device plugin mounts nothing",
               _choices([mode.value for mode in LimiterMode])),
-        Value("limiter.libraryPath", "the limiter library (HAMi-core's libvgpu.so) on every GPU node", path),
+        Value("limiter.libraryPath", "the limiter library (HAMi-core's libvgpu.so) on every GPU node; the device"
+              " plugin's init container installs it in this directory (the name must stay libvgpu.so)",
+              {"type": "string", "pattern": r"^/[^\s'\"]*/libvgpu\.so$"}),
+        Value("limiter.keep", "limiter versions kept on each node for a rollback besides the current one"
+              " (`kube-vgpu limiter install --keep`)", {"type": "integer", "minimum": 0}),
         Value("devicePlugin.sharingCount", "vGPU slots per physical GPU (device plugin --sharing-count)",
               {"type": "integer", "minimum": 1}),
         Value("devicePlugin.runtimeClassName", "e.g. nvidia, where the NVIDIA runtime is not the nodes' default",
@@ -265,6 +268,11 @@ def _value_flag(t: Templater, flag: str, path: str) -> Callable[[str], str]:
     return expression
 
 
+def _directory_flag(flag: str) -> Callable[[str], str]:
+    """`flag=<the directory of limiter.libraryPath>`."""
+    return lambda _default: _printf_flag(flag, "(dir .Values.limiter.libraryPath)")
+
+
 def _printf_flag(flag: str, value: str, verb: str = "%s") -> str:
     return f'printf "{flag}={verb}" {value} | quote'
 
@@ -332,6 +340,17 @@ def _edit_device_plugin(t: Templater, obj: Object) -> None:
     if len(volumes) != 1 or len(mounts) != 1 or mounts[0]["name"] != volumes[0]["name"]:
         raise ChartError(f"the device plugin should mount the host's {directory} at the same path, once")
     volumes[0]["hostPath"]["path"] = mounts[0]["mountPath"] = t.action("dir .Values.limiter.libraryPath | quote")
+    # the init container installing the library there (deviceplugin/limiter_install.py), and the plugin checking it
+    install = _container(obj, "limiter-install")
+    install_mounts = [m for m in install["volumeMounts"] if m["name"] == volumes[0]["name"]]
+    if len(install_mounts) != 1 or install_mounts[0]["mountPath"] != directory:
+        raise ChartError(f"the limiter-install init container should mount the host's {directory} at the same path")
+    install_mounts[0]["mountPath"] = t.action("dir .Values.limiter.libraryPath | quote")
+    for container, flag in ((install, "--host-dir"), (plugin, "--limiter-dir")):
+        if _flag(t, container, flag, _directory_flag(flag)) != directory:
+            raise ChartError(f"container {container['name']}: {flag} should be {directory}")
+    _flag(t, install, "--keep", lambda default: _printf_flag(
+        "--keep", f"(int {t.value('limiter.keep', int(default))})", "%d"))
     t.optional(pod, "runtimeClassName", "devicePlugin.runtimeClassName", "", body="scalar")
     t.optional(pod, "nodeSelector", "devicePlugin.nodeSelector", {})
     for key in ("tolerations", "affinity"):

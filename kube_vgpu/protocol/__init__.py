@@ -80,6 +80,12 @@ UNSUPPORTED_HAMI_POLICIES = {
 LABEL_GPU_PRODUCT = "nvidia.com/gpu.product"
 LABEL_GPU_COUNT = "nvidia.com/gpu.count"
 LABEL_GPU_MEMORY_MIB = "nvidia.com/gpu.memory"
+#: Node label set by the device plugin while the limiter library installed on the node (`kube-vgpu limiter install`)
+#: is present and intact; value: its version directory (<version>-<sha256[:12]>). The webhook makes pods that load
+#: the limiter require it (node affinity), so none starts where the library is missing.
+LABEL_LIMITER = ANNOTATION_PREFIX + "limiter"
+#: Its value on simulated nodes (fake NVML, the dev cluster): they stand for nodes with the limiter installed.
+LIMITER_LABEL_SIMULATED = "simulated"
 
 # Environment variables read by the in-container limiter (HAMi-core's libvgpu.so).
 ENV_MEMORY_LIMIT_PREFIX = "CUDA_DEVICE_MEMORY_LIMIT_"  # + vGPU index; value "<MiB>m"

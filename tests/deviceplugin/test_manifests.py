@@ -70,3 +70,36 @@ def test_least_privilege() -> None:
     [account] = [d for d in documents() if d["kind"] == "ServiceAccount"]
     # the webhook's pod-UPDATE guard trusts exactly this identity
     assert (account["metadata"]["namespace"], account["metadata"]["name"]) == ("kube-vgpu", "kube-vgpu-device-plugin")
+
+
+def test_the_limiter_install_init_container() -> None:
+    """From the same image, into the directory the plugin (and the webhook's default path) reads, with the image's
+    contract paths; root for the root-owned host directory, nothing more."""
+    import argparse
+
+    from kube_vgpu.deviceplugin import limiter_cli, limiter_install
+    from kube_vgpu.protocol import DEFAULT_LIMITER_LIBRARY_PATH
+
+    template = daemonset()["spec"]["template"]["spec"]
+    [install] = template["initContainers"]
+    [plugin] = template["containers"]
+    assert install["image"] == plugin["image"]
+    parser = argparse.ArgumentParser()
+    limiter_cli.add_arguments(parser)
+    parsed = parser.parse_args(install["args"][1:])
+    assert (install["args"][0], parsed.limiter_command) == ("limiter", "install")
+    assert parsed.source_dir == limiter_install.DEFAULT_SOURCE_DIR
+    assert str(parsed.host_dir) == str(Path(DEFAULT_LIMITER_LIBRARY_PATH).parent) == "/usr/local/vgpu"
+    volumes = {v["name"]: v for v in template["volumes"]}
+    [mount] = install["volumeMounts"]
+    assert volumes[mount["name"]]["hostPath"] == {"path": str(parsed.host_dir), "type": "DirectoryOrCreate"}
+    assert mount["mountPath"] == str(parsed.host_dir) and not mount.get("readOnly")  # written; same path as the node
+    plugin_parser = argparse.ArgumentParser()
+    add_arguments(plugin_parser)
+    plugin_args = plugin_parser.parse_args(plugin["args"][1:])
+    assert plugin_args.limiter_dir == str(parsed.host_dir) and plugin_args.limiter_label == "kube-vgpu.io/limiter"
+    assert {m["name"]: m for m in plugin["volumeMounts"]}[mount["name"]]["readOnly"] is True
+    security = install["securityContext"]
+    assert security == {"runAsUser": 0, "runAsGroup": 0, "privileged": False, "allowPrivilegeEscalation": False,
+                        "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
+    assert install["resources"]["limits"]["memory"]

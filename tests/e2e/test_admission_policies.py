@@ -235,13 +235,18 @@ def test_the_device_plugin_publishes_only_its_own_node(dev_cluster: DevCluster, 
     publish = {"metadata": {
         "annotations": {protocol.NODE_INVENTORY_ANNOTATION: inventory,
                         protocol.NODE_HEARTBEAT_ANNOTATION: "2030-01-01T00:00:00Z"},
-        "labels": {protocol.LABEL_GPU_COUNT: "2", protocol.LABEL_GPU_PRODUCT: "Some-GPU"}}}
+        "labels": {protocol.LABEL_GPU_COUNT: "2", protocol.LABEL_GPU_PRODUCT: "Some-GPU",
+                   protocol.LABEL_LIMITER: "v2-0123456789ab"}}}
     plugin_a.patch_node(node_a, publish, _preload_content=False)
     node = read_node(dev_cluster, node_a)
     assert node["metadata"]["annotations"][protocol.NODE_HEARTBEAT_ANNOTATION] == "2030-01-01T00:00:00Z"
     assert node["metadata"]["labels"][protocol.LABEL_GPU_PRODUCT] == "Some-GPU"
     # a GPU label removed (the publisher removes its labels when the node has no GPU any more)
     plugin_a.patch_node(node_a, {"metadata": {"labels": {protocol.LABEL_GPU_MEMORY_MIB: None}}}, _preload_content=False)
+    # the limiter label removed (the installed library went missing or corrupt), and set back as installed
+    plugin_a.patch_node(node_a, {"metadata": {"labels": {protocol.LABEL_LIMITER: None}}}, _preload_content=False)
+    plugin_a.patch_node(node_a, {"metadata": {"labels": {protocol.LABEL_LIMITER: protocol.LIMITER_LABEL_SIMULATED}}},
+                        _preload_content=False)
 
     message = refusal(lambda: plugin_a.patch_node(node_b, publish, _preload_content=False))
     assert DEVICE_PLUGIN_NODES_POLICY in message and f"may update only that node, not {node_b}" in message

@@ -217,6 +217,11 @@ def library_path(path: str) -> Change:
         (volume,) = [v for v in pod["volumes"] if v["name"] == "limiter"]
         (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "limiter"]
         volume["hostPath"]["path"] = mount["mountPath"] = path.rpartition("/")[0]
+        # the init container installs the library there, and the plugin labels the node from there
+        (install_mount,) = [m for m in pod["initContainers"][0]["volumeMounts"] if m["name"] == "limiter"]
+        directory = install_mount["mountPath"] = path.rpartition("/")[0]
+        set_flag(objects, "DaemonSet", "kube-vgpu-device-plugin", "limiter-install", "--host-dir", directory)
+        set_flag(objects, "DaemonSet", "kube-vgpu-device-plugin", "device-plugin", "--limiter-dir", directory)
         return objects
     return change
 
@@ -275,6 +280,7 @@ CHANGES: list[tuple[str, Any, Change]] = [
     ("limiter.mode", "ld-preload", limiter_mode("ld-preload")),
     ("limiter.mode", "none", limiter_mode("none")),
     ("limiter.libraryPath", "/opt/hami/lib/libvgpu.so", library_path("/opt/hami/lib/libvgpu.so")),
+    ("limiter.keep", 1, flag("DaemonSet", "kube-vgpu-device-plugin", "limiter-install", "--keep", "1")),
     ("devicePlugin.sharingCount", 4,
      flag("DaemonSet", "kube-vgpu-device-plugin", "device-plugin", "--sharing-count", "4")),
     ("devicePlugin.runtimeClassName", "nvidia", pod_field("runtimeClassName", "nvidia")),
@@ -372,6 +378,9 @@ def _merge(left: dict[str, Any], right: dict[str, Any]) -> dict[str, Any]:
     ({"scheduler": {"nodePolicy": "first-fit"}}, "nodePolicy"),
     ({"limiter": {"mode": "ld-preload-please"}}, "mode"),
     ({"limiter": {"libraryPath": "libvgpu.so"}}, "libraryPath"),
+    # the installer's link is named libvgpu.so (deviceplugin/limiter_install.py)
+    ({"limiter": {"libraryPath": "/opt/hami/lib/libvgpu-custom.so"}}, "libraryPath"),
+    ({"limiter": {"keep": -1}}, "keep"),
     ({"devicePlugin": {"sharingCount": 0}}, "sharingCount"),
     ({"webhook": {"replicas": "two"}}, "replicas"),
     ({"certificates": {"mode": "letsencrypt"}}, "mode"),

@@ -149,7 +149,7 @@ def test_the_overlay_of_install_md_renders_and_its_patches_hit_the_flags_they_me
     objects = [o for o in yaml.safe_load_all(result.stdout) if o]
     images = {c["image"] for w in workloads(objects) for _, c in containers(w)}
     assert "registry.example.com/kube-vgpu:0.1.0" in images and not any(i.startswith("ghcr.io") for i in images)
-    [plugin] = [c for w in workloads(objects) if w["kind"] == "DaemonSet" for _, c in containers(w)]
+    [plugin] = [c for w in workloads(objects) if w["kind"] == "DaemonSet" for kind, c in containers(w) if kind == "app"]
     assert "--sharing-count=4" in plugin["args"] and not any(a.startswith("--sharing-count=10") for a in plugin["args"])
     build_parser(plugin["args"]).parse_args(plugin["args"])
 

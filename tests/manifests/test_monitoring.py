@@ -160,7 +160,7 @@ def test_every_pod_monitor_selects_one_workload_by_its_labels_and_a_port_it_name
     scheduler = one(installed, "Deployment", "kube-vgpu-scheduler")
     extender = next(c for _, c in containers(scheduler) if c["name"] == "extender")
     assert "--metrics-port=8889" in extender["args"] and {"name": "metrics", "containerPort": 8889} in extender["ports"]
-    plugin = next(c for _, c in containers(one(installed, "DaemonSet", "kube-vgpu-device-plugin")))
+    plugin = next(c for kind, c in containers(one(installed, "DaemonSet", "kube-vgpu-device-plugin")) if kind == "app")
     assert "--probe-address=:8081" in plugin["args"] and not any(a.startswith("--metrics-address")
                                                                  for a in plugin["args"])
     assert {"name": "probes", "containerPort": 8081} in plugin["ports"]

@@ -40,6 +40,10 @@ PRELOAD_VOLUME = {
 LD_PRELOAD = {"name": "LD_PRELOAD", "value": LIB}
 ADMITTED = "kube-vgpu.io/admitted"
 NO_DEVICES = {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}
+LIMITER_LABEL = "kube-vgpu.io/limiter"
+#: only on nodes where the device plugin found the installed limiter intact (every limiter mode but none)
+LIMITER_AFFINITY = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+    "nodeSelectorTerms": [{"matchExpressions": [{"key": LIMITER_LABEL, "operator": "Exists"}]}]}}}
 
 
 def env(name: str, value: str) -> dict[str, str]:
@@ -417,6 +421,8 @@ def test_patch_gives_exactly_the_expected_pod(case: Case) -> None:
     assert (outcome.http_status, outcome.result, response["allowed"]) == (200, Result.MUTATED, True)
     expected = copy.deepcopy(case.pod)
     case.edit(expected)
+    if case.config.limiter_mode is not LimiterMode.NONE:
+        expected["spec"]["affinity"] = LIMITER_AFFINITY
     # every GPU pod the webhook admits carries its mark (the extender and device plugin refuse pods without it)
     expected.setdefault("metadata", {}).setdefault("annotations", {})[ADMITTED] = "v1"
     assert apply_response(case.pod, response) == expected

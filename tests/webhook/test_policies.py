@@ -87,13 +87,14 @@ def test_the_device_plugin_may_write_exactly_the_keys_it_writes() -> None:
     # deviceplugin/publisher.py: the node annotations and labels it writes
     inventory = protocol.NodeInventory(gpus=())
     assert set(DEVICE_PLUGIN_NODE_ANNOTATIONS) == set(inventory_annotations(inventory, dt.datetime.now(dt.UTC)))
-    assert set(DEVICE_PLUGIN_NODE_LABELS) == set(OWNED_LABELS)
+    # the GPU labels, and the limiter label (set while the installed limiter is intact, deviceplugin/app.py)
+    assert set(DEVICE_PLUGIN_NODE_LABELS) == {*OWNED_LABELS, protocol.LABEL_LIMITER}
     pods = " ".join(v.get("messageExpression", "") + v["expression"]
                     for v in policies()[DEVICE_PLUGIN_PODS_POLICY]["spec"]["validations"])
     assert f"['{protocol.POD_ALLOCATION_ANNOTATION}']" in pods
     nodes = " ".join(v["expression"] for v in policies()[DEVICE_PLUGIN_NODES_POLICY]["spec"]["validations"])
     assert "variables.changedLabels.all(k, k in ['nvidia.com/gpu.product', 'nvidia.com/gpu.count', " \
-           "'nvidia.com/gpu.memory'])" in nodes
+           "'nvidia.com/gpu.memory', 'kube-vgpu.io/limiter'])" in nodes
     assert "variables.changedAnnotations.all(k, k in ['kube-vgpu.io/gpu-inventory', 'kube-vgpu.io/gpu-heartbeat'])" \
            in nodes
 

@@ -61,7 +61,7 @@ from kube_vgpu.dev.fixtures import node_object, synth_inventory
 from kube_vgpu.deviceplugin.discovery import discover
 from kube_vgpu.deviceplugin.fakenvml import FakeNvml, load_profile
 from kube_vgpu.deviceplugin.nvml import Nvml
-from kube_vgpu.protocol import NodeInventory
+from kube_vgpu.protocol import LABEL_LIMITER, LIMITER_LABEL_SIMULATED, NodeInventory
 
 STATE_VERSION = 1
 STATE_FILE = "state.json"
@@ -152,6 +152,9 @@ class NodeGroup:
     #: a fake NVML profile (deviceplugin.fakenvml, e.g. "a100-mig" for a static-MIG node) whose discovered inventory
     #: these nodes carry instead of the synthetic layout of gpus/model/memory_mib/topology
     fake_profile: str | None = None
+    #: the nodes stand for device plugins whose init container installed the limiter: they carry its label, which
+    #: the webhook's node affinity requires of pods that load it (False: a node where the install failed)
+    limiter_installed: bool = True
 
     def names(self) -> list[str]:
         return [f"{self.prefix}-{index}" for index in range(self.first_index, self.first_index + self.count)]
@@ -781,7 +784,8 @@ class DevCluster:
         core: Any = client.CoreV1Api(self.api)
         objects = []
         for name in group.names():
-            obj = node_object(name, group.inventory(name), extra_labels=dict(group.labels))
+            limiter = {LABEL_LIMITER: LIMITER_LABEL_SIMULATED} if group.limiter_installed else {}
+            obj = node_object(name, group.inventory(name), extra_labels={**limiter, **dict(group.labels)})
             if self.options.lifecycle and group.kwok:  # KWOK plays its kubelet (it never writes node metadata)
                 obj["metadata"].setdefault("annotations", {})[lifecycle_module.NODE_ANNOTATION] = (
                     lifecycle_module.NODE_ANNOTATION_VALUE
