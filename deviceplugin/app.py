@@ -18,11 +18,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from kube_vgpu import protocol
 from kube_vgpu.deviceplugin.allocate import Allocator, DeliveryConfig
 from kube_vgpu.deviceplugin.discovery import Discovery, discover
+from kube_vgpu.deviceplugin.dynmig import DynamicMig, DynamicMigConfig, mark_dynamic
 from kube_vgpu.deviceplugin.foreign import DeviceHolders, ForeignPodMonitor
 from kube_vgpu.deviceplugin.health import APPLICATION_XIDS, HealthMonitor
-from kube_vgpu.deviceplugin.kube import NodeClient, PodSource
+from kube_vgpu.deviceplugin.kube import ApiUnavailable, NodeClient, PodSource
 from kube_vgpu.deviceplugin.metrics import DevicePluginCollector
-from kube_vgpu.deviceplugin.nvml import Nvml
+from kube_vgpu.deviceplugin.nvml import Nvml, NVMLError
 from kube_vgpu.deviceplugin.publisher import DEFAULT_HEARTBEAT_SECONDS, Publisher
 from kube_vgpu.deviceplugin.server import (
     DEFAULT_KUBELET_DIR,
@@ -62,6 +63,9 @@ class PluginConfig:
     metrics_address: str = ""
     #: kubelet's pods directory, where the webhook's cache emptyDirs are read for container usage ("" = not read)
     kubelet_pods_dir: str = ""
+    #: dynamic MIG (issue 16 item 2): which GPUs the plugin partitions itself, with the profile allowlist per model
+    #: (None = off)
+    dynamic_mig: DynamicMigConfig | None = None
 
 
 class DevicePluginApp:
@@ -83,8 +87,16 @@ class DevicePluginApp:
         self.discovery: Discovery = discover(
             nvml, sharing_count=config.sharing_count, sysfs_root=Path(config.sysfs_root)
         )
+        self.dynamic_mig: DynamicMig | None = None
+        if config.dynamic_mig is not None:
+            self.discovery.inventory = mark_dynamic(self.discovery.inventory, config.dynamic_mig,
+                                                    self._mig_capable())
         self.state = DeviceState(self.discovery.inventory)
         self.allocator = Allocator(config.node_name, cluster, self.state, config.delivery)
+        if config.dynamic_mig is not None and self.state.dynamic_gpus():
+            self.dynamic_mig = DynamicMig(nvml, self.discovery.handles, self.state.dynamic_gpus(),
+                                          self.state.set_dynamic_instances, config.dynamic_mig.grace_seconds)
+            self.allocator.dynamic = self.dynamic_mig
         self.servicer = DevicePluginServicer(self.state, self.allocator, self.stop_event)
         self.server = PluginServer(
             config.kubelet_dir, self.servicer, socket_name=config.socket_name, poll_seconds=config.kubelet_poll_seconds
@@ -130,8 +142,31 @@ class DevicePluginApp:
                 cluster,
                 self.state,
                 heartbeat_seconds=config.heartbeat_seconds,
-                before_publish=[self.foreign.scan],
+                before_publish=[self.foreign.scan, self.reconcile_dynamic_mig],
             )
+
+    def _mig_capable(self) -> list[int]:
+        """Indexes of the GPUs that answer NVML's MIG mode query (the others are NotSupported)."""
+        capable = []
+        for gpu in self.discovery.inventory.gpus:
+            handle = self.discovery.handles.get(gpu.uuid)
+            try:
+                if handle is not None:
+                    self.nvml.mig_enabled(handle)
+                    capable.append(gpu.index)
+            except NVMLError:
+                continue
+        return capable
+
+    def reconcile_dynamic_mig(self) -> None:
+        """Destroy the dynamic MIG instances no live pod names (each heartbeat, before publishing)."""
+        if self.dynamic_mig is None or self.cluster is None:
+            return
+        cluster = self.cluster
+        try:
+            self.dynamic_mig.reconcile(lambda: cluster.list_node_pods(self.config.node_name), self.config.node_name)
+        except ApiUnavailable as exc:  # nothing is destroyed without knowing which pods live
+            log.warning("dynamic MIG reconcile skipped: %s", exc)
 
     def _thread(self, name: str, target: Any) -> None:
         thread = threading.Thread(target=target, args=(self.stop_event,), name=name, daemon=True)

@@ -223,6 +223,19 @@ class MigDevice:
 
 
 @dataclass(frozen=True, slots=True)
+class DynamicMig:
+    """Dynamic MIG (issue 16 item 2): the operator lets kube-vgpu partition this GPU itself. The extender chooses
+    (profile, start slot) per pod among `profiles`; the device plugin creates the instance before Allocate answers
+    and destroys it when its pod is gone. `instances` are the MIG devices that exist now (the GPU is in MIG mode
+    exactly while it has any); they are listed here and never in GpuInfo.mig_devices, so a reader that does not
+    know dynamic MIG sees a GPU in MIG mode without devices and never places a pod on one of them."""
+
+    model: str  # protocol.mig.MigModel.key, e.g. "A100-40GB"; a reader that does not know it leaves the GPU alone
+    profiles: tuple[str, ...]  # the operator's allowlist for this model, e.g. ("1g.10gb", "3g.40gb")
+    instances: tuple[MigDevice, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class GpuInfo:
     uuid: str
     index: int
@@ -243,6 +256,8 @@ class GpuInfo:
     #: inventories without MIG stay byte-identical to earlier v1 producers, and an older reader, which ignores the
     #: field, keeps never using a GPU in MIG mode.
     mig_devices: tuple[MigDevice, ...] = ()
+    #: Dynamic MIG (issue 16 item 2): set on a GPU the operator marked for it; encoded only when set ("migDynamic").
+    dynamic_mig: DynamicMig | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,11 +316,21 @@ def encode_inventory(inventory: NodeInventory) -> str:
                 **({"migDevices": [[m.uuid, m.profile, m.gpu_instance, m.compute_instance, m.memory_mib,
                                     m.multiprocessors, m.start, m.size] for m in gpu.mig_devices]}
                    if gpu.mig_devices else {}),
+                **({"migDynamic": _encode_dynamic_mig(gpu.dynamic_mig)} if gpu.dynamic_mig is not None else {}),
             }
             for gpu in inventory.gpus
         ],
     }
     return orjson.dumps(doc).decode()
+
+
+def _encode_mig_device(m: MigDevice) -> list[Any]:
+    return [m.uuid, m.profile, m.gpu_instance, m.compute_instance, m.memory_mib, m.multiprocessors, m.start, m.size]
+
+
+def _encode_dynamic_mig(dynamic: DynamicMig) -> dict[str, Any]:
+    return {"model": dynamic.model, "profiles": list(dynamic.profiles),
+            "instances": [_encode_mig_device(m) for m in dynamic.instances]}
 
 
 def _require(doc: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
@@ -389,6 +414,11 @@ def decode_inventory(text: str) -> NodeInventory:  # noqa: C901
             raise ProtocolError(f"{where}: memoryMiB, cores and maxShares must be positive")
         mig_mode = _require(raw, "mig", bool, where)
         mig_devices = _decode_mig_devices(raw.get("migDevices", []), where, mig_mode, memory_mib, seen_uuids)
+        dynamic_mig = None
+        if "migDynamic" in raw:
+            dynamic_mig = _decode_dynamic_mig(raw["migDynamic"], where, mig_mode, memory_mib, seen_uuids)
+            if dynamic_mig.instances and mig_devices:
+                raise ProtocolError(f"{where}: a dynamic MIG GPU lists its instances under migDynamic, not migDevices")
         gpus.append(
             GpuInfo(
                 uuid=uuid,
@@ -404,6 +434,7 @@ def decode_inventory(text: str) -> NodeInventory:  # noqa: C901
                 links=tuple(links),
                 external_pods=tuple(external),
                 mig_devices=mig_devices,
+                dynamic_mig=dynamic_mig,
             )
         )
     for position, gpu in enumerate(gpus):
@@ -419,6 +450,24 @@ def decode_inventory(text: str) -> NodeInventory:  # noqa: C901
 _MIG_SLOTS = 8
 #: NVML numbers GPU and compute instances below this
 _MAX_MIG_INSTANCE_ID = 1023
+
+
+def _decode_dynamic_mig(
+    raw: Any, where: str, mig_mode: bool, gpu_memory_mib: int, seen_uuids: set[str]
+) -> DynamicMig:
+    """A GPU's "migDynamic": {"model", "profiles", "instances"}. Keys this reader does not know are ignored (a newer
+    device plugin may add some); a model or profile it does not know is kept and left unused by the engine."""
+    where = f"{where} migDynamic"
+    if not isinstance(raw, dict):
+        raise ProtocolError(f"{where}: must be an object")
+    model = _require(raw, "model", str, where)
+    profiles = _require(raw, "profiles", list, where)
+    for profile in profiles:
+        if not isinstance(profile, str) or not re.fullmatch(r"[1-7]g\.[0-9]+gb(\+me)?", profile):
+            raise ProtocolError(f"{where}: profile {profile!r} is not a MIG profile name like 3g.20gb")
+    instances = _decode_mig_devices(raw.get("instances", []), f"{where} instances", mig_mode, gpu_memory_mib,
+                                    seen_uuids)
+    return DynamicMig(model, tuple(profiles), instances)
 
 
 def _decode_mig_devices(
@@ -537,6 +586,37 @@ class PodAssignment:
     def phases(self) -> tuple[tuple[ContainerAssignment, ...], ...]:
         """The containers that hold their devices at the same moment (see container_phases)."""
         return container_phases(self.containers)
+
+
+#: Dynamic MIG: an assignment names a MIG instance that does not exist yet by this device name, built from the
+#: GPU's UUID, the profile and the start slot the extender chose ("dynmig/GPU-.../1g.10gb@3"). The device plugin
+#: creates that instance before Allocate answers and hands the container the new MIG device's UUID. A device name,
+#: not a new assignment field, so quota, state and every reader that counts a pod's devices keep working unchanged.
+DYNAMIC_MIG_DEVICE_PREFIX = "dynmig/"
+
+
+@dataclass(frozen=True, slots=True)
+class DynamicMigPlacement:
+    gpu_uuid: str
+    profile: str
+    start: int
+
+    @property
+    def device(self) -> str:
+        return f"{DYNAMIC_MIG_DEVICE_PREFIX}{self.gpu_uuid}/{self.profile}@{self.start}"
+
+
+def parse_dynamic_mig_device(device: str) -> DynamicMigPlacement | None:
+    """The placement a dynamic MIG device name stands for; None for any other device (a GPU or MIG UUID)."""
+    if not device.startswith(DYNAMIC_MIG_DEVICE_PREFIX):
+        return None
+    gpu_uuid, _, rest = device[len(DYNAMIC_MIG_DEVICE_PREFIX):].rpartition("/")
+    profile, _, start = rest.partition("@")
+    if not gpu_uuid or not re.fullmatch(r"[1-7]g\.[0-9]+gb", profile) or not start.isdigit():
+        return None
+    if int(start) >= _MIG_SLOTS:
+        return None
+    return DynamicMigPlacement(gpu_uuid, profile, int(start))
 
 
 def encode_assignment(assignment: PodAssignment) -> str:
