@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kube_vgpu.extender.engine.dynmig import choose_dynamic_mig, has_dynamic_mig
 from kube_vgpu.extender.engine.mig import choose_mig_devices
 from kube_vgpu.extender.engine.model import (
     ContainerPlacement,
@@ -128,8 +129,22 @@ def _place_container(
 def _place_mig_container(
     node: NodeState, request: PlacementRequest, container: ContainerGpuRequest, scratch: Scratch
 ) -> list[tuple[int, int, int]] | FitFailure:
-    """Static MIG: `container.count` free MIG devices of its profile (engine/mig.py chooses), each held whole."""
+    """Static MIG: `container.count` free MIG devices of its profile (engine/mig.py chooses), each held whole;
+    failing that, new instances on the node's dynamic MIG GPUs (engine/dynmig.py chooses where)."""
     chosen = choose_mig_devices(node, container, request.gpu.selectors, scratch)
+    assert container.mig_profile is not None
+    if isinstance(chosen, FitFailure) and has_dynamic_mig(node):
+        dynamic = choose_dynamic_mig(node, container, request.gpu.selectors, scratch)
+        if isinstance(dynamic, FitFailure):
+            # static devices of the profile exist but are busy: both reasons; none: the dynamic one alone
+            if node.mig_devices:
+                reason = f"{chosen.reason}; {dynamic.reason}"
+                dynamic = FitFailure(reason, chosen.unresolvable and dynamic.unresolvable, "mig")
+            return FitFailure(f"container {container.name}: {dynamic.reason}", dynamic.unresolvable, dynamic.code)
+        chosen = dynamic
+        for device in chosen:  # the GPU becomes a MIG GPU: this pod's vGPU containers stay off it too
+            assert device.mig_parent is not None
+            scratch.exclusive[device.mig_parent] = True
     if isinstance(chosen, FitFailure):
         return FitFailure(f"container {container.name}: {chosen.reason}", chosen.unresolvable, chosen.code)
     devices = []

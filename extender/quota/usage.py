@@ -134,8 +134,8 @@ def request_usage_on(request: PodGpuRequest, node: NodeState) -> dict[str, int]:
         for container in phase:
             if container.mig_profile is not None:
                 # a MIG device counts as one GPU with its memory and its whole compute, as its assignment will
-                per_memory = max((d.memory_mib for d in node.mig_devices if d.mig_profile == container.mig_profile),
-                                 default=0)
+                per_memory = max((d.memory_mib for d in (*node.mig_devices, *node.dynamic_mig_devices)
+                                  if d.mig_profile == container.mig_profile), default=0)
                 count += container.count
                 memory_mib += container.count * per_memory
                 cores += container.count * protocol.CORES_PER_GPU
