@@ -79,7 +79,7 @@ def parse_gpus(text: str) -> frozenset[int] | None:
 class DynamicMigConfig:
     profiles: Mapping[str, tuple[str, ...]]  # model key -> allowlist
     gpus: frozenset[int] | None = None  # GPU indexes; None = all of an allowlisted model
-    grace_seconds: float = 30.0
+    grace_seconds: float = 10.0
 
 
 def mark_dynamic(inventory: NodeInventory, config: DynamicMigConfig, mig_capable: Iterable[int]) -> NodeInventory:
@@ -128,7 +128,7 @@ class DynamicMig:
     (MIG mode, instances) after every change, so the published inventory follows."""
 
     def __init__(self, nvml: Nvml, handles: Mapping[str, Any], gpus: Iterable[GpuInfo],
-                 on_change: Callable[[str, bool, tuple[MigDevice, ...]], object], grace_seconds: float = 30.0,
+                 on_change: Callable[[str, bool, tuple[MigDevice, ...]], object], grace_seconds: float = 10.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.nvml = nvml
         self.handles = dict(handles)  # GPU UUID -> NVML handle

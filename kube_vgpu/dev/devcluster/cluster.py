@@ -152,6 +152,9 @@ class NodeGroup:
     #: a fake NVML profile (deviceplugin.fakenvml, e.g. "a100-mig" for a static-MIG node) whose discovered inventory
     #: these nodes carry instead of the synthetic layout of gpus/model/memory_mib/topology
     fake_profile: str | None = None
+    #: dynamic MIG: the device plugin's --dynamic-mig and --dynamic-mig-profiles values for these nodes (with a
+    #: fake_profile of MIG-capable GPUs, e.g. ("0", "H100-80GB=1g.10gb,3g.40gb") with "h100-mig-capable")
+    dynamic_mig: tuple[str, str] | None = None
 
     def names(self) -> list[str]:
         return [f"{self.prefix}-{index}" for index in range(self.first_index, self.first_index + self.count)]
@@ -160,7 +163,14 @@ class NodeGroup:
         """The inventory node `name` of this group publishes (the device plugin's own discovery on fake NVML)."""
         if self.fake_profile is None:
             return synth_inventory(name, self.gpus, self.model, self.memory_mib, self.topology)
-        return discover(Nvml(FakeNvml(load_profile(self.fake_profile, name)))).inventory
+        nvml = Nvml(FakeNvml(load_profile(self.fake_profile, name)))
+        inventory = discover(nvml).inventory
+        if self.dynamic_mig is None:
+            return inventory
+        from kube_vgpu.deviceplugin.dynmig import DynamicMigConfig, mark_dynamic, parse_gpus, parse_profiles
+
+        config = DynamicMigConfig(parse_profiles(self.dynamic_mig[1]), parse_gpus(self.dynamic_mig[0]))
+        return mark_dynamic(inventory, config, [g.index for g in inventory.gpus])
 
 
 @dataclass(frozen=True)
