@@ -370,11 +370,11 @@ class Allocator:
         )
 
     def _wrong_kind(self, uuid: str, resource: str) -> bool:
-        """A device `resource`'s plugin must not hand over: a MIG device on nvidia.com/gpu, on a MIG resource
-        anything but a MIG device of its profile."""
+        """A device `resource`'s plugin must not hand over: a static MIG device on nvidia.com/gpu, on a MIG
+        resource anything but a MIG device of its profile."""
         mig = self.state.mig_device(uuid)
-        if resource == protocol.RESOURCE_GPU:
-            return mig is not None
+        if resource == protocol.RESOURCE_GPU:  # a vgpu-mode: mig pod asks nvidia.com/gpu for a dynamic instance
+            return mig is not None and protocol.parse_dynamic_mig_device(uuid) is None
         return mig is None or protocol.MIG_RESOURCE_PREFIX + mig[1].profile != resource
 
     def _release(self, claimed: Candidate) -> None:

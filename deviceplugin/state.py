@@ -201,8 +201,9 @@ class DeviceState:
 
     def advertised(self, resource: str = RESOURCE_GPU) -> list[AdvertisedDevice]:
         """Device IDs for kubelet, of one resource. nvidia.com/gpu: "<uuid>::<n>" per vGPU slot of each GPU not in
-        MIG mode (the limiter cannot share a GPU in MIG mode). nvidia.com/mig-<profile>: one ID per MIG device of
-        that profile, its UUID, as healthy as its GPU."""
+        MIG mode (the limiter cannot share a GPU in MIG mode) and of each dynamic MIG GPU. nvidia.com/mig-<profile>:
+        one ID per MIG device of that profile, its UUID, as healthy as its GPU, and one per legal placement of the
+        profile on each dynamic GPU allowing it."""
         with self._changed:
             unhealthy = set(self._unhealthy)
             current = [self._dynamic.get(gpu.uuid, gpu) for gpu in self._base.gpus]
@@ -225,9 +226,11 @@ class DeviceState:
                     name = DynamicMigPlacement(gpu.uuid, profile, start).device
                     dynamic.append(AdvertisedDevice(name, name, gpu.uuid not in unhealthy, gpu.numa_node))
             return static + dynamic
+        # a dynamic GPU keeps its vGPU slots in MIG mode too: vgpu-mode: mig pods ask nvidia.com/gpu for their
+        # instances, and kubelet only counts (the extender decides what each pod gets)
         return [
             AdvertisedDevice(device_id(gpu.uuid, replica), gpu.uuid, gpu.uuid not in unhealthy, gpu.numa_node)
             for gpu in current
-            if not gpu.mig_mode
+            if not gpu.mig_mode or gpu.dynamic_mig is not None
             for replica in range(gpu.max_vgpus)
         ]

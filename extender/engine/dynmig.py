@@ -20,16 +20,40 @@ from __future__ import annotations
 from functools import cache
 
 from kube_vgpu.extender.engine.mig_layout import FragAware, ProfileMix
-from kube_vgpu.extender.engine.model import FitFailure, GpuState, NodeState
+from kube_vgpu.extender.engine.model import DynamicGpu, FitFailure, GpuState, NodeState
 from kube_vgpu.extender.engine.policies.base import Scratch
 from kube_vgpu.protocol import ContainerGpuRequest, GpuSelectors
-from kube_vgpu.protocol.mig import MIG_MEMORY_SLOTS, MigModel
+from kube_vgpu.protocol.mig import MIG_MEMORY_SLOTS, MigModel, MigProfile
 
 
 @cache
 def _policy(model: MigModel, profiles: tuple[str, ...]) -> FragAware:
     """One frag policy per (model, allowlist); it never observes, so its answers depend on the masks alone."""
     return FragAware(ProfileMix(model, profiles))
+
+
+def smallest_profile(dynamic: DynamicGpu, memory_mib: int) -> MigProfile | None:
+    """vgpu-mode: mig: the allowed profile with at least `memory_mib` and the least memory (then compute)."""
+    fitting = [p for p in dynamic.profiles if p.memory_mib >= memory_mib]
+    return min(fitting, key=lambda p: (p.memory_mib, p.compute_slices)) if fitting else None
+
+
+def profile_for_memory(node: NodeState, memory_mib: int) -> str | FitFailure:
+    """vgpu-mode: mig: the profile a container asking `memory_mib` gets on this node: the smallest fitting one of
+    the first dynamic GPU model (in GPU order) that allows one. Profile names differ by model, so the node, not
+    the pod, names it."""
+    allowed: list[str] = []
+    for gpu in node.gpus:
+        if gpu.dynamic_mig is None:
+            continue
+        profile = smallest_profile(gpu.dynamic_mig, memory_mib)
+        if profile is not None:
+            return profile.name
+        allowed += [f"{p.name} ({p.memory_mib} MiB)" for p in gpu.dynamic_mig.profiles if p.name not in allowed]
+    if not allowed:
+        return FitFailure("vgpu-mode mig: no dynamic MIG GPU on this node", unresolvable=True, code="mig")
+    return FitFailure(f"vgpu-mode mig: no allowed MIG profile has {memory_mib} MiB (allowed here: "
+                      f"{', '.join(dict.fromkeys(allowed))})", unresolvable=True, code="mig")
 
 
 def has_dynamic_mig(node: NodeState) -> bool:

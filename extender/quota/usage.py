@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kube_vgpu import kubeapi, protocol
+from kube_vgpu.extender.engine.dynmig import smallest_profile
 from kube_vgpu.extender.engine.fit import gpu_eligible
 from kube_vgpu.extender.engine.model import NodeState
 from kube_vgpu.extender.quota.accounting import FlavorResource
@@ -132,10 +133,15 @@ def request_usage_on(request: PodGpuRequest, node: NodeState) -> dict[str, int]:
     for phase in request.phases:
         count = memory_mib = cores = charged_cores = 0
         for container in phase:
-            if container.mig_profile is not None:
+            if container.mig:
                 # a MIG device counts as one GPU with its memory and its whole compute, as its assignment will
-                per_memory = max((d.memory_mib for d in (*node.mig_devices, *node.dynamic_mig_devices)
-                                  if d.mig_profile == container.mig_profile), default=0)
+                if container.mig_memory_mib is not None:  # vgpu-mode mig: the largest profile a node's model picks
+                    per_memory = max((p.memory_mib for g in node.gpus if g.dynamic_mig is not None
+                                      if (p := smallest_profile(g.dynamic_mig, container.mig_memory_mib))),
+                                     default=container.mig_memory_mib)
+                else:
+                    per_memory = max((d.memory_mib for d in (*node.mig_devices, *node.dynamic_mig_devices)
+                                      if d.mig_profile == container.mig_profile), default=0)
                 count += container.count
                 memory_mib += container.count * per_memory
                 cores += container.count * protocol.CORES_PER_GPU
@@ -174,7 +180,7 @@ DECLARED_BY = {
 def named_gpu_resources(request: PodGpuRequest) -> list[str]:
     """The GPU resources the pod's containers name (what Kueue reads from the pod spec), in DECLARED_BY order."""
     containers = [c for c in request.containers if c.count > 0]
-    shares = [c for c in containers if c.mig_profile is None]  # a MIG container names its device as one GPU only
+    shares = [c for c in containers if not c.mig]  # a MIG container names its device as one GPU only
     named = {
         protocol.RESOURCE_GPU: bool(containers),
         protocol.RESOURCE_GPU_MEMORY: any(c.memory_mib is not None for c in shares),

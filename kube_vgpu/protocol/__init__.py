@@ -10,6 +10,7 @@ two producers describing the same hardware emit byte-identical annotations.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import re
 from collections.abc import Iterable, Mapping
@@ -63,6 +64,8 @@ ANNOTATION_NODE_POLICY = "hami.io/node-scheduler-policy"
 #: HAMi's per-pod sharing mode: "hami-core" (the in-container limiter, what kube-vgpu does), "mig", "mps".
 ANNOTATION_VGPU_MODE = "nvidia.com/vgpu-mode"
 VGPU_MODE_HAMI_CORE = "hami-core"
+#: dynamic MIG (issue 16 item 2): each vGPU a new MIG instance of the smallest allowed profile with its gpumem
+VGPU_MODE_MIG = "mig"
 
 #: The placement policies of the extender's registry (extender/engine/policies/registry.py; a test keeps the two
 #: equal), for the webhook, which must refuse a name the extender would not know without importing the extender.
@@ -833,6 +836,14 @@ class ContainerGpuRequest:
     #: static MIG: the container asks for `count` MIG devices of this profile (nvidia.com/mig-<profile>), each held
     #: whole (cores is CORES_PER_GPU, memory the device's); None for vGPUs
     mig_profile: str | None = None
+    #: HAMi's nvidia.com/vgpu-mode: mig (dynamic MIG by memory): each of `count` vGPUs is a new MIG instance of the
+    #: smallest profile a dynamic MIG GPU allows with at least this much memory (its nvidia.com/gpumem); None else
+    mig_memory_mib: int | None = None
+
+    @property
+    def mig(self) -> bool:
+        """Held as whole MIG devices (a named profile, or vgpu-mode: mig), not as a shared vGPU."""
+        return self.mig_profile is not None or self.mig_memory_mib is not None
 
     @property
     def exclusive(self) -> bool:
@@ -1143,7 +1154,8 @@ def parse_pod_gpu_request(pod: Mapping[str, Any]) -> PodGpuRequest:
         nouse_uuids=_annotation_list(annotations, ANNOTATION_NOUSE_GPU_UUID, lower=False),
         numa_bind=str(annotations.get(ANNOTATION_NUMA_BIND, "")).lower() == "true",
     )
-    _check_vgpu_mode(annotations)
+    if _check_vgpu_mode(annotations):
+        containers = [_mig_by_memory(container) for container in containers]
     return PodGpuRequest(
         containers=tuple(containers),
         selectors=selectors,
@@ -1152,27 +1164,40 @@ def parse_pod_gpu_request(pod: Mapping[str, Any]) -> PodGpuRequest:
     )
 
 
-def _check_vgpu_mode(annotations: Mapping[str, Any]) -> None:
-    """HAMi's nvidia.com/vgpu-mode: hami-core is what kube-vgpu does; mig and mps are refused, never silently
-    turned into a shared vGPU."""
+def _check_vgpu_mode(annotations: Mapping[str, Any]) -> bool:
+    """HAMi's nvidia.com/vgpu-mode: hami-core is the in-container limiter (what kube-vgpu does by default); mig is
+    dynamic MIG (True: the GPU containers are to get new MIG instances sized by their memory); mps is refused, never
+    silently turned into a shared vGPU."""
     mode = annotations.get(ANNOTATION_VGPU_MODE)
     if mode is None:
-        return
+        return False
     if not isinstance(mode, str):
         raise InvalidGpuRequest(f"annotation {ANNOTATION_VGPU_MODE} must be a string")
     if mode.strip().lower() == VGPU_MODE_HAMI_CORE:
-        return
-    if mode.strip().lower() == "mig":
-        raise InvalidGpuRequest(
-            f"annotation {ANNOTATION_VGPU_MODE}: mig (HAMi's dynamic MIG) is not supported by kube-vgpu yet, and the "
-            f"pod must not silently get a shared GPU without MIG isolation instead; ask for an existing MIG device "
-            f"with {MIG_RESOURCE_PREFIX}<profile> (static MIG, e.g. {MIG_RESOURCE_PREFIX}3g.20gb), or remove the "
-            f"annotation for a shared vGPU (in-container limiter)"
-        )
+        return False
+    if mode.strip().lower() == VGPU_MODE_MIG:
+        return True
     raise InvalidGpuRequest(
         f"annotation {ANNOTATION_VGPU_MODE}: {_shown(mode)} is not supported; kube-vgpu shares GPUs with the "
-        f"in-container limiter only ({VGPU_MODE_HAMI_CORE}): remove the annotation or set it to {VGPU_MODE_HAMI_CORE}"
+        f"in-container limiter ({VGPU_MODE_HAMI_CORE}) or partitions them with MIG ({VGPU_MODE_MIG}): remove the "
+        f"annotation or set it to one of those"
     )
+
+
+def _mig_by_memory(container: ContainerGpuRequest) -> ContainerGpuRequest:
+    """vgpu-mode: mig: a vGPU container becomes `count` dynamic MIG instances of the smallest allowed profile with
+    its nvidia.com/gpumem (the node decides the profile: names differ by GPU model). A container naming a MIG
+    resource keeps it."""
+    if container.mig_profile is not None:
+        return container
+    if container.memory_mib is None:
+        raise InvalidGpuRequest(
+            f"container {container.name}: annotation {ANNOTATION_VGPU_MODE}: mig chooses the MIG profile by memory: "
+            f"set {RESOURCE_GPU_MEMORY} (MiB) per GPU ({RESOURCE_GPU_MEMORY_PERCENTAGE} is not read in this mode), or "
+            f"ask for a profile with {MIG_RESOURCE_PREFIX}<profile>"
+        )
+    return dataclasses.replace(container, mig_memory_mib=container.memory_mib, cores=CORES_PER_GPU,
+                               memory_percent=None)
 
 
 def _policy_annotation(annotations: Mapping[str, Any], key: str) -> str | None:

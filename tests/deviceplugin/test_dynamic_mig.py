@@ -225,7 +225,8 @@ def test_allocate_creates_the_instance_at_the_assigned_slot_and_reconcile_destro
     assert delivery.uuids == (instance.uuid,) and instance.start == 4 and instance.profile == "3g.40gb"
     assert delivery.envs[protocol.ENV_NVIDIA_VISIBLE_DEVICES] == instance.uuid and delivery.mounts == ()
     assert app.state.inventory().gpus[0].mig_mode
-    assert len(app.state.advertised(protocol.RESOURCE_GPU)) == protocol.DEFAULT_MAX_VGPUS_PER_GPU  # GPU 0 is MIG now
+    # kubelet keeps counting the dynamic GPU's vGPU slots (vgpu-mode: mig pods ask nvidia.com/gpu for instances)
+    assert len(app.state.advertised(protocol.RESOURCE_GPU)) == 2 * protocol.DEFAULT_MAX_VGPUS_PER_GPU
     assert allocation_of(cluster.pod("default", "mig-job"))["main"]
     app.reconcile_dynamic_mig()  # the pod still lives: its instance stays
     assert fake.mig_instances(0) == [("3g.40gb", 4, True)]
@@ -273,6 +274,16 @@ def test_a_placement_on_a_gpu_that_is_not_dynamic_or_of_a_profile_not_allowed_is
     with pytest.raises(AllocationError, match="not on node"):
         app.allocator.allocate([[name]], MIG_1G)
     assert fake.mig_instances(1) == []
+
+
+def test_nvidia_gpu_hands_a_vgpu_mode_mig_pod_its_new_instance(tmp_path: Any) -> None:
+    app, fake, cluster = dynamic_app(tmp_path)
+    gpu = app.state.gpus()[0].uuid
+    name = DynamicMigPlacement(gpu, "1g.10gb", 0).device
+    cluster.add_pod(gpu_pod("hami-mig", assignment={"main": [(name, 9984, 100)]}, bound_at=1.0))
+    [delivery] = app.allocator.allocate([[f"{gpu}::0"]])
+    assert fake.mig_instances(0) == [("1g.10gb", 0, True)] and delivery.uuids[0].startswith("MIG-")
+    assert delivery.mounts == ()  # hardware-isolated: no limiter
 
 
 def test_live_placements_ignore_finished_pods() -> None:

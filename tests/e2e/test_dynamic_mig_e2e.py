@@ -3,7 +3,8 @@ dynamic-MIG node whose real device plugin process (fake NVML `h100-mig-capable`,
 3g.40gb and 7g.80gb allowed) talks to a kubelet stand-in over kubelet's gRPC API. Pods asking for
 nvidia.com/mig-1g.10gb and nvidia.com/mig-3g.40gb are bound by our extender to legal slots of the dynamic GPU;
 kubelet's Allocate makes the plugin create exactly those instances, which its published inventory then lists; a
-7g.80gb pod that cannot fit stays Pending with a reason naming the profile and the free slots; a pod asking the
+HAMi-style pod (nvidia.com/gpu with gpumem 9000 and nvidia.com/vgpu-mode: mig) gets a 1g.10gb instance the same
+way; a 7g.80gb pod that cannot fit stays Pending with a reason naming the profile and the free slots; a pod asking the
 static node's 1g.5gb gets its existing MIG device; and when the pods are gone the plugin destroys the instances."""
 
 from __future__ import annotations
@@ -37,6 +38,15 @@ def mig_pod(name: str, resource: str, selector: dict[str, str]) -> dict[str, Any
             "spec": {"nodeSelector": selector, "terminationGracePeriodSeconds": 0,
                      "containers": [{"name": "main", "image": PAUSE_IMAGE,
                                      "resources": {"limits": {resource: "1"}}}]}}
+
+
+def hami_mig_pod(name: str, selector: dict[str, str]) -> dict[str, Any]:
+    """HAMi's dynamic MIG: nvidia.com/gpu with gpumem and vgpu-mode: mig (here 1g.10gb, the smallest with 9000 MiB)."""
+    limits = {protocol.RESOURCE_GPU: "1", protocol.RESOURCE_GPU_MEMORY: "9000"}
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "annotations": {protocol.ANNOTATION_VGPU_MODE: "mig"}},
+            "spec": {"nodeSelector": selector, "terminationGracePeriodSeconds": 0,
+                     "containers": [{"name": "main", "image": PAUSE_IMAGE, "resources": {"limits": limits}}]}}
 
 
 def published(dev_cluster: DevCluster, node_name: str) -> protocol.NodeInventory | None:
@@ -84,7 +94,7 @@ def nodes(dev_cluster: DevCluster, e2e_namespace: str) -> Iterator[tuple[str, st
         plugin.terminate()
         plugin.wait(10)
         kubelet.stop()
-        for name in ("small", "half", "whole", "static"):
+        for name in ("small", "half", "hami", "whole", "static"):
             try:
                 dev_cluster.core.delete_namespaced_pod(name, e2e_namespace, grace_period_seconds=0,
                                                        _preload_content=False)
@@ -100,31 +110,35 @@ def test_dynamic_and_static_mig_pods_land_on_legal_slices_and_instances_follow_t
     static_node, dynamic_node, kubelet, log = nodes
     selector = {NODE_GROUP_LABEL: f"dynmig-{e2e_namespace}"[:63]}
     asks = {"small": "nvidia.com/mig-1g.10gb", "half": "nvidia.com/mig-3g.40gb", "static": "nvidia.com/mig-1g.5gb"}
-    pods = [mig_pod(name, resource, selector) for name, resource in asks.items()]
+    pods = [mig_pod(name, resource, selector) for name, resource in asks.items()] + [hami_mig_pod("hami", selector)]
     create_pods(dev_cluster.api, e2e_namespace, pods)
-    outcome = wait_for_pods(dev_cluster.api, e2e_namespace, list(asks), timeout_s=90)
-    assert outcome.bound == {"small": dynamic_node, "half": dynamic_node, "static": static_node}, (
-        outcome.describe() + dev_cluster.log_tail("extender"))
+    outcome = wait_for_pods(dev_cluster.api, e2e_namespace, [*asks, "hami"], timeout_s=90)
+    assert outcome.bound == {"small": dynamic_node, "half": dynamic_node, "hami": dynamic_node,
+                             "static": static_node}, outcome.describe() + dev_cluster.log_tail("extender")
     gpu_uuid = next(g.uuid for g in (published(dev_cluster, dynamic_node) or protocol.NodeInventory(())).gpus
                     if g.index == 0)
     placed: dict[str, protocol.DynamicMigPlacement] = {}
-    for name in ("small", "half"):
+    profiles = {**{n: r.removeprefix(protocol.MIG_RESOURCE_PREFIX) for n, r in asks.items()}, "hami": "1g.10gb"}
+    for name in ("small", "half", "hami"):
         assignment = assignment_of(outcome.pods[name])
         assert assignment is not None
         (device,) = assignment.all_devices()
         placement = protocol.parse_dynamic_mig_device(device.uuid)
         assert placement is not None and placement.gpu_uuid == gpu_uuid, device
-        assert placement.profile == asks[name].removeprefix(protocol.MIG_RESOURCE_PREFIX)
+        assert placement.profile == profiles[name]
         placed[name] = placement
     assert mig.legal_layout(mig.H100_80GB, [(p.profile, p.start) for p in placed.values()]) is None
     (static_assignment,) = [assignment_of(outcome.pods["static"])]
     assert static_assignment is not None and static_assignment.all_devices()[0].uuid.startswith("MIG-")
 
-    # kubelet admits both pods: the plugin creates each instance at its slot and hands over its MIG device
+    # kubelet admits the pods: the plugin creates each instance at its slot and hands over its MIG device (the
+    # vgpu-mode: mig pod through nvidia.com/gpu, the resource it asks for)
     plugins = {c.request.resource_name: c for c in (kubelet.plugin(registrations=4), *kubelet.plugins)}
     delivered = {}
-    for name in ("small", "half"):
-        (response,) = kubelet.admit(plugins[asks[name]], outcome.pods[name], asks[name])
+    for name in ("small", "half", "hami"):
+        resource = asks.get(name, protocol.RESOURCE_GPU)
+        kubelet.wait_for_devices(plugins[resource], lambda devices: len(devices) > 0, f"{resource} advertised")
+        (response,) = kubelet.admit(plugins[resource], outcome.pods[name], resource)
         delivered[name] = response.envs[protocol.ENV_NVIDIA_VISIBLE_DEVICES]
         assert delivered[name].startswith("MIG-"), response.envs
 
@@ -143,7 +157,7 @@ def test_dynamic_and_static_mig_pods_land_on_legal_slices_and_instances_follow_t
     assert "needs 1 MIG 7g.80gb instance" in reason and "free memory slots: GPU 0: " in reason, waiting.describe()
 
     # the pods go: the plugin destroys their instances and the GPU leaves MIG mode
-    for name in ("small", "half", "whole"):
+    for name in ("small", "half", "hami", "whole"):
         dev_cluster.core.delete_namespaced_pod(name, e2e_namespace, grace_period_seconds=0, _preload_content=False)
     wait_for(lambda: instances() == [] and not (published(dev_cluster, dynamic_node) or
                                                protocol.NodeInventory(())).gpus[0].mig_mode,

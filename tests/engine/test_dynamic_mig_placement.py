@@ -214,6 +214,23 @@ def test_filter_bind_and_release_keep_every_gpu_legal(ops: list[tuple[str, str, 
             assert mig.legal_layout(mig.H100_80GB, layout) is None
 
 
+@pytest.mark.parametrize(("gpumem", "expected"), [
+    ("9000", [(0, "1g.10gb", 0)]),  # the smallest allowed profile with the memory
+    ("12000", [(0, "1g.20gb", 6)]),  # at 6: slot 7 takes no smaller profile
+    ("30000", [(0, "3g.40gb", 4)]),
+    ("90000", "vgpu-mode mig: no allowed MIG profile has 90000 MiB (allowed here: 1g.10gb (9984 MiB), 1g.20gb "
+              "(20096 MiB), 3g.40gb (40448 MiB), 7g.80gb (81152 MiB))"),
+])  # fmt: skip
+def test_vgpu_mode_mig_gets_the_smallest_allowed_profile_with_its_memory(gpumem: str, expected: Any) -> None:
+    node = NodeState("n", dynamic_inventory())
+    obj = pod(gpus=1, memory_mib=int(gpumem), annotations={protocol.ANNOTATION_VGPU_MODE: "mig"})
+    result = _place(node, obj)
+    if isinstance(expected, str):
+        assert isinstance(result, FitFailure) and result.unresolvable and result.reason.endswith(expected)
+    else:
+        assert placements(result, node) == expected
+
+
 def test_placement_device_names_round_trip() -> None:
     placement = DynamicMigPlacement("GPU-1234", "3g.40gb", 4)
     assert protocol.parse_dynamic_mig_device(placement.device) == placement
