@@ -446,6 +446,10 @@ class Allocator:
             try:
                 created[device.uuid] = self.dynamic.ensure(placement)
             except DynamicMigError as exc:
+                for done in created:  # the container's earlier instances: all of its devices or none
+                    earlier = protocol.parse_dynamic_mig_device(done)
+                    if earlier is not None:
+                        self.dynamic.destroy(earlier)
                 raise AllocationError(
                     f"pod {claimed.ref} container {claimed.container.name}: creating its MIG instance failed: {exc}; "
                     "nothing was left on the GPU; the pod must be created again (a Job's or ReplicaSet's "

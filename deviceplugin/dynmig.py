@@ -232,6 +232,32 @@ class DynamicMig:
 
     # -- destroy ------------------------------------------------------------------------------------------------
 
+    def destroy(self, placement: DynamicMigPlacement) -> bool:
+        """Destroy the instance at `placement` now, if there is one (an Allocate whose later device failed undoes
+        its earlier ones); True when one was destroyed. Failures are left to reconcile."""
+        with self._lock:
+            gpu = self.gpus.get(placement.gpu_uuid)
+            if gpu is None:
+                return False
+            handle = self.handles[gpu.uuid]
+            try:
+                for device in self._instances(gpu):
+                    if (device.profile, device.start) != (placement.profile, placement.start):
+                        continue
+                    gpu_instance = self.nvml.gpu_instance(handle, device.gpu_instance)
+                    self.nvml.destroy_compute_instance(self.nvml.compute_instance(gpu_instance,
+                                                                                  device.compute_instance))
+                    self.nvml.destroy_gpu_instance(gpu_instance)
+                    self._created_at.pop(device.uuid, None)
+                    if not self._instances(gpu):
+                        self.nvml.set_mig_mode(handle, False)
+                    self._publish(gpu)
+                    return True
+            except nvml_errors.NVMLError as exc:
+                log.error("dynamic MIG: could not destroy %s: %s", placement.device, exc)
+        return False
+
+
     def reconcile(self, list_pods: Callable[[], Iterable[Mapping[str, Any]]], node_name: str) -> list[str]:
         """Destroy the instances no live pod names and switch MIG mode off on GPUs left without any; returns the
         destroyed MIG device UUIDs. `list_pods` is called under the lock (see the module's comment)."""

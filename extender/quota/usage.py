@@ -183,7 +183,8 @@ def named_gpu_resources(request: PodGpuRequest) -> list[str]:
     shares = [c for c in containers if not c.mig]  # a MIG container names its device as one GPU only
     named = {
         protocol.RESOURCE_GPU: bool(containers),
-        protocol.RESOURCE_GPU_MEMORY: any(c.memory_mib is not None for c in shares),
+        # vgpu-mode: mig containers name gpumem too (it sizes their instance); their cores are the profile's
+        protocol.RESOURCE_GPU_MEMORY: any(c.memory_mib is not None for c in containers if c.mig_profile is None),
         protocol.RESOURCE_GPU_MEMORY_PERCENTAGE: any(c.memory_percent is not None for c in shares),
         protocol.RESOURCE_GPU_CORES: any(c.cores > 0 for c in shares),
     }

@@ -257,6 +257,28 @@ def test_a_failed_creation_leaves_no_half_instance_and_no_claim(tmp_path: Any, f
     assert fake.mig_instances(0) == [("1g.10gb", 6, True)] and delivery.uuids[0].startswith("MIG-")
 
 
+def test_a_container_of_two_instances_gets_both_or_neither(tmp_path: Any) -> None:
+    app, fake, cluster = dynamic_app(tmp_path)
+    gpu = app.state.gpus()[0].uuid
+    names = [DynamicMigPlacement(gpu, "1g.10gb", start).device for start in (0, 1)]
+    cluster.add_pod(mig_pod("pair", MIG_1G, names))
+    # the first instance is made, the second fails: the first is destroyed again
+    original = fake.nvmlDeviceCreateGpuInstanceWithPlacement
+    calls = []
+
+    def second_fails(device: Any, profile_id: int, placement: Any) -> Any:
+        calls.append(profile_id)
+        if len(calls) == 2:
+            fake.fail_next("nvmlDeviceCreateGpuInstanceWithPlacement", code=pynvml.NVML_ERROR_UNKNOWN)
+        return original(device, profile_id, placement)
+
+    fake.nvmlDeviceCreateGpuInstanceWithPlacement = second_fails  # type: ignore[method-assign]
+    with pytest.raises(AllocationError, match="slot 1"):
+        app.allocator.allocate([names], MIG_1G)
+    assert fake.mig_instances(0) == [] and not app.state.inventory().gpus[0].mig_mode
+    assert allocation_of(cluster.pod("default", "pair")) == {}
+
+
 def test_a_second_allocate_for_the_same_placement_reuses_the_instance(tmp_path: Any) -> None:
     app, fake, _cluster = dynamic_app(tmp_path)
     gpu = app.state.gpus()[0].uuid
