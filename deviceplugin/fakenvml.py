@@ -85,6 +85,9 @@ class FakeGpu:
     #: static MIG: the GPU instances of a GPU in MIG mode, as (profile name, start slot), each with one compute
     #: instance spanning it. Checked against NVIDIA's profile table of the model (protocol.mig) by FakeNvml.
     mig_layout: tuple[tuple[str, int], ...] = ()
+    #: dynamic MIG: switching MIG mode waits for a GPU reset (as on A100 with processes or without a reset): the
+    #: mode stays pending (nvmlDeviceGetMigMode's second value) and never takes effect in the fake
+    mig_mode_needs_reset: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -484,6 +487,7 @@ class FakeNvml:
         self._usage: list[FakeUsage] = [gpu.usage for gpu in hardware.gpus]
         self._gis = [self._mig_table(gpu) for gpu in hardware.gpus]  # GPU instance ID -> instance, per GPU
         self._mig_mode = [gpu.mig_enabled for gpu in hardware.gpus]
+        self._mig_pending: list[int | None] = [None for _gpu in hardware.gpus]  # a mode waiting for a GPU reset
         self._created = 0  # dynamic GPU instances created so far (their MIG device UUIDs are all distinct)
         self._failures: dict[str, list[int]] = {}  # function -> [calls left to fail, NVML error code]
         self.calls: dict[str, int] = {}  # function name -> call count (tests look at what was queried)
@@ -693,12 +697,13 @@ class FakeNvml:
         if not gpu.mig_capable:
             raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         mode = pynvml.NVML_DEVICE_MIG_ENABLE if self._mig_mode[handle.position] else pynvml.NVML_DEVICE_MIG_DISABLE
-        return [mode, mode]
+        pending = self._mig_pending[handle.position]
+        return [mode, mode if pending is None else pending]
 
     def nvmlDeviceSetMigMode(self, device: FakeHandle, mode: int) -> int:
-        """Takes effect at once (activation status NVML_SUCCESS), as on H100 with no process on the GPU; an A100
-        may answer that a GPU reset is pending, which the fake does not model. Turning MIG off while GPU instances
-        exist is refused with InUse."""
+        """Takes effect at once (activation status NVML_SUCCESS), as on H100 with no process on the GPU; with
+        FakeGpu.mig_mode_needs_reset it stays pending (status NVML_ERROR_RESET_REQUIRED) until a reset the fake
+        never does. Turning MIG off while GPU instances exist is refused with InUse."""
         self._mig_model("nvmlDeviceSetMigMode", device)
         self._fail_injected("nvmlDeviceSetMigMode")
         if mode not in (pynvml.NVML_DEVICE_MIG_ENABLE, pynvml.NVML_DEVICE_MIG_DISABLE):
@@ -706,6 +711,11 @@ class FakeNvml:
         with self._lock:
             if mode == pynvml.NVML_DEVICE_MIG_DISABLE and self._gis[device.position]:
                 raise _error(pynvml.NVML_ERROR_IN_USE)
+            if self.hardware.gpus[device.position].mig_mode_needs_reset:
+                current = pynvml.NVML_DEVICE_MIG_ENABLE if self._mig_mode[device.position] else \
+                    pynvml.NVML_DEVICE_MIG_DISABLE
+                self._mig_pending[device.position] = None if mode == current else mode
+                return int(pynvml.NVML_ERROR_RESET_REQUIRED)
             self._mig_mode[device.position] = mode == pynvml.NVML_DEVICE_MIG_ENABLE
         return int(pynvml.NVML_SUCCESS)
 

@@ -19,7 +19,16 @@ from kube_vgpu import protocol
 from kube_vgpu.dev.fixtures.inmemory_api import InMemoryCluster
 from kube_vgpu.deviceplugin.allocate import AllocationError, DeliveryConfig
 from kube_vgpu.deviceplugin.app import DevicePluginApp, PluginConfig
-from kube_vgpu.deviceplugin.dynmig import DynamicMigConfig, live_placements, parse_gpus, parse_profiles
+from kube_vgpu.deviceplugin.discovery import discover
+from kube_vgpu.deviceplugin.dynmig import (
+    DynamicMig,
+    DynamicMigConfig,
+    DynamicMigError,
+    live_placements,
+    mark_dynamic,
+    parse_gpus,
+    parse_profiles,
+)
 from kube_vgpu.deviceplugin.fakenvml import (
     COMPUTE_PROFILE_BY_SLICES,
     FakeHardware,
@@ -255,6 +264,21 @@ def test_a_failed_creation_leaves_no_half_instance_and_no_claim(tmp_path: Any, f
     # kubelet's retry (or the pod made anew) succeeds once NVML does
     [delivery] = app.allocator.allocate([[name]], MIG_1G)
     assert fake.mig_instances(0) == [("1g.10gb", 6, True)] and delivery.uuids[0].startswith("MIG-")
+
+
+def test_a_mig_mode_waiting_for_a_gpu_reset_fails_the_creation_and_is_switched_back(tmp_path: Any) -> None:
+    fake = FakeNvml(replace(hardware(), gpus=tuple(replace(g, mig_mode_needs_reset=True) for g in hardware().gpus)))
+    nvml = Nvml(fake)
+    nvml.init()
+    handle = nvml.handle(0)
+    gpu = discover(nvml).inventory
+    marked = mark_dynamic(gpu, DynamicMigConfig(ALLOW), [0])
+    changes: list[tuple[str, bool, Any]] = []
+    manager = DynamicMig(nvml, {marked.gpus[0].uuid: handle}, marked.gpus, lambda *c: changes.append(c))
+    with pytest.raises(DynamicMigError, match="MIG mode is pending a GPU reset"):
+        manager.ensure(DynamicMigPlacement(marked.gpus[0].uuid, "1g.10gb", 0))
+    assert fake.nvmlDeviceGetMigMode(handle) == [pynvml.NVML_DEVICE_MIG_DISABLE] * 2  # nothing left pending
+    assert fake.mig_instances(0) == [] and changes[-1][1:] == (False, ())
 
 
 def test_a_container_of_two_instances_gets_both_or_neither(tmp_path: Any) -> None:
