@@ -111,7 +111,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dynamic-mig",
         metavar="all|INDEXES",
         help="dynamic MIG: partition these MIG-capable GPUs (all, or indexes like 0,1) per pod, with the profiles "
-        "--dynamic-mig-profiles allows for their model (default: off)",
+        "--dynamic-mig-profiles allows for their model (default: the node's kube-vgpu.io/dynamic-mig label when "
+        "--dynamic-mig-profiles is given, else off)",
     )
     parser.add_argument(
         "--dynamic-mig-profiles",
@@ -145,11 +146,14 @@ def run(args: argparse.Namespace) -> int:
     from kube_vgpu.deviceplugin.dynmig import DynamicMigConfig, parse_gpus, parse_profiles
 
     dynamic_mig: DynamicMigConfig | None = None
-    if args.dynamic_mig:
+    if args.dynamic_mig or args.dynamic_mig_profiles:
+        # --dynamic-mig-profiles alone: the GPUs come from the node's label kube-vgpu.io/dynamic-mig
         try:
-            dynamic_mig = DynamicMigConfig(parse_profiles(args.dynamic_mig_profiles), parse_gpus(args.dynamic_mig))
+            dynamic_mig = DynamicMigConfig(parse_profiles(args.dynamic_mig_profiles),
+                                           parse_gpus(args.dynamic_mig) if args.dynamic_mig else None,
+                                           from_node_label=not args.dynamic_mig)
         except ValueError as exc:
-            print(f"kube-vgpu device-plugin: --dynamic-mig-profiles: {exc}", file=sys.stderr)
+            print(f"kube-vgpu device-plugin: --dynamic-mig/--dynamic-mig-profiles: {exc}", file=sys.stderr)
             return 2
         if not dynamic_mig.profiles:
             print("kube-vgpu device-plugin: --dynamic-mig needs --dynamic-mig-profiles", file=sys.stderr)

@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 from kube_vgpu import protocol
 from kube_vgpu.deviceplugin import nvml as nvml_errors
@@ -66,13 +66,22 @@ def parse_profiles(text: str) -> dict[str, tuple[str, ...]]:
 
 
 def parse_gpus(text: str) -> frozenset[int] | None:
-    """--dynamic-mig "all" (None: every MIG-capable GPU of an allowlisted model) or GPU indexes "0,1"."""
+    """--dynamic-mig "all" (None: every MIG-capable GPU of an allowlisted model) or GPU indexes "0,1" (the node
+    label's "0.1" too)."""
     if text.strip() == "all":
         return None
     try:
-        return frozenset(int(part) for part in text.split(",") if part.strip())
+        return frozenset(int(part) for part in text.replace(".", ",").split(",") if part.strip())
     except ValueError:
-        raise ValueError(f"--dynamic-mig: {text!r} is neither 'all' nor GPU indexes like 0,1") from None
+        raise ValueError(f"dynamic MIG GPUs: {text!r} is neither 'all' nor GPU indexes like 0,1") from None
+
+
+def gpus_from_node_label(node: Mapping[str, Any]) -> frozenset[int] | Literal[False] | None:
+    """The dynamic GPUs the node's LABEL_DYNAMIC_MIG names; False when the label is absent (dynamic MIG off)."""
+    value = ((node.get("metadata") or {}).get("labels") or {}).get(protocol.LABEL_DYNAMIC_MIG)
+    if value is None:
+        return False
+    return parse_gpus(str(value))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -80,6 +89,8 @@ class DynamicMigConfig:
     profiles: Mapping[str, tuple[str, ...]]  # model key -> allowlist
     gpus: frozenset[int] | None = None  # GPU indexes; None = all of an allowlisted model
     grace_seconds: float = 10.0
+    #: the GPUs come from the node's LABEL_DYNAMIC_MIG, read at start (`gpus` is then ignored)
+    from_node_label: bool = False
 
 
 def mark_dynamic(inventory: NodeInventory, config: DynamicMigConfig, mig_capable: Iterable[int]) -> NodeInventory:

@@ -83,6 +83,10 @@ UNSUPPORTED_HAMI_POLICIES = {
 LABEL_GPU_PRODUCT = "nvidia.com/gpu.product"
 LABEL_GPU_COUNT = "nvidia.com/gpu.count"
 LABEL_GPU_MEMORY_MIB = "nvidia.com/gpu.memory"
+#: Dynamic MIG by node label (issue 16 item 2): an operator sets it on a node ("all", or GPU indexes joined by "."
+#: such as "0.1": label values take no commas); a device plugin started with --dynamic-mig-profiles and without
+#: --dynamic-mig partitions those GPUs. Read at the plugin's start.
+LABEL_DYNAMIC_MIG = ANNOTATION_PREFIX + "dynamic-mig"
 
 # Environment variables read by the in-container limiter (HAMi-core's libvgpu.so).
 ENV_MEMORY_LIMIT_PREFIX = "CUDA_DEVICE_MEMORY_LIMIT_"  # + vGPU index; value "<MiB>m"

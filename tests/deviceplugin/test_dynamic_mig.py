@@ -178,7 +178,7 @@ def test_profile_allowlist_flag(text: str, expected: Any) -> None:
 
 
 def test_gpus_flag() -> None:
-    assert parse_gpus("all") is None and parse_gpus("0,2") == frozenset({0, 2})
+    assert parse_gpus("all") is None and parse_gpus("0,2") == frozenset({0, 2}) == parse_gpus("0.2")
 
 
 # -- the plugin: inventory, kubelet, Allocate, reconcile ------------------------------------------------------
@@ -197,6 +197,25 @@ def dynamic_app(tmp_path: Any, kubelet_dir: str | None = None) -> tuple[DevicePl
                           dynamic_mig=DynamicMigConfig(ALLOW, parse_gpus("0"), grace_seconds=0),
                           delivery=DeliveryConfig(limiter_library_path="", cache_host_dir=""))
     return DevicePluginApp(config, Nvml(fake), cluster), fake, cluster
+
+
+@pytest.mark.parametrize(("labels", "dynamic"), [
+    ({protocol.LABEL_DYNAMIC_MIG: "all"}, [True, True]),
+    ({protocol.LABEL_DYNAMIC_MIG: "1"}, [False, True]),
+    ({}, [False, False]),  # no label: off
+    ({protocol.LABEL_DYNAMIC_MIG: "some"}, [False, False]),  # unreadable: off, with a warning
+])  # fmt: skip
+def test_the_node_label_picks_the_dynamic_gpus_when_the_flags_name_only_profiles(
+    tmp_path: Any, labels: dict[str, str], dynamic: list[bool]
+) -> None:
+    cluster = InMemoryCluster()
+    cluster.add_node({"metadata": {"name": NODE, "labels": labels}})
+    config = PluginConfig(node_name=NODE, kubelet_dir=str(tmp_path), heartbeat_seconds=3600,
+                          dynamic_mig=DynamicMigConfig(ALLOW, from_node_label=True),
+                          delivery=DeliveryConfig(limiter_library_path="", cache_host_dir=""))
+    app = DevicePluginApp(config, Nvml(FakeNvml(load_profile("h100-mig-capable", NODE))), cluster)
+    assert [gpu.dynamic_mig is not None for gpu in app.state.inventory().gpus] == dynamic
+    assert (app.dynamic_mig is not None) == any(dynamic)
 
 
 def mig_pod(name: str, resource: str, devices: list[str], *, bound_at: float = 1.0, phase: str = "Pending"
