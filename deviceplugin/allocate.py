@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kube_vgpu import protocol
+from kube_vgpu.deviceplugin.dynmig import DynamicMig, DynamicMigError
 from kube_vgpu.deviceplugin.kube import ApiUnavailable, Conflict, NotFound, PodSource
 from kube_vgpu.deviceplugin.state import DeviceState, uuid_of_device_id
 from kube_vgpu.protocol import ContainerAssignment, PodAssignment
@@ -274,6 +275,8 @@ class Allocator:
         self.pods = pods
         self.state = state
         self.delivery = delivery or DeliveryConfig()
+        #: dynamic MIG: creates the instances the extender placed (None: no dynamic GPUs on this node)
+        self.dynamic: DynamicMig | None = None
 
     # -- Allocate -----------------------------------------------------------------------------------------------
 
@@ -290,7 +293,8 @@ class Allocator:
             for device_ids in requests:
                 claimed = self._claim(device_ids, resource)
                 try:
-                    delivery = self._deliver(claimed, device_ids)
+                    created = self._create_dynamic(claimed)
+                    delivery = self._deliver(claimed, device_ids, created)
                 except AllocationError:
                     self._release(claimed)
                     raise
@@ -366,11 +370,11 @@ class Allocator:
         )
 
     def _wrong_kind(self, uuid: str, resource: str) -> bool:
-        """A device `resource`'s plugin must not hand over: a MIG device on nvidia.com/gpu, on a MIG resource
-        anything but a MIG device of its profile."""
+        """A device `resource`'s plugin must not hand over: a static MIG device on nvidia.com/gpu, on a MIG
+        resource anything but a MIG device of its profile."""
         mig = self.state.mig_device(uuid)
-        if resource == protocol.RESOURCE_GPU:
-            return mig is not None
+        if resource == protocol.RESOURCE_GPU:  # a vgpu-mode: mig pod asks nvidia.com/gpu for a dynamic instance
+            return mig is not None and protocol.parse_dynamic_mig_device(uuid) is None
         return mig is None or protocol.MIG_RESOURCE_PREFIX + mig[1].profile != resource
 
     def _release(self, claimed: Candidate) -> None:
@@ -427,9 +431,37 @@ class Allocator:
 
     # -- the answer ---------------------------------------------------------------------------------------------
 
-    def _deliver(self, claimed: Candidate, device_ids: list[str]) -> ContainerDelivery:
+    def _create_dynamic(self, claimed: Candidate) -> dict[str, str]:
+        """Dynamic MIG: create the MIG instances the container was assigned (device name -> new MIG device UUID).
+        A failure was rolled back by DynamicMig; the claim is released by the caller and kubelet fails the pod
+        with this reason, so no pod runs on a half-made instance."""
+        created: dict[str, str] = {}
+        for device in claimed.container.devices:
+            placement = protocol.parse_dynamic_mig_device(device.uuid)
+            if placement is None:
+                continue
+            if self.dynamic is None:
+                raise AllocationError(f"pod {claimed.ref} container {claimed.container.name} was assigned a dynamic "
+                                      f"MIG instance ({device.uuid}), but dynamic MIG is off on node {self.node_name}")
+            try:
+                created[device.uuid] = self.dynamic.ensure(placement)
+            except DynamicMigError as exc:
+                for done in created:  # the container's earlier instances: all of its devices or none
+                    earlier = protocol.parse_dynamic_mig_device(done)
+                    if earlier is not None:
+                        self.dynamic.destroy(earlier)
+                raise AllocationError(
+                    f"pod {claimed.ref} container {claimed.container.name}: creating its MIG instance failed: {exc}; "
+                    "nothing was left on the GPU; the pod must be created again (a Job's or ReplicaSet's "
+                    "controller does that) to be placed anew"
+                ) from None
+        return created
+
+    def _deliver(self, claimed: Candidate, device_ids: list[str],
+                 created: Mapping[str, str] | None = None) -> ContainerDelivery:
         devices = claimed.container.devices
-        uuids = tuple(d.uuid for d in devices)
+        # a dynamic MIG device is delivered as the MIG device just created for it
+        uuids = tuple((created or {}).get(d.uuid, d.uuid) for d in devices)
         delivery = self.delivery
         envs: dict[str, str] = {}
         mounts: list[tuple[str, str, bool]] = []
@@ -450,7 +482,7 @@ class Allocator:
                 continue  # a MIG device is isolated by the hardware: no limiter memory limit
             # concrete MiB from the assignment; the only source for gpumem-percentage requests
             envs[f"{protocol.ENV_MEMORY_LIMIT_PREFIX}{position}"] = f"{device.memory_mib}m"
-        mig_only = all(self.state.mig_device(uuid) is not None for uuid in uuids)
+        mig_only = all(self.state.mig_device(device.uuid) is not None for device in devices)
         if delivery.limiter_library_path and not mig_only:  # a MIG device is isolated by the hardware: no limiter
             present = not delivery.check_host_paths or os.path.isfile(delivery.limiter_library_path)
             if present:

@@ -6,6 +6,7 @@ and the tests run the same object.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable
@@ -18,12 +19,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from kube_vgpu import protocol
 from kube_vgpu.deviceplugin.allocate import Allocator, DeliveryConfig
 from kube_vgpu.deviceplugin.discovery import Discovery, discover
+from kube_vgpu.deviceplugin.dynmig import DynamicMig, DynamicMigConfig, gpus_from_node_label, mark_dynamic
 from kube_vgpu.deviceplugin.foreign import DeviceHolders, ForeignPodMonitor
 from kube_vgpu.deviceplugin.health import APPLICATION_XIDS, HealthMonitor
-from kube_vgpu.deviceplugin.kube import NodeClient, PodSource
+from kube_vgpu.deviceplugin.kube import ApiUnavailable, NodeClient, NotFound, PodSource
 from kube_vgpu.deviceplugin.limiter_install import verified_name
 from kube_vgpu.deviceplugin.metrics import DevicePluginCollector
-from kube_vgpu.deviceplugin.nvml import Nvml
+from kube_vgpu.deviceplugin.nvml import Nvml, NVMLError
 from kube_vgpu.deviceplugin.publisher import DEFAULT_HEARTBEAT_SECONDS, Publisher
 from kube_vgpu.deviceplugin.server import (
     DEFAULT_KUBELET_DIR,
@@ -69,6 +71,9 @@ class PluginConfig:
     limiter_dir: str = ""
     #: fake GPUs: the node stands for one with the limiter installed (protocol.LIMITER_LABEL_SIMULATED)
     limiter_simulated: bool = False
+    #: dynamic MIG (issue 16 item 2): which GPUs the plugin partitions itself, with the profile allowlist per model
+    #: (None = off)
+    dynamic_mig: DynamicMigConfig | None = None
 
 
 class DevicePluginApp:
@@ -90,8 +95,16 @@ class DevicePluginApp:
         self.discovery: Discovery = discover(
             nvml, sharing_count=config.sharing_count, sysfs_root=Path(config.sysfs_root)
         )
+        self.dynamic_mig: DynamicMig | None = None
+        dynamic_config = self._dynamic_mig_config(config.dynamic_mig)
+        if dynamic_config is not None:
+            self.discovery.inventory = mark_dynamic(self.discovery.inventory, dynamic_config, self._mig_capable())
         self.state = DeviceState(self.discovery.inventory)
         self.allocator = Allocator(config.node_name, cluster, self.state, config.delivery)
+        if dynamic_config is not None and self.state.dynamic_gpus():
+            self.dynamic_mig = DynamicMig(nvml, self.discovery.handles, self.state.dynamic_gpus(),
+                                          self.state.set_dynamic_instances, dynamic_config.grace_seconds)
+            self.allocator.dynamic = self.dynamic_mig
         self.servicer = DevicePluginServicer(self.state, self.allocator, self.stop_event)
         self.server = PluginServer(
             config.kubelet_dir, self.servicer, socket_name=config.socket_name, poll_seconds=config.kubelet_poll_seconds
@@ -137,10 +150,52 @@ class DevicePluginApp:
                 cluster,
                 self.state,
                 heartbeat_seconds=config.heartbeat_seconds,
-                before_publish=[self.foreign.scan],
+                before_publish=[self.foreign.scan, self.reconcile_dynamic_mig],
                 limiter_label=config.limiter_label,
                 limiter_state=_limiter_state(config),
             )
+
+    def _dynamic_mig_config(self, config: DynamicMigConfig | None) -> DynamicMigConfig | None:
+        """The flags' dynamic MIG configuration, its GPUs taken from the node's label when the flags say so (read
+        once, at start: a changed label takes effect when the plugin restarts)."""
+        if config is None or not config.from_node_label:
+            return config
+        if self.cluster is None:
+            log.warning("dynamic MIG by node label: no API server to read node %s from; dynamic MIG is off",
+                        self.config.node_name)
+            return None
+        try:
+            gpus = gpus_from_node_label(self.cluster.get_node(self.config.node_name))
+        except (ApiUnavailable, NotFound, ValueError) as exc:
+            log.warning("dynamic MIG by node label: %s; dynamic MIG is off", exc)
+            return None
+        if gpus is False:
+            log.info("node %s has no %s label: dynamic MIG is off", self.config.node_name, protocol.LABEL_DYNAMIC_MIG)
+            return None
+        return dataclasses.replace(config, gpus=gpus, from_node_label=False)
+
+    def _mig_capable(self) -> list[int]:
+        """Indexes of the GPUs that answer NVML's MIG mode query (the others are NotSupported)."""
+        capable = []
+        for gpu in self.discovery.inventory.gpus:
+            handle = self.discovery.handles.get(gpu.uuid)
+            try:
+                if handle is not None:
+                    self.nvml.mig_enabled(handle)
+                    capable.append(gpu.index)
+            except NVMLError:
+                continue
+        return capable
+
+    def reconcile_dynamic_mig(self) -> None:
+        """Destroy the dynamic MIG instances no live pod names (each heartbeat, before publishing)."""
+        if self.dynamic_mig is None or self.cluster is None:
+            return
+        cluster = self.cluster
+        try:
+            self.dynamic_mig.reconcile(lambda: cluster.list_node_pods(self.config.node_name), self.config.node_name)
+        except ApiUnavailable as exc:  # nothing is destroyed without knowing which pods live
+            log.warning("dynamic MIG reconcile skipped: %s", exc)
 
     def _thread(self, name: str, target: Any) -> None:
         thread = threading.Thread(target=target, args=(self.stop_event,), name=name, daemon=True)

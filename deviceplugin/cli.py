@@ -120,6 +120,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Allocate only for pods the webhook admitted (kube-vgpu.io/admitted); a pod that skipped it has no "
         "limiter wiring (default: on)",
     )
+    parser.add_argument(
+        "--dynamic-mig",
+        metavar="all|INDEXES",
+        help="dynamic MIG: partition these MIG-capable GPUs (all, or indexes like 0,1) per pod, with the profiles "
+        "--dynamic-mig-profiles allows for their model (default: the node's kube-vgpu.io/dynamic-mig label when "
+        "--dynamic-mig-profiles is given, else off)",
+    )
+    parser.add_argument(
+        "--dynamic-mig-profiles",
+        default="",
+        metavar="MODEL=PROFILE,...;...",
+        help="dynamic MIG's allowlist per GPU model, e.g. 'A100-40GB=1g.5gb,3g.20gb;H100-80GB=1g.10gb,3g.40gb' "
+        "(models and profiles of NVIDIA's tables: A100-40GB, A100-80GB, H100-80GB, H200-141GB)",
+    )
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
 
@@ -142,6 +156,21 @@ def run(args: argparse.Namespace) -> int:
             except ValueError as exc:
                 print(f"kube-vgpu device-plugin: {flag}: {exc}", file=sys.stderr)
                 return 2
+    from kube_vgpu.deviceplugin.dynmig import DynamicMigConfig, parse_gpus, parse_profiles
+
+    dynamic_mig: DynamicMigConfig | None = None
+    if args.dynamic_mig or args.dynamic_mig_profiles:
+        # --dynamic-mig-profiles alone: the GPUs come from the node's label kube-vgpu.io/dynamic-mig
+        try:
+            dynamic_mig = DynamicMigConfig(parse_profiles(args.dynamic_mig_profiles),
+                                           parse_gpus(args.dynamic_mig) if args.dynamic_mig else None,
+                                           from_node_label=not args.dynamic_mig)
+        except ValueError as exc:
+            print(f"kube-vgpu device-plugin: --dynamic-mig/--dynamic-mig-profiles: {exc}", file=sys.stderr)
+            return 2
+        if not dynamic_mig.profiles:
+            print("kube-vgpu device-plugin: --dynamic-mig needs --dynamic-mig-profiles", file=sys.stderr)
+            return 2
     from kube_vgpu.deviceplugin.kube import KubeClient, load_api_client
     from kube_vgpu.deviceplugin.nvml import open_nvml
 
@@ -167,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
         limiter_label=args.limiter_label,
         limiter_dir=args.limiter_dir,
         limiter_simulated=bool(args.fake_nvml),
+        dynamic_mig=dynamic_mig,
         delivery=DeliveryConfig(
             limiter_library_path=args.limiter_library,
             ld_so_preload_path=args.ld_so_preload,

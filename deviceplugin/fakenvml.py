@@ -85,6 +85,9 @@ class FakeGpu:
     #: static MIG: the GPU instances of a GPU in MIG mode, as (profile name, start slot), each with one compute
     #: instance spanning it. Checked against NVIDIA's profile table of the model (protocol.mig) by FakeNvml.
     mig_layout: tuple[tuple[str, int], ...] = ()
+    #: dynamic MIG: switching MIG mode waits for a GPU reset (as on A100 with processes or without a reset): the
+    #: mode stays pending (nvmlDeviceGetMigMode's second value) and never takes effect in the fake
+    mig_mode_needs_reset: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +190,12 @@ def _a100_mig(seed: str) -> FakeHardware:
     return replace(hardware, gpus=tuple(gpus))
 
 
+def _h100_mig_capable(seed: str) -> FakeHardware:
+    """Two H100 80GB, MIG-capable, MIG mode off: a node for dynamic MIG (the plugin partitions them per pod)."""
+    hardware = layout_hardware(_uuids(seed, 2), "NVIDIA H100 80GB HBM3", 81559, "nvswitch")
+    return replace(hardware, gpus=tuple(replace(gpu, mig_capable=True) for gpu in hardware.gpus))
+
+
 def _missing_library(seed: str) -> FakeHardware:
     return FakeHardware(gpus=(), library_missing=True)
 
@@ -196,6 +205,7 @@ PROFILES = {
     "a100-4-nvlink-pairs": _a100_4_nvlink_pairs,
     "t4-4-pcie": _t4_4_pcie,
     "a100-mig": _a100_mig,
+    "h100-mig-capable": _h100_mig_capable,
     "missing-library": _missing_library,
 }
 FROM_FILE = "from-file"
@@ -336,8 +346,8 @@ class FakeHandle:
 
 @dataclass(frozen=True, slots=True)
 class FakeMigHandle:
-    """A MIG device's handle (nvmlDeviceGetMigDeviceHandleByIndex): the parent GPU and the GPU instance's position
-    in its mig_layout."""
+    """A MIG device's handle (nvmlDeviceGetMigDeviceHandleByIndex): the parent GPU and its GPU instance's ID - 1
+    (its position in mig_layout for a static layout)."""
 
     position: int
     instance: int
@@ -346,7 +356,45 @@ class FakeMigHandle:
 @dataclass(frozen=True, slots=True)
 class FakeGpuInstance:  # pynvml's nvmlGpuInstance_t
     position: int
-    instance: int
+    instance: int  # GPU instance ID - 1
+
+
+@dataclass(frozen=True, slots=True)
+class FakeComputeInstance:  # pynvml's nvmlComputeInstance_t
+    position: int
+    gi_id: int
+    ci_id: int
+
+
+@dataclass(slots=True)
+class _FakeGi:
+    """One GPU instance and its compute instances (IDs; the fake makes at most one, 0, spanning it)."""
+
+    gi_id: int
+    profile: mig.MigProfile
+    start: int
+    uuid: str  # its MIG device's, once it has a compute instance
+    compute: set[int]
+
+
+#: The compute instance profile that spans a GPU instance of n compute slices (pynvml's
+#: NVML_COMPUTE_INSTANCE_PROFILE_<n>_SLICE).
+COMPUTE_PROFILE_BY_SLICES = {
+    1: pynvml.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE, 2: pynvml.NVML_COMPUTE_INSTANCE_PROFILE_2_SLICE,
+    3: pynvml.NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE, 4: pynvml.NVML_COMPUTE_INSTANCE_PROFILE_4_SLICE,
+    7: pynvml.NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE,
+}
+
+
+def _deref(ref: Any) -> Any:
+    """What a ctypes byref() points to (pynvml passes out-parameters so); a plain object as it is."""
+    return getattr(ref, "_obj", ref)
+
+
+def _dynamic_mig_uuid(gpu_uuid: str, serial: int) -> str:
+    """A created MIG device's UUID: new for every creation, as real ones are."""
+    digest = hashlib.sha1(f"{gpu_uuid}/created{serial}".encode()).hexdigest()
+    return f"MIG-{digest[:8]}-{digest[8:12]}-{digest[12:16]}-{digest[16:20]}-{digest[20:32]}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -437,7 +485,11 @@ class FakeNvml:
         self._event_sets: list[FakeEventSet] = []
         self._link_tables = [self._links(gpu) for gpu in hardware.gpus]  # discovery asks per link: build once
         self._usage: list[FakeUsage] = [gpu.usage for gpu in hardware.gpus]
-        self._mig_profiles = [self._mig_table(gpu) for gpu in hardware.gpus]
+        self._gis = [self._mig_table(gpu) for gpu in hardware.gpus]  # GPU instance ID -> instance, per GPU
+        self._mig_mode = [gpu.mig_enabled for gpu in hardware.gpus]
+        self._mig_pending: list[int | None] = [None for _gpu in hardware.gpus]  # a mode waiting for a GPU reset
+        self._created = 0  # dynamic GPU instances created so far (their MIG device UUIDs are all distinct)
+        self._failures: dict[str, list[int]] = {}  # function -> [calls left to fail, NVML error code]
         self.calls: dict[str, int] = {}  # function name -> call count (tests look at what was queried)
 
     # Constants, error classes (NVMLError_*), event masks: exactly pynvml's, so `except` clauses and
@@ -465,6 +517,21 @@ class FakeNvml:
         """From now on the GPU at `position` reports `usage` (utilisation, memory used, temperature, power, ECC)."""
         with self._lock:
             self._usage[position] = usage
+
+    def fail_next(self, function: str, times: int = 1, code: int = pynvml.NVML_ERROR_UNKNOWN) -> None:
+        """The next `times` calls of a MIG-changing function (nvmlDeviceSetMigMode,
+        nvmlDeviceCreateGpuInstanceWithPlacement, nvmlGpuInstanceCreateComputeInstance, nvmlComputeInstanceDestroy,
+        nvmlGpuInstanceDestroy) fail with `code`, after their argument checks and before they change anything."""
+        with self._lock:
+            self._failures[function] = [times, code]
+
+    def _fail_injected(self, function: str) -> None:
+        with self._lock:
+            failure = self._failures.get(function)
+            if failure is None or failure[0] <= 0:
+                return
+            failure[0] -= 1
+        raise _error(failure[1])
 
     def lose_gpu(self, position: int) -> None:
         """The GPU falls off the bus: every later query about it answers GpuIsLost."""
@@ -534,8 +601,8 @@ class FakeNvml:
 
     def nvmlDeviceGetUUID(self, handle: FakeHandle | FakeMigHandle) -> str:
         if isinstance(handle, FakeMigHandle):
-            gpu, _profile = self._mig("nvmlDeviceGetUUID", handle)
-            return mig_device_uuid(gpu.uuid, gpu_instance_id(handle.instance))
+            self._mig("nvmlDeviceGetUUID", handle)
+            return self._gis[handle.position][gpu_instance_id(handle.instance)].uuid
         return self._gpu("nvmlDeviceGetUUID", handle).uuid
 
     def nvmlDeviceGetName(self, handle: FakeHandle) -> str:
@@ -583,19 +650,15 @@ class FakeNvml:
         gpu = self._gpu("nvmlDeviceGetNumaNodeId", handle)
         return -1 if gpu.numa_node is None else gpu.numa_node
 
-    def nvmlDeviceGetMigMode(self, handle: FakeHandle) -> list[int]:
-        gpu = self._gpu("nvmlDeviceGetMigMode", handle)
-        if not gpu.mig_capable:
-            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        mode = pynvml.NVML_DEVICE_MIG_ENABLE if gpu.mig_enabled else pynvml.NVML_DEVICE_MIG_DISABLE
-        return [mode, mode]
+    # -- MIG: GPU instances, each with one compute instance spanning it (a MIG device) ---------------------------
+    # Static MIG seeds them from mig_layout (GPU instance IDs 1, 2, ... in layout order, compute instance ID 0);
+    # dynamic MIG (issue 16 item 2) creates and destroys them through pynvml's calls below, under NVIDIA's
+    # placement rules of protocol.mig. A GPU instance without a compute instance is no MIG device yet.
 
-    # -- MIG (static): the GPU instances of mig_layout, each with one compute instance (ID 0) spanning it ----------
-
-    def _mig_table(self, gpu: FakeGpu) -> tuple[mig.MigProfile, ...]:
-        """The layout's profiles; a layout the model's MIG rules forbid is a mistake in the test's hardware."""
+    def _mig_table(self, gpu: FakeGpu) -> dict[int, _FakeGi]:
+        """The static layout's instances; a layout the model's MIG rules forbid is a mistake in the test's hardware."""
         if not gpu.mig_layout:
-            return ()
+            return {}
         model = mig.mig_model(gpu.name, gpu.memory_mib)
         if model is None or not gpu.mig_capable or not gpu.mig_enabled:
             raise ValueError(f"fake GPU {gpu.uuid} ({gpu.name}, {gpu.memory_mib} MiB): a MIG layout needs a "
@@ -603,14 +666,148 @@ class FakeNvml:
         problem = mig.legal_layout(model, list(gpu.mig_layout))
         if problem:
             raise ValueError(f"fake GPU {gpu.uuid}: {problem}")
-        return tuple(profile for name, _start in gpu.mig_layout if (profile := model.profile(name)))
+        instances = {}
+        for position, (name, start) in enumerate(gpu.mig_layout):
+            profile = model.profile(name)
+            assert profile is not None
+            gi_id = gpu_instance_id(position)
+            instances[gi_id] = _FakeGi(gi_id, profile, start, mig_device_uuid(gpu.uuid, gi_id), {0})
+        return instances
 
     def _mig(self, name: str, handle: FakeMigHandle) -> tuple[FakeGpu, mig.MigProfile]:
         gpu = self._gpu(name, FakeHandle(handle.position))
-        profiles = self._mig_profiles[handle.position]
-        if not gpu.mig_enabled or not 0 <= handle.instance < len(profiles):
+        instance = self._gis[handle.position].get(gpu_instance_id(handle.instance))
+        if not self._mig_mode[handle.position] or instance is None or not instance.compute:
             raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        return gpu, profiles[handle.instance]
+        return gpu, instance.profile
+
+    def _devices(self, position: int) -> list[_FakeGi]:
+        """The MIG devices of a GPU (GPU instances with a compute instance), by GPU instance ID."""
+        return [gi for _id, gi in sorted(self._gis[position].items()) if gi.compute]
+
+    def _mig_model(self, name: str, handle: FakeHandle) -> mig.MigModel:
+        gpu = self._gpu(name, handle)
+        model = mig.mig_model(gpu.name, gpu.memory_mib)
+        if not gpu.mig_capable or model is None:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return model
+
+    def nvmlDeviceGetMigMode(self, handle: FakeHandle) -> list[int]:
+        gpu = self._gpu("nvmlDeviceGetMigMode", handle)
+        if not gpu.mig_capable:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        mode = pynvml.NVML_DEVICE_MIG_ENABLE if self._mig_mode[handle.position] else pynvml.NVML_DEVICE_MIG_DISABLE
+        pending = self._mig_pending[handle.position]
+        return [mode, mode if pending is None else pending]
+
+    def nvmlDeviceSetMigMode(self, device: FakeHandle, mode: int) -> int:
+        """Takes effect at once (activation status NVML_SUCCESS), as on H100 with no process on the GPU; with
+        FakeGpu.mig_mode_needs_reset it stays pending (status NVML_ERROR_RESET_REQUIRED) until a reset the fake
+        never does. Turning MIG off while GPU instances exist is refused with InUse."""
+        self._mig_model("nvmlDeviceSetMigMode", device)
+        self._fail_injected("nvmlDeviceSetMigMode")
+        if mode not in (pynvml.NVML_DEVICE_MIG_ENABLE, pynvml.NVML_DEVICE_MIG_DISABLE):
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        with self._lock:
+            if mode == pynvml.NVML_DEVICE_MIG_DISABLE and self._gis[device.position]:
+                raise _error(pynvml.NVML_ERROR_IN_USE)
+            if self.hardware.gpus[device.position].mig_mode_needs_reset:
+                current = pynvml.NVML_DEVICE_MIG_ENABLE if self._mig_mode[device.position] else \
+                    pynvml.NVML_DEVICE_MIG_DISABLE
+                self._mig_pending[device.position] = None if mode == current else mode
+                return int(pynvml.NVML_ERROR_RESET_REQUIRED)
+            self._mig_mode[device.position] = mode == pynvml.NVML_DEVICE_MIG_ENABLE
+        return int(pynvml.NVML_SUCCESS)
+
+    def nvmlDeviceGetGpuInstancePossiblePlacements(self, device: FakeHandle, profileId: int, placementsRef: Any,
+                                                   countRef: Any) -> int:
+        """Every legal placement of the profile, free or not, whatever the MIG mode (as NVML documents it).
+        placementsRef: None (count only) or a ctypes array of pynvml.c_nvmlGpuInstancePlacement_t; countRef:
+        byref(c_uint) holding the array's length, set to the number of placements."""
+        model = self._mig_model("nvmlDeviceGetGpuInstancePossiblePlacements", device)
+        profile = model.profile_by_id(profileId)
+        if profile is None:
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        count = _deref(countRef)
+        if placementsRef is not None:
+            if count.value < len(profile.starts):
+                raise _error(pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
+            for slot, start in enumerate(profile.starts):
+                placementsRef[slot].start = start
+                placementsRef[slot].size = profile.memory_slices
+        count.value = len(profile.starts)
+        return int(pynvml.NVML_SUCCESS)
+
+    def nvmlDeviceCreateGpuInstanceWithPlacement(self, device: FakeHandle, profileId: int,
+                                                 placement: Any) -> FakeGpuInstance:
+        """NVML's rules: MIG mode on, a profile of the model, a legal start with the profile's size (each
+        InvalidArgument otherwise), no overlap with a GPU instance there and no more instances than the profile allows
+        (InsufficientResources)."""
+        model = self._mig_model("nvmlDeviceCreateGpuInstanceWithPlacement", device)
+        self._fail_injected("nvmlDeviceCreateGpuInstanceWithPlacement")
+        wanted = _deref(placement)
+        profile = model.profile_by_id(profileId)
+        if profile is None or wanted.start not in profile.starts or wanted.size != profile.memory_slices:
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        with self._lock:
+            if not self._mig_mode[device.position]:
+                raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            instances = self._gis[device.position]
+            layout = [(gi.profile.name, gi.start) for gi in instances.values()] + [(profile.name, wanted.start)]
+            if mig.legal_layout(model, layout) is not None:
+                raise _error(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
+            gi_id = min(set(range(1, len(instances) + 2)) - set(instances))  # NVML reuses freed IDs
+            self._created += 1
+            gpu_uuid = self.hardware.gpus[device.position].uuid
+            instances[gi_id] = _FakeGi(gi_id, profile, wanted.start, _dynamic_mig_uuid(gpu_uuid, self._created),
+                                       set())
+        return FakeGpuInstance(device.position, gi_id - 1)
+
+    def _gi(self, name: str, gpuInstance: FakeGpuInstance) -> _FakeGi:
+        self._gpu(name, FakeHandle(gpuInstance.position))
+        instance = self._gis[gpuInstance.position].get(gpu_instance_id(gpuInstance.instance))
+        if instance is None:
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)  # destroyed, or never created
+        return instance
+
+    def nvmlGpuInstanceCreateComputeInstance(self, gpuInstance: FakeGpuInstance, profileId: int) -> FakeComputeInstance:
+        """One compute instance spanning the GPU instance (the compute profile of its slice count); the fake does
+        not split a GPU instance into smaller compute instances (NotSupported)."""
+        instance = self._gi("nvmlGpuInstanceCreateComputeInstance", gpuInstance)
+        self._fail_injected("nvmlGpuInstanceCreateComputeInstance")
+        if COMPUTE_PROFILE_BY_SLICES.get(instance.profile.compute_slices) != profileId:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        with self._lock:
+            if instance.compute:
+                raise _error(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
+            instance.compute.add(0)
+        return FakeComputeInstance(gpuInstance.position, instance.gi_id, 0)
+
+    def nvmlGpuInstanceGetComputeInstanceById(self, gpuInstance: FakeGpuInstance, id: int) -> FakeComputeInstance:
+        instance = self._gi("nvmlGpuInstanceGetComputeInstanceById", gpuInstance)
+        if id not in instance.compute:
+            raise _error(pynvml.NVML_ERROR_NOT_FOUND)
+        return FakeComputeInstance(gpuInstance.position, instance.gi_id, id)
+
+    def nvmlComputeInstanceDestroy(self, computeInstance: FakeComputeInstance) -> int:
+        self._gpu("nvmlComputeInstanceDestroy", FakeHandle(computeInstance.position))
+        self._fail_injected("nvmlComputeInstanceDestroy")
+        with self._lock:
+            instance = self._gis[computeInstance.position].get(computeInstance.gi_id)
+            if instance is None or computeInstance.ci_id not in instance.compute:
+                raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            instance.compute.discard(computeInstance.ci_id)
+        return int(pynvml.NVML_SUCCESS)
+
+    def nvmlGpuInstanceDestroy(self, gpuInstance: FakeGpuInstance) -> int:
+        """A GPU instance that still has compute instances is InUse (as NVML answers)."""
+        instance = self._gi("nvmlGpuInstanceDestroy", gpuInstance)
+        self._fail_injected("nvmlGpuInstanceDestroy")
+        with self._lock:
+            if instance.compute:
+                raise _error(pynvml.NVML_ERROR_IN_USE)
+            del self._gis[gpuInstance.position][instance.gi_id]
+        return int(pynvml.NVML_SUCCESS)
 
     # As a real H200 answers with MIG off (driver 580): max count 0, every index and GPU instance NotFound.
 
@@ -618,19 +815,20 @@ class FakeNvml:
         gpu = self._gpu("nvmlDeviceGetMaxMigDeviceCount", handle)
         if not gpu.mig_capable:
             raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        return MAX_MIG_DEVICES if gpu.mig_enabled else 0
+        return MAX_MIG_DEVICES if self._mig_mode[handle.position] else 0
 
     def nvmlDeviceGetMigDeviceHandleByIndex(self, device: FakeHandle, index: int) -> FakeMigHandle:
         gpu = self._gpu("nvmlDeviceGetMigDeviceHandleByIndex", device)
         if not gpu.mig_capable:
             raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        if not gpu.mig_enabled:
+        if not self._mig_mode[device.position]:
             raise _error(pynvml.NVML_ERROR_NOT_FOUND)
         if not 0 <= index < MAX_MIG_DEVICES:
             raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        if index >= len(gpu.mig_layout):
+        devices = self._devices(device.position)
+        if index >= len(devices):
             raise _error(pynvml.NVML_ERROR_NOT_FOUND)  # no MIG device at this index
-        return FakeMigHandle(device.position, index)
+        return FakeMigHandle(device.position, devices[index].gi_id - 1)
 
     def nvmlDeviceIsMigDeviceHandle(self, device: FakeHandle | FakeMigHandle) -> bool:
         self._enter("nvmlDeviceIsMigDeviceHandle")
@@ -659,19 +857,20 @@ class FakeNvml:
                                     profile.memory_mib)
 
     def nvmlDeviceGetGpuInstanceById(self, device: FakeHandle, id: int) -> FakeGpuInstance:
-        gpu = self._gpu("nvmlDeviceGetGpuInstanceById", device)
-        if not gpu.mig_enabled:
+        self._gpu("nvmlDeviceGetGpuInstanceById", device)
+        if not self._mig_mode[device.position] or id not in self._gis[device.position]:
             raise _error(pynvml.NVML_ERROR_NOT_FOUND)
-        for instance in range(len(gpu.mig_layout)):
-            if gpu_instance_id(instance) == id:
-                return FakeGpuInstance(device.position, instance)
-        raise _error(pynvml.NVML_ERROR_NOT_FOUND)
+        return FakeGpuInstance(device.position, id - 1)
 
     def nvmlGpuInstanceGetInfo(self, gpuInstance: FakeGpuInstance) -> FakeGpuInstanceInfo:
-        _gpu, profile = self._mig("nvmlGpuInstanceGetInfo", FakeMigHandle(gpuInstance.position, gpuInstance.instance))
-        start = self.hardware.gpus[gpuInstance.position].mig_layout[gpuInstance.instance][1]
-        return FakeGpuInstanceInfo(FakeHandle(gpuInstance.position), gpu_instance_id(gpuInstance.instance),
-                                   profile.profile_id, FakePlacement(start, profile.memory_slices))
+        instance = self._gi("nvmlGpuInstanceGetInfo", gpuInstance)
+        return FakeGpuInstanceInfo(FakeHandle(gpuInstance.position), instance.gi_id, instance.profile.profile_id,
+                                   FakePlacement(instance.start, instance.profile.memory_slices))
+
+    def mig_instances(self, position: int) -> list[tuple[str, int, bool]]:
+        """Test view (not pynvml): the GPU instances of a GPU as (profile, start, has a compute instance)."""
+        with self._lock:
+            return [(gi.profile.name, gi.start, bool(gi.compute)) for _id, gi in sorted(self._gis[position].items())]
 
     def nvmlDeviceGetTopologyCommonAncestor(self, device1: FakeHandle, device2: FakeHandle) -> int:
         first = self._gpu("nvmlDeviceGetTopologyCommonAncestor", device1)

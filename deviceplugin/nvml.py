@@ -25,6 +25,8 @@ LibraryNotFound: type[pynvml.NVMLError] = pynvml.NVMLError_LibraryNotFound
 Timeout: type[pynvml.NVMLError] = pynvml.NVMLError_Timeout
 InvalidArgument: type[pynvml.NVMLError] = pynvml.NVMLError_InvalidArgument
 NotFound: type[pynvml.NVMLError] = pynvml.NVMLError_NotFound
+InsufficientResources: type[pynvml.NVMLError] = pynvml.NVMLError_InsufficientResources
+InUse: type[pynvml.NVMLError] = pynvml.NVMLError_InUse
 #: errors meaning "this query is not available here"; callers degrade instead of failing
 UNAVAILABLE: tuple[type[pynvml.NVMLError], ...] = (NotSupported, FunctionNotFound)
 
@@ -133,6 +135,45 @@ class Nvml:
         """(profile ID, start slot, size in slots) of a GPU's GPU instance."""
         info = self.lib.nvmlGpuInstanceGetInfo(self.lib.nvmlDeviceGetGpuInstanceById(handle, gpu_instance))
         return int(info.profileId), int(info.placement.start), int(info.placement.size)
+
+    # dynamic MIG (issue 16 item 2): the plugin partitions GPUs itself
+
+    def set_mig_mode(self, handle: Any, enabled: bool) -> bool:
+        """Switch MIG mode; True when it took effect now, False when it waits for a GPU reset (A100 may)."""
+        mode = pynvml.NVML_DEVICE_MIG_ENABLE if enabled else pynvml.NVML_DEVICE_MIG_DISABLE
+        self.lib.nvmlDeviceSetMigMode(handle, mode)
+        return self.mig_enabled(handle) == enabled
+
+    def possible_placements(self, handle: Any, profile_id: int) -> list[tuple[int, int]]:
+        """(start, size) of every legal placement of a GPU instance profile, free or not."""
+        count = ctypes.c_uint(0)
+        self.lib.nvmlDeviceGetGpuInstancePossiblePlacements(handle, profile_id, None, ctypes.byref(count))
+        placements = (pynvml.c_nvmlGpuInstancePlacement_t * max(1, count.value))()
+        self.lib.nvmlDeviceGetGpuInstancePossiblePlacements(handle, profile_id, placements, ctypes.byref(count))
+        return [(int(placements[i].start), int(placements[i].size)) for i in range(count.value)]
+
+    def create_gpu_instance(self, handle: Any, profile_id: int, start: int, size: int) -> Any:
+        placement = pynvml.c_nvmlGpuInstancePlacement_t()
+        placement.start, placement.size = start, size
+        return self.lib.nvmlDeviceCreateGpuInstanceWithPlacement(handle, profile_id, ctypes.byref(placement))
+
+    def create_compute_instance(self, gpu_instance: Any, compute_profile: int) -> Any:
+        return self.lib.nvmlGpuInstanceCreateComputeInstance(gpu_instance, compute_profile)
+
+    def gpu_instance_id_of(self, gpu_instance: Any) -> int:
+        return int(self.lib.nvmlGpuInstanceGetInfo(gpu_instance).id)
+
+    def gpu_instance(self, handle: Any, gpu_instance: int) -> Any:
+        return self.lib.nvmlDeviceGetGpuInstanceById(handle, gpu_instance)
+
+    def destroy_compute_instance(self, compute_instance: Any) -> None:
+        self.lib.nvmlComputeInstanceDestroy(compute_instance)
+
+    def compute_instance(self, gpu_instance: Any, compute_instance: int) -> Any:
+        return self.lib.nvmlGpuInstanceGetComputeInstanceById(gpu_instance, compute_instance)
+
+    def destroy_gpu_instance(self, gpu_instance: Any) -> None:
+        self.lib.nvmlGpuInstanceDestroy(gpu_instance)
 
     def nvlink_active(self, handle: Any, link: int) -> bool:
         return bool(self.lib.nvmlDeviceGetNvLinkState(handle, link) == pynvml.NVML_FEATURE_ENABLED)

@@ -478,7 +478,7 @@ def mutate_gpu_pod(pod: dict[str, Any], request: PodGpuRequest, config: WebhookC
         _patch_resources(ops, container, base, gpu)
         _patch_env(ops, warnings, container, gpu, base, config)
         # no limiter library or /etc/ld.so.preload in a MIG container (see _patch_env), the cache volume alone
-        _patch_mounts(ops, warnings, container, gpu.name, base, mounts if gpu.mig_profile is None else mounts[:1])
+        _patch_mounts(ops, warnings, container, gpu.name, base, mounts if not gpu.mig else mounts[:1])
     with_gpus = {(key, index) for key, index, _container, _gpu in gpu_containers}
     for key in ("initContainers", "containers"):
         for index, container in enumerate(spec.get(key) or ()):
@@ -619,7 +619,7 @@ def _patch_resources(
 
 def _desired_env(gpu: ContainerGpuRequest, config: WebhookConfig) -> dict[str, str]:
     # 0 = no compute limit; a MIG device is isolated by the hardware, so the limiter (still loaded) limits nothing
-    env = {ENV_SM_LIMIT: "0" if gpu.mig_profile is not None else str(gpu.cores)}
+    env = {ENV_SM_LIMIT: "0" if gpu.mig else str(gpu.cores)}
     if gpu.memory_mib is not None:
         # "<MiB>m": a bare number would be read as bytes. Percentages are resolved by the device plugin, which
         # alone knows which GPU (and so how much memory) the container got.
@@ -643,7 +643,7 @@ def _patch_env(
     desired = _desired_env(gpu, config)
     # a MIG device is isolated by the hardware: the limiter is not loaded into a MIG container (a pod-set LD_PRELOAD
     # then stays the pod's own)
-    preload = config.limiter_mode in _LD_PRELOAD_ENV_MODES and gpu.mig_profile is None
+    preload = config.limiter_mode in _LD_PRELOAD_ENV_MODES and not gpu.mig
     library = config.limiter_library_path if preload else None
     env: list[dict[str, Any]] = container.get("env") or []
     new_env: list[dict[str, Any]] = []

@@ -9,8 +9,10 @@ those moments (model.peak_usage, the same function the cluster state applies to 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
+from kube_vgpu.extender.engine.dynmig import choose_dynamic_mig, has_dynamic_mig, profile_for_memory
 from kube_vgpu.extender.engine.mig import choose_mig_devices
 from kube_vgpu.extender.engine.model import (
     ContainerPlacement,
@@ -87,6 +89,12 @@ def _place_container(
     scratch: Scratch,
     gpu_policy: Policy,
 ) -> list[tuple[int, int, int]] | FitFailure:
+    if container.mig_memory_mib is not None:  # vgpu-mode: mig: the node names the profile
+        profile = profile_for_memory(node, container.mig_memory_mib)
+        if isinstance(profile, FitFailure):
+            return FitFailure(f"container {container.name}: {profile.reason}", profile.unresolvable, profile.code)
+        return _place_mig_container(node, request, dataclasses.replace(container, mig_profile=profile), scratch,
+                                    dynamic_only=True)
     if container.mig_profile is not None:
         return _place_mig_container(node, request, container, scratch)
     candidates: Sequence[GpuState] | None = fitting_gpus(node, container, request, scratch)
@@ -126,10 +134,26 @@ def _place_container(
 
 
 def _place_mig_container(
-    node: NodeState, request: PlacementRequest, container: ContainerGpuRequest, scratch: Scratch
+    node: NodeState, request: PlacementRequest, container: ContainerGpuRequest, scratch: Scratch,
+    *, dynamic_only: bool = False,
 ) -> list[tuple[int, int, int]] | FitFailure:
-    """Static MIG: `container.count` free MIG devices of its profile (engine/mig.py chooses), each held whole."""
-    chosen = choose_mig_devices(node, container, request.gpu.selectors, scratch)
+    """Static MIG: `container.count` free MIG devices of its profile (engine/mig.py chooses), each held whole;
+    failing that, new instances on the node's dynamic MIG GPUs (engine/dynmig.py chooses where)."""
+    chosen: list[GpuState] | FitFailure = FitFailure("", code="mig")  # vgpu-mode mig: dynamic MIG only
+    if not dynamic_only:
+        chosen = choose_mig_devices(node, container, request.gpu.selectors, scratch)
+    if isinstance(chosen, FitFailure) and has_dynamic_mig(node):
+        dynamic = choose_dynamic_mig(node, container, request.gpu.selectors, scratch)
+        if isinstance(dynamic, FitFailure):
+            # static devices of the profile exist but are busy: both reasons; none: the dynamic one alone
+            if node.mig_devices and not dynamic_only:
+                reason = f"{chosen.reason}; {dynamic.reason}"
+                dynamic = FitFailure(reason, chosen.unresolvable and dynamic.unresolvable, "mig")
+            return FitFailure(f"container {container.name}: {dynamic.reason}", dynamic.unresolvable, dynamic.code)
+        chosen = dynamic
+        for device in chosen:  # the GPU becomes a MIG GPU: this pod's vGPU containers stay off it too
+            assert device.mig_parent is not None
+            scratch.exclusive[device.mig_parent] = True
     if isinstance(chosen, FitFailure):
         return FitFailure(f"container {container.name}: {chosen.reason}", chosen.unresolvable, chosen.code)
     devices = []

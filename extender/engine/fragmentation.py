@@ -133,7 +133,7 @@ def task_shape(request: PlacementRequest) -> TaskShape:
     """The shape of an engine request: its first GPU container's per-GPU ask (compute in milli of the request's
     cores unit; exclusive = 1000; memory as asked, none = all of it), the vGPUs of the app containers and
     native sidecars (which run beside them) as the count."""
-    containers = tuple(c for c in request.gpu.containers if c.mig_profile is None)  # MIG devices are no GPU shares
+    containers = tuple(c for c in request.gpu.containers if not c.mig)  # MIG devices are no GPU shares
     if not containers:
         return TaskShape(request.cpu_milli, 0, 0, request.gpu_spec)
     container = containers[0]

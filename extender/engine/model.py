@@ -17,6 +17,7 @@ from kube_vgpu.protocol import (
     ContainerAssignment,
     ContainerGpuRequest,
     DeviceShare,
+    DynamicMigPlacement,
     GpuInfo,
     GpuLink,
     MigDevice,
@@ -24,6 +25,7 @@ from kube_vgpu.protocol import (
     PodAssignment,
     PodGpuRequest,
 )
+from kube_vgpu.protocol.mig import MIG_MODELS, MigModel, MigProfile
 
 #: link matrix (as a tuple) -> small id; one entry per distinct hardware layout in the cluster
 _LINK_IDS: dict[tuple[tuple[int, ...], ...], int] = {}
@@ -44,14 +46,17 @@ class GpuState:
 
     __slots__ = (
         "cores",
+        "dynamic_mig",
         "exclusive_holders",
         "healthy",
         "index",
         "max_vgpus",
         "memory_mib",
+        "mig_mask",
         "mig_mode",
         "mig_parent",
         "mig_profile",
+        "mig_start",
         "model",
         "model_lower",
         "numa_node",
@@ -81,6 +86,12 @@ class GpuState:
         self.exclusive_holders = 1 if info.external_pods else 0
         self.mig_profile: str | None = None  # set on a MIG device (mig_device)
         self.mig_parent: int | None = None  # a MIG device's GPU (its position)
+        #: dynamic MIG, on a GPU the device plugin partitions per pod: its model's table, allowlist and the slots
+        #: its existing instances occupy (None elsewhere)
+        self.dynamic_mig: DynamicGpu | None = None
+        #: dynamic MIG, on a placement (a virtual MIG device): its start slot and the slots it occupies (0 elsewhere)
+        self.mig_start = -1
+        self.mig_mask = 0
 
     @classmethod
     def mig_device(cls, parent: GpuInfo, parent_position: int, device: MigDevice, position: int) -> GpuState:
@@ -93,6 +104,19 @@ class GpuState:
         unit.max_vgpus = 1
         unit.mig_profile = device.profile
         unit.mig_parent = parent_position
+        return unit
+
+    @classmethod
+    def dynamic_placement(cls, parent: GpuInfo, parent_position: int, profile: MigProfile, start: int,
+                          position: int) -> GpuState:
+        """Dynamic MIG: one legal placement of a profile on a dynamic GPU, a virtual MIG device held whole by one
+        container (an assignment names it DynamicMigPlacement.device). It exists on the GPU only once the device
+        plugin created it for the pod; until then holding it reserves its slots."""
+        device = MigDevice(DynamicMigPlacement(parent.uuid, profile.name, start).device, profile.name, 0, 0,
+                           profile.memory_mib, profile.multiprocessors, start, profile.memory_slices)
+        unit = cls.mig_device(parent, parent_position, device, position)
+        unit.mig_start = start
+        unit.mig_mask = ((1 << profile.memory_slices) - 1) << start
         return unit
 
     @property
@@ -122,6 +146,17 @@ class GpuState:
         for name in GpuState.__slots__:
             setattr(twin, name, getattr(self, name))
         return twin
+
+
+@dataclass(frozen=True, slots=True)
+class DynamicGpu:
+    """A dynamic MIG GPU's hardware facts (from the inventory's migDynamic): NVIDIA's table of its model, the
+    profiles the operator allows, and the slots its existing instances occupy."""
+
+    model: MigModel
+    profiles: tuple[MigProfile, ...]
+    instance_mask: int
+    instances: tuple[tuple[str, int], ...]  # (profile, start) of the instances that exist now
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,6 +273,7 @@ class NodeState:
         "cpu_milli_total",
         "cpu_milli_used",
         "devices",
+        "dynamic_mig_devices",
         "fit_cache",
         "free_milli_cache",
         "gpu_by_uuid",
@@ -290,6 +326,9 @@ class NodeState:
         #: indexed by position (usage, scratch and assignments address either kind). Everything that measures the
         #: node's GPUs (totals, fragmentation, policies) reads `gpus` alone.
         self.mig_devices: list[GpuState] = []
+        #: dynamic MIG: every legal placement of every allowed profile on the dynamic GPUs (virtual MIG devices),
+        #: positioned after the static MIG devices
+        self.dynamic_mig_devices: list[GpuState] = []
         self.devices: list[GpuState] = []
         self.gpu_by_uuid: dict[str, GpuState] = {}
         self.link_matrix: list[list[int]] = []
@@ -308,7 +347,18 @@ class NodeState:
                 for device in sorted(info.mig_devices, key=lambda d: d.start):
                     position = len(self.gpus) + len(self.mig_devices)
                     self.mig_devices.append(GpuState.mig_device(info, parent_position, device, position))
-        self.devices = self.gpus + self.mig_devices
+        self.dynamic_mig_devices = []
+        for parent_position, info in enumerate(gpus_info):
+            dynamic = _dynamic_gpu(info)
+            if dynamic is None:
+                continue
+            self.gpus[parent_position].dynamic_mig = dynamic
+            for profile in dynamic.profiles:
+                for start in profile.starts:
+                    position = len(self.gpus) + len(self.mig_devices) + len(self.dynamic_mig_devices)
+                    self.dynamic_mig_devices.append(
+                        GpuState.dynamic_placement(info, parent_position, profile, start, position))
+        self.devices = self.gpus + self.mig_devices + self.dynamic_mig_devices
         self.gpu_by_uuid = {gpu.uuid: gpu for gpu in self.devices}
         position_of_index = {gpu.index: gpu.position for gpu in self.gpus}
         size = len(self.gpus)
@@ -345,7 +395,8 @@ class NodeState:
             setattr(twin, name, getattr(self, name))
         twin.gpus = [gpu.copy() for gpu in self.gpus]
         twin.mig_devices = [device.copy() for device in self.mig_devices]
-        twin.devices = twin.gpus + twin.mig_devices
+        twin.dynamic_mig_devices = [device.copy() for device in self.dynamic_mig_devices]
+        twin.devices = twin.gpus + twin.mig_devices + twin.dynamic_mig_devices
         twin.gpu_by_uuid = {gpu.uuid: gpu for gpu in twin.devices}
         twin.pod_kinds = dict(self.pod_kinds)
         twin.fit_cache = {}
@@ -369,6 +420,9 @@ class NodeState:
             gpu.used_vgpus += sign * item.vgpus
             if item.exclusive:
                 gpu.exclusive_holders += sign
+            if gpu.mig_mask and gpu.mig_parent is not None:
+                # a dynamic MIG instance makes its GPU a MIG GPU: no vGPU shares it while the instance is held
+                gpus[gpu.mig_parent].exclusive_holders += sign
         gpu_count = len(self.gpus)  # a pod's kind (clustering) is its GPU shares' kind, MIG devices aside
         kind = usage_kind(usage if all(u.position < gpu_count for u in usage)
                           else tuple(u for u in usage if u.position < gpu_count))
@@ -396,6 +450,22 @@ class NodeState:
     @property
     def used_cores(self) -> int:
         return sum(gpu.used_cores for gpu in self.gpus)
+
+
+def _dynamic_gpu(info: GpuInfo) -> DynamicGpu | None:
+    """The engine's view of a dynamic MIG GPU; None for other GPUs, and for one whose model this extender does not
+    know (a newer device plugin's): it is left alone rather than refused."""
+    dynamic = info.dynamic_mig
+    if dynamic is None:
+        return None
+    model = next((m for m in MIG_MODELS if m.key == dynamic.model), None)
+    if model is None:
+        return None
+    profiles = tuple(p for name in dynamic.profiles if (p := model.profile(name)) and not name.endswith("+me"))
+    mask = 0
+    for device in dynamic.instances:
+        mask |= ((1 << device.size) - 1) << device.start
+    return DynamicGpu(model, profiles, mask, tuple((d.profile, d.start) for d in dynamic.instances))
 
 
 def assignment_from_placement(node: NodeState, placement: Placement) -> PodAssignment:

@@ -531,7 +531,7 @@ class QuotaGate:
             if len(self._signatures) > 100_000:  # bounded: old inventories of replaced nodes
                 self._signatures.clear()
             shape = frozenset((g.model_lower, g.memory_mib, g.cores) for g in node.gpus if g.schedulable) | frozenset(
-                (f"mig {d.mig_profile}", d.memory_mib, 0) for d in node.mig_devices)
+                (f"mig {d.mig_profile}", d.memory_mib, 0) for d in (*node.mig_devices, *node.dynamic_mig_devices))
             found = self._signatures[node.inventory_text] = self._signature_ids.setdefault(
                 shape, len(self._signature_ids))
         return found

@@ -67,7 +67,7 @@ def profile_memory_mib(profile: str, node: NodeState) -> int:
     """The MiB one `profile` device will hold on `node`: the largest such device the node publishes (what its
     assignment will then hold, read from NVML); failing that, the profile table of the node's GPU models; failing
     that, the largest in any table (an upper bound: what is then counted never exceeds what was checked)."""
-    published = [d.memory_mib for d in node.mig_devices if d.mig_profile == profile]
+    published = [d.memory_mib for d in (*node.mig_devices, *node.dynamic_mig_devices) if d.mig_profile == profile]
     if published:
         return max(published)
     tabled = [p.memory_mib for gpu in node.gpus

@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kube_vgpu import kubeapi, protocol
+from kube_vgpu.extender.engine.dynmig import profile_for_memory
 from kube_vgpu.extender.engine.fit import gpu_eligible
-from kube_vgpu.extender.engine.model import NodeState
+from kube_vgpu.extender.engine.model import FitFailure, NodeState
 from kube_vgpu.extender.quota import mig
 from kube_vgpu.extender.quota.accounting import FlavorResource
 from kube_vgpu.extender.quota.objects import TOTAL_GPU_CORES, TOTAL_GPU_MEMORY, Toleration, parse_tolerations
@@ -111,7 +112,8 @@ def assignment_usage(assignment: PodAssignment, gpu_memory_mib: Mapping[str, int
         mig_devices: dict[str, int] = {}
         for device in (d for c in phase for d in c.devices):
             memory_mib += device.memory_mib
-            profile = profiles.get(device.uuid)
+            dynamic = protocol.parse_dynamic_mig_device(device.uuid)
+            profile = profiles.get(device.uuid) or (dynamic.profile if dynamic is not None else None)
             if profile is not None:
                 resource = mig.mig_resource(profile)
                 mig_devices[resource] = mig_devices.get(resource, 0) + 1
@@ -132,7 +134,7 @@ def request_usage_fixed(request: PodGpuRequest) -> dict[str, int] | None:
     """What the pod will hold on any node, when that does not depend on the node's GPUs (every container names
     its MiB per vGPU); None otherwise (a MIG device's MiB is the node's). Cores: what the engine assigns on a GPU
     of 100 compute units (for exclusive use it assigns the GPU's units, never more than the 100 requested)."""
-    if any(c.memory_mib is None for c in request.containers):
+    if any(c.memory_mib is None or c.mig for c in request.containers):  # vgpu-mode mig: the node picks the profile
         return None
     totals = {r: 0 for r in GPU_RESOURCES}
     for phase in request.phases:
@@ -152,11 +154,19 @@ def request_usage_on(request: PodGpuRequest, node: NodeState) -> dict[str, int]:
         count = memory_mib = cores = charged_cores = 0
         mig_devices: dict[str, int] = {}
         for container in phase:
-            if container.mig_profile is not None:
-                # its MIG resource as written, and its memory: no vGPU, no cores (quota/mig.py says why)
-                resource = mig.mig_resource(container.mig_profile)
+            if container.mig:
+                # its MIG resource as written (vgpu-mode mig: the profile this node gives it), and its memory: no
+                # vGPU, no cores (quota/mig.py says why)
+                profile = container.mig_profile
+                if profile is None:
+                    picked = profile_for_memory(node, container.mig_memory_mib or 0)
+                    if isinstance(picked, FitFailure):  # the node cannot place it: charge what it asks
+                        memory_mib += container.count * (container.mig_memory_mib or 0)
+                        continue
+                    profile = picked
+                resource = mig.mig_resource(profile)
                 mig_devices[resource] = mig_devices.get(resource, 0) + container.count
-                memory_mib += container.count * mig.profile_memory_mib(container.mig_profile, node)
+                memory_mib += container.count * mig.profile_memory_mib(profile, node)
                 continue
             per_memory = container.memory_mib if container.memory_mib is not None else max(
                 (container.memory_on(g.memory_mib) for g in eligible), default=0)
@@ -214,10 +224,11 @@ def named_gpu_resources(request: PodGpuRequest) -> list[str]:
     """The GPU resources the pod's containers name (what Kueue reads from the pod spec), in DECLARED_BY order,
     then the MIG resources sorted."""
     containers = [c for c in request.containers if c.count > 0]
-    shares = [c for c in containers if c.mig_profile is None]  # a MIG container names its MIG resource only
+    shares = [c for c in containers if not c.mig]  # a MIG container names its MIG resource only
     named = {
-        protocol.RESOURCE_GPU: bool(shares),
-        protocol.RESOURCE_GPU_MEMORY: any(c.memory_mib is not None for c in shares),
+        # vgpu-mode: mig containers write nvidia.com/gpu and gpumem (which sizes their instance), as Kueue reads them
+        protocol.RESOURCE_GPU: any(c.mig_profile is None for c in containers),
+        protocol.RESOURCE_GPU_MEMORY: any(c.memory_mib is not None for c in containers if c.mig_profile is None),
         protocol.RESOURCE_GPU_MEMORY_PERCENTAGE: any(c.memory_percent is not None for c in shares),
         protocol.RESOURCE_GPU_CORES: any(c.cores > 0 for c in shares),
     }

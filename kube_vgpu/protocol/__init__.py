@@ -10,6 +10,7 @@ two producers describing the same hardware emit byte-identical annotations.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import re
 from collections.abc import Iterable, Mapping
@@ -63,6 +64,8 @@ ANNOTATION_NODE_POLICY = "hami.io/node-scheduler-policy"
 #: HAMi's per-pod sharing mode: "hami-core" (the in-container limiter, what kube-vgpu does), "mig", "mps".
 ANNOTATION_VGPU_MODE = "nvidia.com/vgpu-mode"
 VGPU_MODE_HAMI_CORE = "hami-core"
+#: dynamic MIG (issue 16 item 2): each vGPU a new MIG instance of the smallest allowed profile with its gpumem
+VGPU_MODE_MIG = "mig"
 
 #: The placement policies of the extender's registry (extender/engine/policies/registry.py; a test keeps the two
 #: equal), for the webhook, which must refuse a name the extender would not know without importing the extender.
@@ -86,6 +89,10 @@ LABEL_GPU_MEMORY_MIB = "nvidia.com/gpu.memory"
 LABEL_LIMITER = ANNOTATION_PREFIX + "limiter"
 #: Its value on simulated nodes (fake NVML, the dev cluster): they stand for nodes with the limiter installed.
 LIMITER_LABEL_SIMULATED = "simulated"
+#: Dynamic MIG by node label (issue 16 item 2): an operator sets it on a node ("all", or GPU indexes joined by "."
+#: such as "0.1": label values take no commas); a device plugin started with --dynamic-mig-profiles and without
+#: --dynamic-mig partitions those GPUs. Read at the plugin's start.
+LABEL_DYNAMIC_MIG = ANNOTATION_PREFIX + "dynamic-mig"
 
 # Environment variables read by the in-container limiter (HAMi-core's libvgpu.so).
 ENV_MEMORY_LIMIT_PREFIX = "CUDA_DEVICE_MEMORY_LIMIT_"  # + vGPU index; value "<MiB>m"
@@ -229,6 +236,19 @@ class MigDevice:
 
 
 @dataclass(frozen=True, slots=True)
+class DynamicMig:
+    """Dynamic MIG (issue 16 item 2): the operator lets kube-vgpu partition this GPU itself. The extender chooses
+    (profile, start slot) per pod among `profiles`; the device plugin creates the instance before Allocate answers
+    and destroys it when its pod is gone. `instances` are the MIG devices that exist now (the GPU is in MIG mode
+    exactly while it has any); they are listed here and never in GpuInfo.mig_devices, so a reader that does not
+    know dynamic MIG sees a GPU in MIG mode without devices and never places a pod on one of them."""
+
+    model: str  # protocol.mig.MigModel.key, e.g. "A100-40GB"; a reader that does not know it leaves the GPU alone
+    profiles: tuple[str, ...]  # the operator's allowlist for this model, e.g. ("1g.10gb", "3g.40gb")
+    instances: tuple[MigDevice, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class GpuInfo:
     uuid: str
     index: int
@@ -249,6 +269,8 @@ class GpuInfo:
     #: inventories without MIG stay byte-identical to earlier v1 producers, and an older reader, which ignores the
     #: field, keeps never using a GPU in MIG mode.
     mig_devices: tuple[MigDevice, ...] = ()
+    #: Dynamic MIG (issue 16 item 2): set on a GPU the operator marked for it; encoded only when set ("migDynamic").
+    dynamic_mig: DynamicMig | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,11 +329,21 @@ def encode_inventory(inventory: NodeInventory) -> str:
                 **({"migDevices": [[m.uuid, m.profile, m.gpu_instance, m.compute_instance, m.memory_mib,
                                     m.multiprocessors, m.start, m.size] for m in gpu.mig_devices]}
                    if gpu.mig_devices else {}),
+                **({"migDynamic": _encode_dynamic_mig(gpu.dynamic_mig)} if gpu.dynamic_mig is not None else {}),
             }
             for gpu in inventory.gpus
         ],
     }
     return orjson.dumps(doc).decode()
+
+
+def _encode_mig_device(m: MigDevice) -> list[Any]:
+    return [m.uuid, m.profile, m.gpu_instance, m.compute_instance, m.memory_mib, m.multiprocessors, m.start, m.size]
+
+
+def _encode_dynamic_mig(dynamic: DynamicMig) -> dict[str, Any]:
+    return {"model": dynamic.model, "profiles": list(dynamic.profiles),
+            "instances": [_encode_mig_device(m) for m in dynamic.instances]}
 
 
 def _require(doc: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
@@ -395,6 +427,11 @@ def decode_inventory(text: str) -> NodeInventory:  # noqa: C901
             raise ProtocolError(f"{where}: memoryMiB, cores and maxShares must be positive")
         mig_mode = _require(raw, "mig", bool, where)
         mig_devices = _decode_mig_devices(raw.get("migDevices", []), where, mig_mode, memory_mib, seen_uuids)
+        dynamic_mig = None
+        if "migDynamic" in raw:
+            dynamic_mig = _decode_dynamic_mig(raw["migDynamic"], where, mig_mode, memory_mib, seen_uuids)
+            if dynamic_mig.instances and mig_devices:
+                raise ProtocolError(f"{where}: a dynamic MIG GPU lists its instances under migDynamic, not migDevices")
         gpus.append(
             GpuInfo(
                 uuid=uuid,
@@ -410,6 +447,7 @@ def decode_inventory(text: str) -> NodeInventory:  # noqa: C901
                 links=tuple(links),
                 external_pods=tuple(external),
                 mig_devices=mig_devices,
+                dynamic_mig=dynamic_mig,
             )
         )
     for position, gpu in enumerate(gpus):
@@ -425,6 +463,24 @@ def decode_inventory(text: str) -> NodeInventory:  # noqa: C901
 _MIG_SLOTS = 8
 #: NVML numbers GPU and compute instances below this
 _MAX_MIG_INSTANCE_ID = 1023
+
+
+def _decode_dynamic_mig(
+    raw: Any, where: str, mig_mode: bool, gpu_memory_mib: int, seen_uuids: set[str]
+) -> DynamicMig:
+    """A GPU's "migDynamic": {"model", "profiles", "instances"}. Keys this reader does not know are ignored (a newer
+    device plugin may add some); a model or profile it does not know is kept and left unused by the engine."""
+    where = f"{where} migDynamic"
+    if not isinstance(raw, dict):
+        raise ProtocolError(f"{where}: must be an object")
+    model = _require(raw, "model", str, where)
+    profiles = _require(raw, "profiles", list, where)
+    for profile in profiles:
+        if not isinstance(profile, str) or not re.fullmatch(r"[1-7]g\.[0-9]+gb(\+me)?", profile):
+            raise ProtocolError(f"{where}: profile {profile!r} is not a MIG profile name like 3g.20gb")
+    instances = _decode_mig_devices(raw.get("instances", []), f"{where} instances", mig_mode, gpu_memory_mib,
+                                    seen_uuids)
+    return DynamicMig(model, tuple(profiles), instances)
 
 
 def _decode_mig_devices(
@@ -543,6 +599,37 @@ class PodAssignment:
     def phases(self) -> tuple[tuple[ContainerAssignment, ...], ...]:
         """The containers that hold their devices at the same moment (see container_phases)."""
         return container_phases(self.containers)
+
+
+#: Dynamic MIG: an assignment names a MIG instance that does not exist yet by this device name, built from the
+#: GPU's UUID, the profile and the start slot the extender chose ("dynmig/GPU-.../1g.10gb@3"). The device plugin
+#: creates that instance before Allocate answers and hands the container the new MIG device's UUID. A device name,
+#: not a new assignment field, so quota, state and every reader that counts a pod's devices keep working unchanged.
+DYNAMIC_MIG_DEVICE_PREFIX = "dynmig/"
+
+
+@dataclass(frozen=True, slots=True)
+class DynamicMigPlacement:
+    gpu_uuid: str
+    profile: str
+    start: int
+
+    @property
+    def device(self) -> str:
+        return f"{DYNAMIC_MIG_DEVICE_PREFIX}{self.gpu_uuid}/{self.profile}@{self.start}"
+
+
+def parse_dynamic_mig_device(device: str) -> DynamicMigPlacement | None:
+    """The placement a dynamic MIG device name stands for; None for any other device (a GPU or MIG UUID)."""
+    if not device.startswith(DYNAMIC_MIG_DEVICE_PREFIX):
+        return None
+    gpu_uuid, _, rest = device[len(DYNAMIC_MIG_DEVICE_PREFIX):].rpartition("/")
+    profile, _, start = rest.partition("@")
+    if not gpu_uuid or not re.fullmatch(r"[1-7]g\.[0-9]+gb", profile) or not start.isdigit():
+        return None
+    if int(start) >= _MIG_SLOTS:
+        return None
+    return DynamicMigPlacement(gpu_uuid, profile, int(start))
 
 
 def encode_assignment(assignment: PodAssignment) -> str:
@@ -759,6 +846,14 @@ class ContainerGpuRequest:
     #: static MIG: the container asks for `count` MIG devices of this profile (nvidia.com/mig-<profile>), each held
     #: whole (cores is CORES_PER_GPU, memory the device's); None for vGPUs
     mig_profile: str | None = None
+    #: HAMi's nvidia.com/vgpu-mode: mig (dynamic MIG by memory): each of `count` vGPUs is a new MIG instance of the
+    #: smallest profile a dynamic MIG GPU allows with at least this much memory (its nvidia.com/gpumem); None else
+    mig_memory_mib: int | None = None
+
+    @property
+    def mig(self) -> bool:
+        """Held as whole MIG devices (a named profile, or vgpu-mode: mig), not as a shared vGPU."""
+        return self.mig_profile is not None or self.mig_memory_mib is not None
 
     @property
     def exclusive(self) -> bool:
@@ -1069,7 +1164,8 @@ def parse_pod_gpu_request(pod: Mapping[str, Any]) -> PodGpuRequest:
         nouse_uuids=_annotation_list(annotations, ANNOTATION_NOUSE_GPU_UUID, lower=False),
         numa_bind=str(annotations.get(ANNOTATION_NUMA_BIND, "")).lower() == "true",
     )
-    _check_vgpu_mode(annotations)
+    if _check_vgpu_mode(annotations):
+        containers = [_mig_by_memory(container) for container in containers]
     return PodGpuRequest(
         containers=tuple(containers),
         selectors=selectors,
@@ -1078,27 +1174,40 @@ def parse_pod_gpu_request(pod: Mapping[str, Any]) -> PodGpuRequest:
     )
 
 
-def _check_vgpu_mode(annotations: Mapping[str, Any]) -> None:
-    """HAMi's nvidia.com/vgpu-mode: hami-core is what kube-vgpu does; mig and mps are refused, never silently
-    turned into a shared vGPU."""
+def _check_vgpu_mode(annotations: Mapping[str, Any]) -> bool:
+    """HAMi's nvidia.com/vgpu-mode: hami-core is the in-container limiter (what kube-vgpu does by default); mig is
+    dynamic MIG (True: the GPU containers are to get new MIG instances sized by their memory); mps is refused, never
+    silently turned into a shared vGPU."""
     mode = annotations.get(ANNOTATION_VGPU_MODE)
     if mode is None:
-        return
+        return False
     if not isinstance(mode, str):
         raise InvalidGpuRequest(f"annotation {ANNOTATION_VGPU_MODE} must be a string")
     if mode.strip().lower() == VGPU_MODE_HAMI_CORE:
-        return
-    if mode.strip().lower() == "mig":
-        raise InvalidGpuRequest(
-            f"annotation {ANNOTATION_VGPU_MODE}: mig (HAMi's dynamic MIG) is not supported by kube-vgpu yet, and the "
-            f"pod must not silently get a shared GPU without MIG isolation instead; ask for an existing MIG device "
-            f"with {MIG_RESOURCE_PREFIX}<profile> (static MIG, e.g. {MIG_RESOURCE_PREFIX}3g.20gb), or remove the "
-            f"annotation for a shared vGPU (in-container limiter)"
-        )
+        return False
+    if mode.strip().lower() == VGPU_MODE_MIG:
+        return True
     raise InvalidGpuRequest(
         f"annotation {ANNOTATION_VGPU_MODE}: {_shown(mode)} is not supported; kube-vgpu shares GPUs with the "
-        f"in-container limiter only ({VGPU_MODE_HAMI_CORE}): remove the annotation or set it to {VGPU_MODE_HAMI_CORE}"
+        f"in-container limiter ({VGPU_MODE_HAMI_CORE}) or partitions them with MIG ({VGPU_MODE_MIG}): remove the "
+        f"annotation or set it to one of those"
     )
+
+
+def _mig_by_memory(container: ContainerGpuRequest) -> ContainerGpuRequest:
+    """vgpu-mode: mig: a vGPU container becomes `count` dynamic MIG instances of the smallest allowed profile with
+    its nvidia.com/gpumem (the node decides the profile: names differ by GPU model). A container naming a MIG
+    resource keeps it."""
+    if container.mig_profile is not None:
+        return container
+    if container.memory_mib is None:
+        raise InvalidGpuRequest(
+            f"container {container.name}: annotation {ANNOTATION_VGPU_MODE}: mig chooses the MIG profile by memory: "
+            f"set {RESOURCE_GPU_MEMORY} (MiB) per GPU ({RESOURCE_GPU_MEMORY_PERCENTAGE} is not read in this mode), or "
+            f"ask for a profile with {MIG_RESOURCE_PREFIX}<profile>"
+        )
+    return dataclasses.replace(container, mig_memory_mib=container.memory_mib, cores=CORES_PER_GPU,
+                               memory_percent=None)
 
 
 def _policy_annotation(annotations: Mapping[str, Any], key: str) -> str | None:

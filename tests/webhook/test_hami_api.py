@@ -1,7 +1,8 @@
 """The rest of HAMi's pod API (issue 16): nvidia.com/priority becomes the limiter's CUDA_TASK_PRIORITY and leaves the
 resources; HAMi's policy names are read as ours or refused at admission with what to write instead;
-gpumem-percentage: 0 is "not set"; MIG resources are routed with their own resource (static MIG) and
-nvidia.com/vgpu-mode: mig (dynamic MIG) is refused, never silently turned into a shared vGPU. In-process through
+gpumem-percentage: 0 is "not set"; MIG resources are routed with their own resource (static MIG),
+nvidia.com/vgpu-mode: mig is dynamic MIG sized by gpumem, and mps is refused, never silently turned into a shared
+vGPU. In-process through
 `mutate.review` (the function the HTTPS server calls)."""
 
 from __future__ import annotations
@@ -219,17 +220,23 @@ def test_mig_count_zero_asks_for_nothing() -> None:
 @pytest.mark.parametrize(
     ("mode", "message"),
     [
-        ("mig", "annotation nvidia.com/vgpu-mode: mig (HAMi's dynamic MIG) is not supported by kube-vgpu yet, and the "
-                "pod must not silently get a shared GPU without MIG isolation instead; ask for an existing MIG device "
-                "with nvidia.com/mig-<profile> (static MIG, e.g. nvidia.com/mig-3g.20gb), or remove the annotation "
-                "for a shared vGPU (in-container limiter)"),
         ("mps", "annotation nvidia.com/vgpu-mode: 'mps' is not supported; kube-vgpu shares GPUs with the in-container "
-                "limiter only (hami-core): remove the annotation or set it to hami-core"),
+                "limiter (hami-core) or partitions them with MIG (mig): remove the annotation or set it to one of "
+                "those"),
     ],
 )
-def test_vgpu_modes_other_than_hami_core_are_refused(mode: str, message: str) -> None:
+def test_vgpu_modes_other_than_hami_core_and_mig_are_refused(mode: str, message: str) -> None:
     sent = pod(gpu_container(gpu="1", gpumem="4096"), annotations={"nvidia.com/vgpu-mode": mode})
     assert _denied(sent) == (400, message)
+
+
+def test_vgpu_mode_mig_is_dynamic_mig_by_memory() -> None:
+    """HAMi's dynamic MIG: the container's gpumem chooses the profile on the node (issue 16 item 2)."""
+    _admitted(pod(gpu_container(gpu="1", gpumem="9000"), annotations={"nvidia.com/vgpu-mode": "mig"}))
+    sent = pod(gpu_container(gpu="1"), annotations={"nvidia.com/vgpu-mode": "mig"})
+    assert _denied(sent) == (400, "container trainer: annotation nvidia.com/vgpu-mode: mig chooses the MIG profile "
+                                  "by memory: set nvidia.com/gpumem (MiB) per GPU (nvidia.com/gpumem-percentage is not "
+                                  "read in this mode), or ask for a profile with nvidia.com/mig-<profile>")
 
 
 def test_vgpu_mode_hami_core_is_what_we_do() -> None:

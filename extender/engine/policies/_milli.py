@@ -63,7 +63,7 @@ def request_milli(request: PlacementRequest, node: NodeState | None = None) -> t
     """(milli-GPU per GPU, GPU count) of a pod; (0, 0) for a CPU-only pod. The per-GPU share is taken on the
     node's first GPU (it depends on the GPU's memory size); without a node, on a GPU of the request's cores unit
     whose memory is all asked unless the pod names memory (the openb view)."""
-    containers = tuple(c for c in request.gpu.containers if c.mig_profile is None)  # vGPUs only
+    containers = tuple(c for c in request.gpu.containers if not c.mig)  # vGPUs only
     if not containers:
         return 0, 0
     container = containers[0]

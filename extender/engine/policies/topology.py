@@ -96,7 +96,7 @@ def connectivity(node: NodeState, placement: Placement) -> float | None:
     link there is); None when no container has more than one GPU."""
     quality: float | None = None
     for container in placement.containers:
-        if len(container.devices) > 1 and container.request.mig_profile is None:  # MIG devices have no link matrix
+        if len(container.devices) > 1 and not container.request.mig:  # MIG devices have no link matrix
             weakest, _ = set_quality(node.link_matrix, [d[0] for d in container.devices])
             quality = max(quality or 0.0, weakest / _BEST_LINK_SCORE)
     return quality

@@ -155,6 +155,9 @@ class NodeGroup:
     #: the nodes stand for device plugins whose init container installed the limiter: they carry its label, which
     #: the webhook's node affinity requires of pods that load it (False: a node where the install failed)
     limiter_installed: bool = True
+    #: dynamic MIG: the device plugin's --dynamic-mig and --dynamic-mig-profiles values for these nodes (with a
+    #: fake_profile of MIG-capable GPUs, e.g. ("0", "H100-80GB=1g.10gb,3g.40gb") with "h100-mig-capable")
+    dynamic_mig: tuple[str, str] | None = None
 
     def names(self) -> list[str]:
         return [f"{self.prefix}-{index}" for index in range(self.first_index, self.first_index + self.count)]
@@ -163,7 +166,14 @@ class NodeGroup:
         """The inventory node `name` of this group publishes (the device plugin's own discovery on fake NVML)."""
         if self.fake_profile is None:
             return synth_inventory(name, self.gpus, self.model, self.memory_mib, self.topology)
-        return discover(Nvml(FakeNvml(load_profile(self.fake_profile, name)))).inventory
+        nvml = Nvml(FakeNvml(load_profile(self.fake_profile, name)))
+        inventory = discover(nvml).inventory
+        if self.dynamic_mig is None:
+            return inventory
+        from kube_vgpu.deviceplugin.dynmig import DynamicMigConfig, mark_dynamic, parse_gpus, parse_profiles
+
+        config = DynamicMigConfig(parse_profiles(self.dynamic_mig[1]), parse_gpus(self.dynamic_mig[0]))
+        return mark_dynamic(inventory, config, [g.index for g in inventory.gpus])
 
 
 @dataclass(frozen=True)
