@@ -10,6 +10,7 @@
 # Debian bookworm root filesystem made by debootstrap, where python3 is /usr/bin/python3.
 # Where the limiter comes from is LIMITER_STAGE: limiter-build (default) compiles HAMi-core at a pinned commit against
 # the CUDA headers of NVIDIA's CUDA development image; limiter-prebuilt takes limiter/libvgpu.so from the context.
+# (buildah 1.28 skips a stage named only by an ARG default: with buildah, pass --build-arg LIMITER_STAGE=... always.)
 
 ARG BASE_IMAGE=python:3.11.14-slim-bookworm
 ARG CUDA_DEVEL_IMAGE=nvidia/cuda:12.9.1-devel-ubuntu22.04
