@@ -5,9 +5,10 @@ the same verbs while /metrics is scraped and while /state is polled, in one run 
 The cluster is bench/extender_latency.py's: N nodes x 8 A100-80GB, 8 bound 1-GPU pods per node at ~50% (40,000
 pods at 5000 nodes), each carrying a bind time so the per-pod GPU-seconds counters are exported as in a live
 cluster. Each phase runs the same loop for --seconds: a 1-GPU fractional pod filtered over every node, prioritized
-over the nodes that passed, bound to the best one (so per-node caches are invalidated as in production). Phases:
+over the nodes that passed, bound to the best one (so per-node caches are invalidated as in production). The
+phases run --rounds times, interleaved, and each is summarised over its rounds. Phases:
 
-  * baseline: nothing else (run first and again last: the difference between the two is the machine's drift);
+  * baseline: nothing else;
   * metrics-every-Ns: GET /metrics on the metrics listener every --scrape-interval-s (a 15-30 s Prometheus interval
     compressed into the run);
   * metrics-continuous: GET /metrics back to back (worst case: several Prometheus replicas and a slow scraper);
@@ -20,9 +21,9 @@ kube-scheduler's scheduling cycle is: a stall of the server delays one request, 
 meets one and max how long it lasts); each endpoint's reply size and time (alone, before
 the phases; that is the extender's generation time plus the transfer over loopback).
 
-    PYTHONPATH=. python bench/scrape_cost.py                      # 5000 nodes, 20 s per phase
-    PYTHONPATH=. python bench/scrape_cost.py --nodes 500 --seconds 5
-    PYTHONPATH=. python bench/scrape_cost.py --seconds 120        # the long version: ~8 scrapes at 15 s
+    PYTHONPATH=. python bench/scrape_cost.py                      # 5000 nodes, 3 rounds of 8 s per phase
+    PYTHONPATH=. python bench/scrape_cost.py --nodes 500 --seconds 3 --rounds 1
+    PYTHONPATH=. python bench/scrape_cost.py --rounds 10 --seconds 30 --scrape-interval-s 15   # the long version
 """
 
 from __future__ import annotations
@@ -133,11 +134,14 @@ def run_pods(connection: http.client.HTTPConnection, names: list[str], seconds: 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, default=5000)
-    parser.add_argument("--seconds", type=float, default=20.0, help="length of each phase")
+    parser.add_argument("--seconds", type=float, default=8.0, help="length of each phase in each round")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="the phases run this many times, interleaved, and are summarised over all rounds (on a "
+                             "shared machine the load drifts: interleaving spreads the drift over every phase)")
     parser.add_argument("--scrape-interval-s", type=float, default=2.0)
     parser.add_argument("--state-interval-s", type=float, default=1.0)
     parser.add_argument("--phases", nargs="+",
-                        default=["baseline", "metrics-interval", "metrics-continuous", "state-interval", "baseline"],
+                        default=["baseline", "metrics-interval", "metrics-continuous", "state-interval"],
                         choices=["baseline", "metrics-interval", "metrics-continuous", "state-interval"])
     parser.add_argument("--extender-arg", action="append", default=[],
                         help="extra argument for `kube-vgpu extender` (repeatable), e.g. "
@@ -171,8 +175,9 @@ def main() -> int:
                       f"whole reply {total_s * 1e3:7.0f} ms")
             connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
             run_pods(connection, names, min(3.0, args.seconds))  # warm the per-shape caches
-            base: dict[str, float] = {}
-            for phase in args.phases:
+            collected: dict[str, dict[str, list[float]]] = {}
+            polled_by: dict[str, list[tuple[int, float, float]]] = {}
+            for phase in [phase for _ in range(args.rounds) for phase in args.phases]:
                 stop = multiprocessing.Event()
                 results: Any = multiprocessing.Queue()
                 poller = None
@@ -189,22 +194,31 @@ def main() -> int:
                 if poller is not None:
                     poller.start()
                 timings = run_pods(connection, names, args.seconds)
-                polled = ""
                 if poller is not None:
                     stop.set()
-                    samples = results.get(timeout=300)
+                    polled_by.setdefault(label, []).extend(results.get(timeout=300))
                     poller.join(60)
-                    totals = [s[2] for s in samples]
-                    polled = (f"  [{len(samples)} GETs, {samples[-1][0] / 1e6:.1f} MB, p50 "
-                              f"{percentile(totals, 50) * 1e3:.0f} ms, max {max(totals) * 1e3:.0f} ms]")
+                for verb, samples in timings.items():
+                    collected.setdefault(label, {}).setdefault(verb, []).extend(samples)
+                print(f"  {label}: {len(timings['filter'])} pods", flush=True)
+            print(f"\n{'phase':22s}  pods  verb: p50 / p99 / max ms (p99 and p50 over the baseline's)")
+            base = collected.get("baseline")
+            for label, timings in collected.items():
                 cells = []
                 for verb in ("filter", "prioritize"):
                     p50, p99 = percentile(timings[verb], 50), percentile(timings[verb], 99)
-                    base.setdefault(verb, p99)
-                    worst = max(timings[verb])
-                    cells.append(f"{verb} p50 {p50 * 1e3:6.2f} p99 {p99 * 1e3:6.2f} ms ({p99 / base[verb]:4.2f}x) "
-                                 f"max {worst * 1e3:6.1f}")
-                print(f"{label:22s} {len(timings['filter']):5d} pods  " + "  ".join(cells) + polled, flush=True)
+                    ratio = ""
+                    if base is not None:
+                        ratio = (f" (p99 {p99 / percentile(base[verb], 99):4.2f}x, "
+                                 f"p50 {p50 / percentile(base[verb], 50):4.2f}x)")
+                    cells.append(f"{verb} {p50 * 1e3:5.2f} / {p99 * 1e3:6.2f} / {max(timings[verb]) * 1e3:6.1f}{ratio}")
+                polled = ""
+                if label in polled_by:
+                    fetched = polled_by[label]
+                    totals = [sample[2] for sample in fetched]
+                    polled = (f"  [{len(fetched)} GETs of {fetched[-1][0] / 1e6:.1f} MB, p50 "
+                              f"{percentile(totals, 50) * 1e3:.0f} ms, max {max(totals) * 1e3:.0f} ms]")
+                print(f"{label:22s} {len(timings['filter']):5d}  " + "  ".join(cells) + polled)
             print(f"extender RSS after the run: {rss_mib(server.pid):.0f} MiB")
         finally:
             server.terminate()

@@ -19,6 +19,7 @@ loop) for as long as a scrape lasted. Three things here:
 from __future__ import annotations
 
 import gc
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -44,12 +45,19 @@ def no_pause() -> None:
 
 
 class VerbActivity:
-    """How many of kube-scheduler's verbs are being computed on the event loop; background rendering pauses for
-    them. Only the event loop's thread counts (no lock); other threads only read."""
+    """How many of kube-scheduler's verbs are being computed on the event loop, and when the last one ended;
+    background rendering pauses for them. Only the event loop's thread writes (no lock); other threads only read."""
 
-    def __init__(self, max_pause_s: float = 0.02) -> None:
+    def __init__(self, max_pause_s: float = 0.02, quiet_s: float = 0.002) -> None:
         self.in_flight = 0
+        self.last_finished_s = -math.inf
+        #: the longest one pause() waits: a steady burst of verbs slows a render down but cannot starve it
         self.max_pause_s = max_pause_s
+        #: how long after a verb the rendering still waits: kube-scheduler sends filter, prioritize and bind back to
+        #: back, and a request being read (several socket reads for 5000 node names) is not yet in flight; each
+        #: time the event loop comes back for the GIL while a render holds it costs a verb up to the 0.5 ms switch
+        #: interval
+        self.quiet_s = quiet_s
         self._idle = threading.Event()
         self._idle.set()
 
@@ -60,12 +68,27 @@ class VerbActivity:
     def finished(self) -> None:
         self.in_flight -= 1
         if self.in_flight <= 0:
+            self.last_finished_s = time.monotonic()
             self._idle.set()
 
     def pause(self) -> None:
-        """Called by background work between chunks: wait (without the GIL) while a verb is being computed."""
-        if self.in_flight:
-            self._idle.wait(self.max_pause_s)
+        """Called by background work between chunks: wait (without the GIL) while a verb is being computed and for
+        `quiet_s` after the last one, at most `max_pause_s` in all."""
+        deadline = None
+        while True:
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + self.max_pause_s
+            left = deadline - now
+            if left <= 0:
+                return
+            if self.in_flight:
+                self._idle.wait(left)
+                continue
+            quiet_left = self.quiet_s - (now - self.last_finished_s)
+            if quiet_left <= 0:
+                return
+            time.sleep(min(quiet_left, left))
 
 
 _ESCAPES = str.maketrans({"\\": "\\\\", "\n": "\\n", '"': '\\"'})
@@ -160,6 +183,18 @@ class TextOut:
             self._pending, self._pending_chars = [], 0
 
 
+class GroupedCollector(Collector):
+    """A collector whose families come as FamilyGroups: render_registry writes them straight to text, pausing
+    between chunks; collect() gives the same families to any other reader (tests, generate_latest)."""
+
+    def groups(self, pause: Pause) -> list[FamilyGroup]:
+        raise NotImplementedError
+
+    def collect(self) -> Iterator[Metric]:
+        for group in self.groups(no_pause):
+            yield from group.metrics()
+
+
 class _One:
     """One collector as a registry for generate_latest (collectors with no text fast path: small ones)."""
 
@@ -171,8 +206,8 @@ class _One:
 
 
 def render_registry(registry: CollectorRegistry, pause: Pause = no_pause) -> Body:
-    """generate_latest(registry), with collectors that have `groups(pause)` rendered by FamilyGroup, pausing between
-    chunks; the output, joined, is the same bytes."""
+    """generate_latest(registry), with GroupedCollectors rendered by FamilyGroup, pausing between chunks; the
+    output, joined, is the same bytes."""
     # the registry's collectors in its own order (CollectorRegistry.collect() reads the same private mapping)
     with registry._lock:
         collectors = list(registry._collector_to_names)
@@ -180,11 +215,10 @@ def render_registry(registry: CollectorRegistry, pause: Pause = no_pause) -> Bod
     numbers: dict[float, str] = {}
     for collector in collectors:
         pause()
-        groups = getattr(collector, "groups", None)
-        if groups is None:
+        if not isinstance(collector, GroupedCollector):
             out.write(generate_latest(_One(collector)).decode())
             continue
-        for group in groups(pause):
+        for group in collector.groups(pause):
             group.render(out, pause, numbers)
             while group.rows:  # freed a chunk at a time: 40,000 rows at once is milliseconds of deallocation
                 del group.rows[-ROWS_PER_CHUNK * 4:]
@@ -223,28 +257,51 @@ class _GcPause:
 gc_paused = _GcPause()
 
 
+@dataclass(slots=True)
+class _Render:
+    done: threading.Event = field(default_factory=threading.Event)
+    body: Body | None = None
+    error: BaseException | None = None
+
+
 class SharedRender:
     """One render shared by every request that arrives while it runs: they wait for it instead of starting their own
-    (two Prometheus replicas, several dashboards polling at once: one render, not one each). Nothing is reused once
-    it is done: what the bytes show (learned policy models, GPU-seconds counters, heartbeat ages) moves without the
-    state's change counter, so a later request renders again."""
+    (two Prometheus replicas, several dashboards polling at once: one render, not one each). Nothing is kept once
+    they have it: what the bytes show (learned policy models, GPU-seconds counters, heartbeat ages) moves without the
+    state's change counter, so a later request renders again, and 77 MB is not held between scrapes."""
 
     def __init__(self, render: Callable[[], Body]) -> None:
         self.render = render
         self._lock = threading.Lock()
-        self._cached: Body = []
+        self._current: _Render | None = None
         #: renders done and the seconds of the last one
         self.renders = 0
         self.last_render_s = 0.0
 
     def get(self) -> Body:
-        renders_before = self.renders
         with self._lock:
-            if self.renders != renders_before:
-                return self._cached  # rendered while this request waited for the lock: as fresh as it gets
-            started = time.monotonic()
+            job = self._current
+            if job is None:
+                job = self._current = _Render()
+                mine = True
+            else:
+                mine = False
+        if not mine:
+            job.done.wait()
+            if job.body is None:
+                raise RuntimeError("the shared render failed") from job.error
+            return job.body
+        started = time.monotonic()
+        try:
             with gc_paused():
-                self._cached = self.render()
-            self.renders += 1
-            self.last_render_s = time.monotonic() - started
-            return self._cached
+                job.body = self.render()
+            return job.body
+        except BaseException as exc:
+            job.error = exc
+            raise
+        finally:
+            with self._lock:
+                self._current = None
+                self.renders += 1
+                self.last_render_s = time.monotonic() - started
+            job.done.set()

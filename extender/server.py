@@ -20,7 +20,7 @@ import orjson
 from fastapi import FastAPI
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
@@ -28,10 +28,11 @@ from starlette.types import Receive, Scope, Send
 from kube_vgpu.extender.exposition import (
     ROWS_PER_CHUNK,
     Body,
-    SharedRender,
     Family,
     FamilyGroup,
+    GroupedCollector,
     Pause,
+    SharedRender,
     VerbActivity,
     no_pause,
     render_registry,
@@ -74,7 +75,7 @@ def _json(data: Any, status_code: int = 200) -> Response:
     return Response(orjson.dumps(data), status_code=status_code, media_type="application/json")
 
 
-class GpuCollector(Collector):
+class GpuCollector(GroupedCollector):
     """Per-GPU allocation gauges computed at scrape time from the state (no cost per bind)."""
 
     FAMILIES = (
@@ -88,10 +89,6 @@ class GpuCollector(Collector):
 
     def __init__(self, state: ClusterState) -> None:
         self.state = state
-
-    def collect(self) -> Iterator[Metric]:
-        for group in self.groups(no_pause):
-            yield from group.metrics()
 
     def groups(self, pause: Pause) -> list[FamilyGroup]:
         gpus = FamilyGroup(self.FAMILIES, ["node", "gpu", "uuid", "model"])

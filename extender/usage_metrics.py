@@ -21,17 +21,13 @@ the counters), and go away with the pod; per namespace, per ClusterQueue and per
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
-
-from prometheus_client.core import Metric
-from prometheus_client.registry import Collector
 
 from kube_vgpu.extender.engine.policies._milli import frag_cpu_free_milli, free_milli_list
 from kube_vgpu.extender.engine.policies.fgd import FragPolicyBase
 from kube_vgpu.extender.engine.shares import MILLI_PER_GPU
-from kube_vgpu.extender.exposition import ROWS_PER_CHUNK, Family, FamilyGroup, Pause, no_pause
+from kube_vgpu.extender.exposition import ROWS_PER_CHUNK, Family, FamilyGroup, GroupedCollector, Pause, no_pause
 
 if TYPE_CHECKING:
     from kube_vgpu.extender.preemption.rules import QueueRules
@@ -66,7 +62,7 @@ class _NodeRow:
     fragmented_gpus: float | None  # None: the policy has no fragmentation measure
 
 
-class UsageCollector(Collector):
+class UsageCollector(GroupedCollector):
     """`per_pod_gpu`: export the per-pod-and-GPU allocation gauges (a third of /metrics at 5000 nodes; the per-pod
     counters and the per-node, namespace and ClusterQueue gauges are always exported)."""
 
@@ -125,10 +121,6 @@ class UsageCollector(Collector):
                     nodes.append(_NodeRow(node.name, sum(free) / MILLI_PER_GPU, frag))
         return pods, nodes
 
-    def collect(self) -> Iterator[Metric]:
-        for group in self.groups(no_pause):
-            yield from group.metrics()
-
     def groups(self, pause: Pause) -> list[FamilyGroup]:
         """The families as groups sharing label rows (kube_vgpu.extender.exposition renders them straight to text)."""
         pods, nodes = self.copy_out(pause)
@@ -138,8 +130,8 @@ class UsageCollector(Collector):
                                          "idle GPU capacity the placement policy counts as fragmented (GPUs; fgd and "
                                          "bfgd only: the FGD measure over the workload learned so far)")],
                                  ["node", "policy"], [((row.name, policy), (row.fragmented_gpus,)) for row in nodes])
-        idle = FamilyGroup([Family("kube_vgpu_node_idle_gpus", "gauge",
-                                   "idle GPU capacity (GPUs: each GPU's free share of memory, compute and vGPU slots)")],
+        idle_help = "idle GPU capacity (GPUs: each GPU's free share of memory, compute and vGPU slots)"
+        idle = FamilyGroup([Family("kube_vgpu_node_idle_gpus", "gauge", idle_help)],
                            ["node"], [((row.name,), (row.idle_gpus,)) for row in nodes])
         return [*groups, fragmented, idle]
 
