@@ -36,8 +36,9 @@ Pause = Callable[[], None]
 #: tens of ms, which is what a verb would then wait
 Body = list[bytes]
 CHUNK_BYTES = 256 * 1024
-#: rows rendered or copied between two pauses: ~0.1-0.5 ms of work, about the GIL switch interval (0.5 ms)
-ROWS_PER_CHUNK = 100
+#: rows rendered or copied between two calls of pause(): ~20-100 us of work, so a slice that runs while a verb is
+#: being computed ends soon after its time (VerbActivity.slice_s) and a chunk copied under the state lock is short
+ROWS_PER_CHUNK = 20
 
 
 def no_pause() -> None:
@@ -46,20 +47,26 @@ def no_pause() -> None:
 
 class VerbActivity:
     """How many of kube-scheduler's verbs are being computed on the event loop, and when the last one ended;
-    background rendering pauses for them. Only the event loop's thread writes (no lock); other threads only read."""
+    background rendering pauses for them. Only the event loop's thread writes these (no lock); others only read.
 
-    def __init__(self, max_pause_s: float = 0.02, quiet_s: float = 0.002) -> None:
+    A render runs freely while no verb is in flight and none ended in the last `quiet_s`. Otherwise it waits; when
+    it has waited `max_pause_s`, it runs one slice of `slice_s`, then waits again: in a steady burst of verbs a
+    render still advances (~2% of a core) and each verb meets at most a slice or two of ~0.1 ms, instead of one
+    chunk of a whole scrape's work or a render starved for as long as the burst lasts."""
+
+    def __init__(self, max_pause_s: float = 0.005, quiet_s: float = 0.002, slice_s: float = 0.0001) -> None:
         self.in_flight = 0
         self.last_finished_s = -math.inf
-        #: the longest one pause() waits: a steady burst of verbs slows a render down but cannot starve it
         self.max_pause_s = max_pause_s
-        #: how long after a verb the rendering still waits: kube-scheduler sends filter, prioritize and bind back to
-        #: back, and a request being read (several socket reads for 5000 node names) is not yet in flight; each
-        #: time the event loop comes back for the GIL while a render holds it costs a verb up to the 0.5 ms switch
-        #: interval
+        #: kube-scheduler sends filter, prioritize and bind back to back, and a request being read (several socket
+        #: reads for 5000 node names) is not yet in flight: each time the event loop comes back for the GIL while a
+        #: render holds it costs a verb up to the 0.5 ms switch interval
         self.quiet_s = quiet_s
+        self.slice_s = slice_s
         self._idle = threading.Event()
         self._idle.set()
+        #: rendering thread -> when its current slice ends (a set or get of one key is atomic under the GIL)
+        self._slice_end_s: dict[int, float] = {}
 
     def started(self) -> None:
         self.in_flight += 1
@@ -72,23 +79,27 @@ class VerbActivity:
             self._idle.set()
 
     def pause(self) -> None:
-        """Called by background work between chunks: wait (without the GIL) while a verb is being computed and for
-        `quiet_s` after the last one, at most `max_pause_s` in all."""
-        deadline = None
+        """Called by background work every ROWS_PER_CHUNK rows (cheap when it need not wait)."""
+        now = time.monotonic()
+        if not self.in_flight and now - self.last_finished_s >= self.quiet_s:
+            return
+        thread = threading.get_ident()
+        if now < self._slice_end_s.get(thread, 0.0):
+            return  # within the slice it was given after waiting max_pause_s
+        deadline = now + self.max_pause_s
         while True:
-            now = time.monotonic()
-            if deadline is None:
-                deadline = now + self.max_pause_s
             left = deadline - now
             if left <= 0:
+                self._slice_end_s[thread] = time.monotonic() + self.slice_s
                 return
             if self.in_flight:
                 self._idle.wait(left)
-                continue
-            quiet_left = self.quiet_s - (now - self.last_finished_s)
-            if quiet_left <= 0:
-                return
-            time.sleep(min(quiet_left, left))
+            else:
+                quiet_left = self.quiet_s - (now - self.last_finished_s)
+                if quiet_left <= 0:
+                    return
+                time.sleep(min(quiet_left, left))
+            now = time.monotonic()
 
 
 _ESCAPES = str.maketrans({"\\": "\\\\", "\n": "\\n", '"': '\\"'})
@@ -163,6 +174,26 @@ class FamilyGroup:
                                     if amounts[position] is not None]))
 
 
+class BytesOut:
+    """Encoded pieces gathered into chunks of about CHUNK_BYTES (few writes, no one big join)."""
+
+    def __init__(self) -> None:
+        self.chunks: Body = []
+        self._pending: list[bytes] = []
+        self._pending_bytes = 0
+
+    def write(self, piece: bytes) -> None:
+        self._pending.append(piece)
+        self._pending_bytes += len(piece)
+        if self._pending_bytes >= CHUNK_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._pending:
+            self.chunks.append(b"".join(self._pending))
+            self._pending, self._pending_bytes = [], 0
+
+
 class TextOut:
     """Text appended in pieces, kept as encoded chunks of about CHUNK_BYTES."""
 
@@ -221,7 +252,7 @@ def render_registry(registry: CollectorRegistry, pause: Pause = no_pause) -> Bod
         for group in collector.groups(pause):
             group.render(out, pause, numbers)
             while group.rows:  # freed a chunk at a time: 40,000 rows at once is milliseconds of deallocation
-                del group.rows[-ROWS_PER_CHUNK * 4:]
+                del group.rows[-ROWS_PER_CHUNK * 10:]
                 pause()
     out.flush()
     return out.chunks

@@ -28,6 +28,7 @@ from starlette.types import Receive, Scope, Send
 from kube_vgpu.extender.exposition import (
     ROWS_PER_CHUNK,
     Body,
+    BytesOut,
     Family,
     FamilyGroup,
     GroupedCollector,
@@ -447,19 +448,21 @@ def state_view_bytes(scheduler: Scheduler, pause: Pause = no_pause) -> Body:
     pods at a time, pausing between chunks: the whole view as Python objects is ~0.5 million dicts, and building,
     encoding (orjson holds the GIL) and freeing it at once stalled the verbs for tens of ms each."""
     state = scheduler.state
-    body: Body = [b'{"synced":' + orjson.dumps(state.synced.is_set())]
+    out = BytesOut()
+    out.write(b'{"synced":' + orjson.dumps(state.synced.is_set()))
     for part in ("nodes", "assignments"):
-        body.append(b',"' + part.encode() + b'":[')
+        out.write(b',"' + part.encode() + b'":[')
         separator = b""
         for views in state.view_chunks(part, pause):
             if views:
-                body.append(separator + orjson.dumps(views)[1:-1])
+                out.write(separator + orjson.dumps(views)[1:-1])
                 separator = b","
-        body.append(b"]")
+        out.write(b"]")
     with state.lock:
         extra = {"gangs": gangs_view(scheduler.gangs), "nominations": scheduler.nominations.view()}
-    body.append(b"," + orjson.dumps(extra)[1:])
-    return body
+    out.write(b"," + orjson.dumps(extra)[1:])
+    out.flush()
+    return out.chunks
 
 
 def create_app(scheduler: Scheduler, *, on_startup: Callable[[], None] | None = None,

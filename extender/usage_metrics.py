@@ -107,10 +107,11 @@ class UsageCollector(GroupedCollector):
                     held_s = (max(0.0, now - record.bound_at_s)
                               if record.confirmed and record.bound_at_s is not None else None)
                     pods.append(_PodRow(record.namespace, record.name, record.uid, node.name, queue, held_s, held))
-        for start in range(0, len(node_states), ROWS_PER_CHUNK):
+        nodes_per_chunk = ROWS_PER_CHUNK // 4  # free shares and the policy's measure: ~10 us a node
+        for start in range(0, len(node_states), nodes_per_chunk):
             pause()
             with state.lock:
-                for node in node_states[start:start + ROWS_PER_CHUNK]:
+                for node in node_states[start:start + nodes_per_chunk]:
                     if not node.gpus:
                         continue
                     free = free_milli_list(node)

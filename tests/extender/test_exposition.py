@@ -129,7 +129,7 @@ def test_requests_during_a_render_share_it() -> None:
 
 
 def test_background_work_pauses_while_a_verb_computes() -> None:
-    activity = VerbActivity(max_pause_s=0.5, quiet_s=0.05)
+    activity = VerbActivity(max_pause_s=0.3, quiet_s=0.05, slice_s=0.2)
     started = time.monotonic()
     activity.pause()  # no verb yet: no wait
     assert time.monotonic() - started < 0.04
@@ -137,11 +137,18 @@ def test_background_work_pauses_while_a_verb_computes() -> None:
     threading.Timer(0.1, activity.finished).start()
     started = time.monotonic()
     activity.pause()  # waits for the verb and quiet_s after it, not for max_pause_s
-    assert 0.14 < time.monotonic() - started < 0.45
+    assert 0.14 < time.monotonic() - started < 0.28
     activity.started()
     started = time.monotonic()
-    activity.pause()  # a verb that does not end: at most max_pause_s, so a burst cannot starve a scrape
-    assert 0.4 < time.monotonic() - started < 2
+    activity.pause()  # a verb that does not end: max_pause_s, then a slice, so a burst cannot starve a scrape
+    assert 0.28 < time.monotonic() - started < 1
+    started = time.monotonic()
+    activity.pause()  # within the slice: no wait
+    assert time.monotonic() - started < 0.04
+    time.sleep(0.25)
+    started = time.monotonic()
+    activity.pause()  # the slice is over: waits again
+    assert 0.28 < time.monotonic() - started < 1
     activity.finished()
     assert activity.in_flight == 0
     time.sleep(0.06)
