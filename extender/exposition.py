@@ -3,15 +3,15 @@
 At 5000 nodes x 8 GPUs with 40,000 pods, /metrics is ~75 MB (one series per GPU and per pod and GPU, six and three
 families of them, plus three counters per pod); prometheus_client's generate_latest built it in ~9 s of pure Python,
 most of it re-validating and re-escaping the same label names for every sample. All that time holds the GIL, so
-filter and prioritize, on the event loop, ran at half speed (or not at all, when the FastAPI route ran it on the
-loop) for as long as a scrape lasted. Three things here:
+filter and prioritize, on the event loop, ran at a third of their speed (or not at all, when the FastAPI route ran
+it on the loop) for as long as a scrape lasted. Three things here:
 
 * `FamilyGroup`: families that share their label rows (the six per-GPU gauges; the three per-pod-and-GPU gauges)
   are rendered straight to text, each row's label string built once for all of them. The text is byte for byte
   what generate_latest writes for the same families (tested), several times faster.
 * `VerbActivity`: the verbs mark themselves in flight, and the rendering (in the metrics listener's thread or a
-  worker thread) stops at the next `pause()` until none is, at most `max_pause_s` at a time so a steady burst of
-  verbs delays a scrape but cannot starve it. A verb then waits at most for the GIL switch interval and one chunk.
+  worker thread) stops at the next `pause()` until none is and none ended in the last 2 ms; after waiting 5 ms it
+  runs a 0.1 ms slice, so a steady burst of verbs delays a scrape but cannot starve it.
 * `SharedRender`: one render serves every request that arrives while it runs (two Prometheus replicas, several
   dashboards), with the cyclic GC off meanwhile (`gc_paused`).
 """
