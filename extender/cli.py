@@ -46,6 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="address of the separate /metrics, /healthz, /readyz listener")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="port of that listener (0 = off; the verbs' port serves them too)")
+    parser.add_argument("--metrics-per-pod-gpu", choices=["on", "off"], default="on",
+                        help="export the per-pod-and-GPU allocation gauges (kube_vgpu_pod_*_allocated*): a third of "
+                             "/metrics' series at 40,000 pods; the per-pod GPU-seconds counters and the per-node, "
+                             "namespace and ClusterQueue gauges are exported either way")
     parser.add_argument(
         "--policy", default=DEFAULT_NODE_POLICY, help="default node policy (hami.io/node-scheduler-policy)"
     )
@@ -285,7 +289,7 @@ def build(args: argparse.Namespace, *, clock: Callable[[], float] = time.time) -
         for started in gates:
             started.start()
 
-    app = create_app(scheduler, on_startup=start_all)
+    app = create_app(scheduler, on_startup=start_all, metrics_per_pod_gpu=args.metrics_per_pod_gpu == "on")
     app.state.registry.register(SourceCollector(state, source.health))
     return Extender(state, scheduler, app, source)
 
@@ -306,7 +310,9 @@ def run(args: argparse.Namespace) -> int:
     if args.metrics_port:
         from kube_vgpu.extender.server import serve_probes
 
-        serve_probes(extender.app.state.registry, extender.scheduler, args.metrics_host, args.metrics_port)
+        serve_probes(extender.app.state.registry, extender.scheduler, args.metrics_host, args.metrics_port,
+                     render=extender.app.metrics_render,  # shared with the verbs' port, pausing for the verbs
+                     state_render=extender.app.state_render)
         log.info("metrics and probes on %s:%d", args.metrics_host, args.metrics_port)
     # Binds finish their API call in worker threads while the event loop answers filter and prioritize. With the
     # default 5 ms switch interval a thread whose reply has arrived waits up to 5 ms for the GIL, and binds to one

@@ -18,13 +18,26 @@ from typing import Any
 
 import orjson
 from fastapi import FastAPI
-from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
+from kube_vgpu.extender.exposition import (
+    ROWS_PER_CHUNK,
+    Body,
+    BytesOut,
+    Family,
+    FamilyGroup,
+    GroupedCollector,
+    Pause,
+    SharedRender,
+    VerbActivity,
+    no_pause,
+    render_registry,
+)
 from kube_vgpu.extender.gangs import gangs_view
 from kube_vgpu.extender.scheduler import BindError, Scheduler
 from kube_vgpu.extender.state import ClusterState
@@ -48,52 +61,58 @@ class PayloadTooLarge(BadRequest):
     status = 413
 
 
+def _chunked(body: Body, media_type: str) -> Response:
+    """A rendered body sent chunk by chunk (never joined: see kube_vgpu.extender.exposition), with its length."""
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for chunk in body:
+            yield chunk
+
+    length = str(sum(len(chunk) for chunk in body))
+    return StreamingResponse(chunks(), media_type=media_type, headers={"Content-Length": length})
+
+
 def _json(data: Any, status_code: int = 200) -> Response:
     return Response(orjson.dumps(data), status_code=status_code, media_type="application/json")
 
 
-class GpuCollector(Collector):
+class GpuCollector(GroupedCollector):
     """Per-GPU allocation gauges computed at scrape time from the state (no cost per bind)."""
+
+    FAMILIES = (
+        Family("kube_vgpu_gpu_memory_mib", "gauge", "GPU memory (MiB)"),
+        Family("kube_vgpu_gpu_memory_allocated_mib", "gauge", "GPU memory assigned to pods (MiB)"),
+        Family("kube_vgpu_gpu_cores", "gauge", "GPU compute units (100 per GPU)"),
+        Family("kube_vgpu_gpu_cores_allocated", "gauge", "GPU compute units assigned to pods"),
+        Family("kube_vgpu_gpu_vgpus_allocated", "gauge", "vGPUs on the GPU"),
+        Family("kube_vgpu_gpu_healthy", "gauge", "1 if the GPU is healthy"),
+    )
 
     def __init__(self, state: ClusterState) -> None:
         self.state = state
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        labels = ["node", "gpu", "uuid", "model"]
-        families = {
-            "memory_total": GaugeMetricFamily("kube_vgpu_gpu_memory_mib", "GPU memory (MiB)", labels=labels),
-            "memory_used": GaugeMetricFamily(
-                "kube_vgpu_gpu_memory_allocated_mib", "GPU memory assigned to pods (MiB)", labels=labels
-            ),
-            "cores_total": GaugeMetricFamily("kube_vgpu_gpu_cores", "GPU compute units (100 per GPU)", labels=labels),
-            "cores_used": GaugeMetricFamily(
-                "kube_vgpu_gpu_cores_allocated", "GPU compute units assigned to pods", labels=labels
-            ),
-            "shares_used": GaugeMetricFamily("kube_vgpu_gpu_vgpus_allocated", "vGPUs on the GPU", labels=labels),
-            "healthy": GaugeMetricFamily("kube_vgpu_gpu_healthy", "1 if the GPU is healthy", labels=labels),
-        }
-        # only plain tuples are copied under the lock (filter waits for it); building the samples, most of a
-        # scrape's cost (~0.5 s at 5000 nodes of 8 GPUs), happens outside it
-        with self.state.lock:
-            rows = [(node.name, gpu.index, gpu.uuid, gpu.model, gpu.memory_mib, gpu.used_memory_mib, gpu.cores,
-                     gpu.used_cores, gpu.used_vgpus, gpu.healthy)
-                    for node in self.state.nodes.values() for gpu in node.gpus]
-            node_count, pod_count = len(self.state.nodes), len(self.state.pods)
-        for name, index, uuid, model, memory, used_memory, cores, used_cores, used_vgpus, healthy in rows:
-            values = [name, str(index), uuid, model]
-            families["memory_total"].add_metric(values, memory)
-            families["memory_used"].add_metric(values, used_memory)
-            families["cores_total"].add_metric(values, cores)
-            families["cores_used"].add_metric(values, used_cores)
-            families["shares_used"].add_metric(values, used_vgpus)
-            families["healthy"].add_metric(values, 1 if healthy else 0)
-        nodes = GaugeMetricFamily("kube_vgpu_nodes", "GPU nodes known to the extender")
-        nodes.add_metric([], node_count)
-        pods = GaugeMetricFamily("kube_vgpu_assigned_pods", "pods holding GPU assignments")
-        pods.add_metric([], pod_count)
-        yield from families.values()
-        yield nodes
-        yield pods
+    def groups(self, pause: Pause) -> list[FamilyGroup]:
+        gpus = FamilyGroup(self.FAMILIES, ["node", "gpu", "uuid", "model"])
+        # only plain tuples are copied under the lock (filter waits for it), a chunk of nodes at a time with the
+        # lock released and `pause` called between chunks; rendering the samples happens outside it
+        state = self.state
+        with state.lock:
+            nodes = list(state.nodes.values())
+            node_count, pod_count = len(state.nodes), len(state.pods)
+        for start in range(0, len(nodes), ROWS_PER_CHUNK // 8):  # ~8 GPUs a node
+            pause()
+            with state.lock:
+                gpus.rows.extend(((node.name, str(gpu.index), gpu.uuid, gpu.model),
+                                  (gpu.memory_mib, gpu.used_memory_mib, gpu.cores, gpu.used_cores, gpu.used_vgpus,
+                                   1 if gpu.healthy else 0))
+                                 for node in nodes[start:start + ROWS_PER_CHUNK // 8] for gpu in node.gpus)
+        return [
+            gpus,
+            FamilyGroup([Family("kube_vgpu_nodes", "gauge", "GPU nodes known to the extender")], [],
+                        [((), (node_count,))]),
+            FamilyGroup([Family("kube_vgpu_assigned_pods", "gauge", "pods holding GPU assignments")], [],
+                        [((), (pod_count,))]),
+        ]
 
 
 class BindTurnCollector(Collector):
@@ -208,6 +227,10 @@ class ExtenderApp(FastAPI):
     verbs: dict[str, Verb]
     verb_latency: Histogram
     bad_requests: Counter
+    #: verbs being computed: rendering /metrics and /state pauses for them (kube_vgpu.extender.exposition)
+    activity: VerbActivity
+    metrics_render: SharedRender
+    state_render: SharedRender
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -218,6 +241,14 @@ class ExtenderApp(FastAPI):
         await super().__call__(scope, receive, send)
 
     async def _serve_verb(self, name: str, verb: Verb, scope: Scope, receive: Receive, send: Send) -> None:
+        activity = self.activity
+        activity.started()
+        try:
+            await self._compute_verb(name, verb, scope, receive, send)
+        finally:
+            activity.finished()
+
+    async def _compute_verb(self, name: str, verb: Verb, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
         status = 200
         headers = JSON_HEADERS
@@ -227,7 +258,12 @@ class ExtenderApp(FastAPI):
             else:
                 result = verb(parse_json_body(await read_asgi_body(scope, receive)))
                 if inspect.isawaitable(result):
-                    result = await result
+                    # bind waits for its node's turn and the API server: no computing to pause rendering for
+                    self.activity.finished()
+                    try:
+                        result = await result
+                    finally:
+                        self.activity.started()
             body = orjson.dumps(result)  # in the try: a result that does not encode is an Error too, not plain text
         except BadRequest as exc:
             self.bad_requests.labels(name).inc()
@@ -260,7 +296,7 @@ class ExtenderMetrics:
         child.inc()
 
 
-def extender_metrics(scheduler: Scheduler) -> ExtenderMetrics:
+def extender_metrics(scheduler: Scheduler, *, per_pod_gpu: bool = True) -> ExtenderMetrics:
     registry = CollectorRegistry()
     metrics = ExtenderMetrics(
         registry=registry,
@@ -276,7 +312,7 @@ def extender_metrics(scheduler: Scheduler) -> ExtenderMetrics:
     for outcome in ("success", "failure"):
         metrics.binds.labels(outcome)
     registry.register(GpuCollector(scheduler.state))
-    registry.register(UsageCollector(scheduler))
+    registry.register(UsageCollector(scheduler, per_pod_gpu=per_pod_gpu))
     registry.register(BindTurnCollector(scheduler))
     registry.register(PreemptionCollector(scheduler))
     for gate in scheduler.gates:  # gates may publish their own gauges (the quota gate)
@@ -373,7 +409,7 @@ class Verbs:
                              "(a Binding already being written completes); the pod will be retried"}
 
 
-def add_views(app: FastAPI, scheduler: Scheduler, registry: CollectorRegistry) -> None:
+def add_views(app: ExtenderApp, scheduler: Scheduler) -> None:
     """Probes, metrics and the debug views: served by FastAPI (not on kube-scheduler's hot path)."""
     state = scheduler.state
 
@@ -388,33 +424,23 @@ def add_views(app: FastAPI, scheduler: Scheduler, registry: CollectorRegistry) -
             return Response("ok", media_type="text/plain")
         return Response(reason, status_code=503, media_type="text/plain")
 
+    # both rendered in a worker thread, not on the event loop the verbs run on, pausing while a verb computes
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        return _chunked(await run_in_threadpool(app.metrics_render.get), CONTENT_TYPE_LATEST)
 
     @app.get("/state")
     async def state_view() -> Response:
-        return _json(state_document(scheduler))
+        return _chunked(await run_in_threadpool(app.state_render.get), "application/json")
 
     @app.get("/quota")
     async def quota_view() -> Response:
-        """Per ClusterQueue and flavor: nominal, borrowed, lent, used, pending pods."""
         status, view = await run_in_threadpool(quota_document, scheduler)
         return _json(view, status)
 
 
-def state_document(scheduler: Scheduler) -> dict[str, Any]:
-    """GET /state: the cache's nodes, GPUs and assignments, with the gangs and preemption nominations."""
-    state = scheduler.state
-    view = state.snapshot()
-    with state.lock:
-        view["gangs"] = gangs_view(scheduler.gangs)
-        view["nominations"] = scheduler.nominations.view()
-    return view
-
-
 def quota_document(scheduler: Scheduler) -> tuple[int, dict[str, Any]]:
-    """GET /quota as (status, body): the first gate with queues, or 404 naming why there is none."""
+    """GET /quota: per ClusterQueue and flavor, nominal, borrowed, lent, used, pending pods; 404 without a gate."""
     for gate in scheduler.gates:
         view = gate.snapshot(scheduler.gangs)
         if view is not None:
@@ -422,8 +448,31 @@ def quota_document(scheduler: Scheduler) -> tuple[int, dict[str, Any]]:
     return 404, {"Error": "no quota gate: start the extender with --quota-config or in live mode"}
 
 
-def create_app(scheduler: Scheduler, *, on_startup: Callable[[], None] | None = None) -> ExtenderApp:
-    metrics = extender_metrics(scheduler)
+def state_view_bytes(scheduler: Scheduler, pause: Pause = no_pause) -> Body:
+    """GET /state's body, as state.snapshot() plus gangs and nominations, built and encoded a chunk of nodes or
+    pods at a time, pausing between chunks: the whole view as Python objects is ~0.5 million dicts, and building,
+    encoding (orjson holds the GIL) and freeing it at once stalled the verbs for tens of ms each."""
+    state = scheduler.state
+    out = BytesOut()
+    out.write(b'{"synced":' + orjson.dumps(state.synced.is_set()))
+    for part in ("nodes", "assignments"):
+        out.write(b',"' + part.encode() + b'":[')
+        separator = b""
+        for views in state.view_chunks(part, pause):
+            if views:
+                out.write(separator + orjson.dumps(views)[1:-1])
+                separator = b","
+        out.write(b"]")
+    with state.lock:
+        extra = {"gangs": gangs_view(scheduler.gangs), "nominations": scheduler.nominations.view()}
+    out.write(b"," + orjson.dumps(extra)[1:])
+    out.flush()
+    return out.chunks
+
+
+def create_app(scheduler: Scheduler, *, on_startup: Callable[[], None] | None = None,
+               metrics_per_pod_gpu: bool = True) -> ExtenderApp:
+    metrics = extender_metrics(scheduler, per_pod_gpu=metrics_per_pod_gpu)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -437,16 +486,27 @@ def create_app(scheduler: Scheduler, *, on_startup: Callable[[], None] | None = 
     app.verbs = Verbs(scheduler, metrics).routes()
     app.verb_latency = metrics.latency
     app.bad_requests = metrics.bad_requests
-    add_views(app, scheduler, metrics.registry)
+    app.activity = activity = VerbActivity()
+    registry = metrics.registry
+    # rendered in a worker thread (or the metrics listener's), pausing while a verb computes; requests arriving
+    # during a render share it
+    app.metrics_render = SharedRender(lambda: render_registry(registry, activity.pause))
+    app.state_render = SharedRender(lambda: state_view_bytes(scheduler, activity.pause))
+    add_views(app, scheduler)
     return app
 
 
-def serve_probes(registry: CollectorRegistry, scheduler: Scheduler, host: str, port: int) -> ProbeServer:
+def serve_probes(registry: CollectorRegistry, scheduler: Scheduler, host: str, port: int, *,
+                 render: SharedRender | None = None, state_render: SharedRender | None = None) -> ProbeServer:
     """/metrics, /healthz, /readyz and the read-only views /state and /quota on their own listener (a thread), so
     the extender's verbs can stay on loopback beside kube-scheduler while Prometheus, the kubelet's probes and the
     dashboard (kube_vgpu.extender.dashboard, through a Service) reach these from outside the Pod. The listener
-    bounds its connections, threads and waits (kube_vgpu.probes)."""
+    bounds its connections, threads and waits (kube_vgpu.probes). `render` and `state_render`: the app's shared
+    /metrics and /state renders (pausing for the verbs, shared with the verbs' port); by default, ones of their
+    own."""
     state = scheduler.state
+    metrics_render = render if render is not None else SharedRender(lambda: render_registry(registry))
+    state_view = state_render if state_render is not None else SharedRender(lambda: state_view_bytes(scheduler))
 
     def readyz() -> Reply:
         reason = state.unready_reason()  # the initial sync, then the watches (a dead one: 503)
@@ -459,10 +519,10 @@ def serve_probes(registry: CollectorRegistry, scheduler: Scheduler, host: str, p
         return status, "application/json", orjson.dumps(view)
 
     routes: dict[str, Route] = {
-        "/metrics": lambda: (200, CONTENT_TYPE_LATEST, generate_latest(registry)),
+        "/metrics": lambda: (200, CONTENT_TYPE_LATEST, metrics_render.get()),
         "/healthz": lambda: (200, "text/plain", b"ok"),
         "/readyz": readyz,
-        "/state": lambda: (200, "application/json", orjson.dumps(state_document(scheduler))),
+        "/state": lambda: (200, "application/json", state_view.get()),
         "/quota": quota,
     }
     return serve_probe_routes(host, port, routes)

@@ -22,7 +22,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -495,70 +495,87 @@ class ClusterState:
         return (now if now is not None else self.clock()) - node.heartbeat_s
 
     def snapshot(self) -> dict[str, Any]:
-        """JSON-ready view for GET /state."""
+        """JSON-ready view for GET /state (the extender's server encodes it from view_chunks, a piece at a time)."""
+        return {"synced": self.synced.is_set(),
+                "nodes": [view for chunk in self.view_chunks("nodes") for view in chunk],
+                "assignments": [view for chunk in self.view_chunks("assignments") for view in chunk]}
+
+    def view_chunks(self, part: str, pause: Callable[[], None] | None = None) -> Iterator[list[dict[str, Any]]]:
+        """/state's "nodes" or "assignments", ~0.1 ms of work at a time (5 nodes, 20 pods), each chunk built under
+        the lock, the lock released (and `pause` called) between chunks: at 5000 nodes and 40,000 pods the whole
+        view is ~0.3 s of work that filter would otherwise wait for in one piece. A pod bound or gone meanwhile may
+        show in one part and not the other."""
         with self.lock:
             now = self.clock()
-            nodes = []
-            for node in self.nodes.values():
-                age = self.heartbeat_age_s(node, now)
-                nodes.append(
-                    {
-                        "name": node.name,
-                        "heartbeatAgeSeconds": None if age is None else round(age, 1),
-                        "cpuMilliAllocatable": node.cpu_milli_total,
-                        "cpuMilliRequested": node.cpu_milli_used,
-                        "inventoryError": self.inventory_errors.get(node.name),
-                        "gpus": [
-                            {
-                                "uuid": gpu.uuid,
-                                "index": gpu.index,
-                                "model": gpu.model,
-                                "healthy": gpu.healthy,
-                                "memoryMiB": gpu.memory_mib,
-                                "usedMemoryMiB": gpu.used_memory_mib,
-                                "cores": gpu.cores,
-                                "usedCores": gpu.used_cores,
-                                "maxShares": gpu.max_vgpus,
-                                "usedShares": gpu.used_vgpus,
-                                "exclusive": gpu.exclusive_holders > 0,
-                                # a GPU in MIG mode is never offered to vGPUs: its MIG devices are (migDevices)
-                                "migMode": gpu.mig_mode,
-                            }
-                            for gpu in node.gpus
-                        ],
-                        # static MIG: each MIG device and whether a pod holds it (only on nodes that have some)
-                        **({"migDevices": [
-                            {
-                                "uuid": device.uuid,
-                                "gpuIndex": device.index,
-                                "profile": device.mig_profile,
-                                "memoryMiB": device.memory_mib,
-                                "healthy": device.healthy,
-                                "held": device.used_vgpus > 0 or device.exclusive_holders > 0,
-                            }
-                            for device in node.mig_devices
-                        ]} if node.mig_devices else {}),
-                    }
-                )
-            assignments = [
+            objects: list[Any] = list(self.nodes.values() if part == "nodes" else self.pods.values())
+        chunk = 5 if part == "nodes" else 20
+        for start in range(0, len(objects), chunk):
+            if pause is not None:
+                pause()
+            with self.lock:
+                if part == "nodes":
+                    views = [self._node_view(node, now) for node in objects[start:start + chunk]]
+                else:
+                    views = [self._assignment_view(record) for record in objects[start:start + chunk]]
+            yield views
+
+    def _node_view(self, node: NodeState, now: float) -> dict[str, Any]:
+        age = self.heartbeat_age_s(node, now)
+        return {
+            "name": node.name,
+            "heartbeatAgeSeconds": None if age is None else round(age, 1),
+            "cpuMilliAllocatable": node.cpu_milli_total,
+            "cpuMilliRequested": node.cpu_milli_used,
+            "inventoryError": self.inventory_errors.get(node.name),
+            "gpus": [
                 {
-                    "pod": f"{record.namespace}/{record.name}",
-                    "uid": record.uid,
-                    "node": record.node_name,
-                    "confirmed": record.confirmed,
-                    "bound": record.bound,
-                    "containers": [
-                        {
-                            "name": c.name,
-                            "init": c.init,
-                            "sidecar": c.sidecar,
-                            "devices": [
-                                {"uuid": d.uuid, "memoryMiB": d.memory_mib, "cores": d.cores} for d in c.devices
-                            ],
-                        }
-                        for c in record.assignment.containers
+                    "uuid": gpu.uuid,
+                    "index": gpu.index,
+                    "model": gpu.model,
+                    "healthy": gpu.healthy,
+                    "memoryMiB": gpu.memory_mib,
+                    "usedMemoryMiB": gpu.used_memory_mib,
+                    "cores": gpu.cores,
+                    "usedCores": gpu.used_cores,
+                    "maxShares": gpu.max_vgpus,
+                    "usedShares": gpu.used_vgpus,
+                    "exclusive": gpu.exclusive_holders > 0,
+                    # a GPU in MIG mode is never offered to vGPUs: its MIG devices are (migDevices)
+                    "migMode": gpu.mig_mode,
+                }
+                for gpu in node.gpus
+            ],
+            # static MIG: each MIG device and whether a pod holds it (only on nodes that have some)
+            **({"migDevices": [
+                {
+                    "uuid": device.uuid,
+                    "gpuIndex": device.index,
+                    "profile": device.mig_profile,
+                    "memoryMiB": device.memory_mib,
+                    "healthy": device.healthy,
+                    "held": device.used_vgpus > 0 or device.exclusive_holders > 0,
+                }
+                for device in node.mig_devices
+            ]} if node.mig_devices else {}),
+        }
+
+    @staticmethod
+    def _assignment_view(record: PodRecord) -> dict[str, Any]:
+        return {
+            "pod": f"{record.namespace}/{record.name}",
+            "uid": record.uid,
+            "node": record.node_name,
+            "confirmed": record.confirmed,
+            "bound": record.bound,
+            "containers": [
+                {
+                    "name": c.name,
+                    "init": c.init,
+                    "sidecar": c.sidecar,
+                    "devices": [
+                        {"uuid": d.uuid, "memoryMiB": d.memory_mib, "cores": d.cores} for d in c.devices
                     ],
                 }
-                for record in self.pods.values()
-            ]
-            return {"synced": self.synced.is_set(), "nodes": nodes, "assignments": assignments}
+                for c in record.assignment.containers
+            ],
+        }

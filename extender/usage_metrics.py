@@ -21,16 +21,13 @@ the counters), and go away with the pod; per namespace, per ClusterQueue and per
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
-
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
 from kube_vgpu.extender.engine.policies._milli import frag_cpu_free_milli, free_milli_list
 from kube_vgpu.extender.engine.policies.fgd import FragPolicyBase
 from kube_vgpu.extender.engine.shares import MILLI_PER_GPU
+from kube_vgpu.extender.exposition import ROWS_PER_CHUNK, Family, FamilyGroup, GroupedCollector, Pause, no_pause
 
 if TYPE_CHECKING:
     from kube_vgpu.extender.preemption.rules import QueueRules
@@ -65,9 +62,13 @@ class _NodeRow:
     fragmented_gpus: float | None  # None: the policy has no fragmentation measure
 
 
-class UsageCollector(Collector):
-    def __init__(self, scheduler: Scheduler) -> None:
+class UsageCollector(GroupedCollector):
+    """`per_pod_gpu`: export the per-pod-and-GPU allocation gauges (a third of /metrics at 5000 nodes; the per-pod
+    counters and the per-node, namespace and ClusterQueue gauges are always exported)."""
+
+    def __init__(self, scheduler: Scheduler, *, per_pod_gpu: bool = True) -> None:
         self.scheduler = scheduler
+        self.per_pod_gpu = per_pod_gpu
 
     def _queue_rules(self) -> QueueRules | None:
         for gate in self.scheduler.gates:
@@ -76,9 +77,12 @@ class UsageCollector(Collector):
                 return rules
         return None
 
-    def copy_out(self) -> tuple[list[_PodRow], list[_NodeRow]]:
+    def copy_out(self, pause: Pause = no_pause) -> tuple[list[_PodRow], list[_NodeRow]]:
         """What the metrics need, as plain rows, under the state lock. Only this runs under the lock: building the
-        samples is most of a scrape's cost (measured at 5000 nodes, 20000 pods: ~0.5 s), and filter waits for it."""
+        samples is most of a scrape's cost (measured at 5000 nodes, 20000 pods: ~0.5 s), and filter waits for it.
+        Copied a chunk at a time, the lock released and `pause` called between chunks: at 40,000 pods the copy
+        alone is ~0.2 s, which filter would otherwise wait for in one piece. A pod bound or gone between two chunks
+        shows in the next scrape."""
         state = self.scheduler.state
         rules = self._queue_rules()
         policy = self.scheduler.default_node_policy
@@ -86,88 +90,87 @@ class UsageCollector(Collector):
         nodes: list[_NodeRow] = []
         with state.lock:
             now = state.clock()
-            for record in state.pods.values():
-                node = state.nodes.get(record.node_name)
-                if not record.applied or node is None:
-                    continue  # not counted on a node (its node is not known yet)
-                queue = (rules.queue_of(record.uid, record.namespace, record.labels) if rules else None) or ""
-                gpus = node.gpus
-                held = tuple((str(gpus[u.position].index), gpus[u.position].uuid, u.memory_mib, u.cores, u.vgpus)
-                             for u in record.usage)
-                # a bind time ahead of this clock (skew between replicas) counts as just bound
-                held_s = (max(0.0, now - record.bound_at_s)
-                          if record.confirmed and record.bound_at_s is not None else None)
-                pods.append(_PodRow(record.namespace, record.name, record.uid, node.name, queue, held_s, held))
-            for node in state.nodes.values():
-                if not node.gpus:
-                    continue
-                free = free_milli_list(node)
-                frag = None
-                if isinstance(policy, FragPolicyBase):
-                    cpu_free, cpu_known = frag_cpu_free_milli(node)
-                    frag = policy.measure(node, cpu_free, cpu_known, free) / MILLI_PER_GPU
-                nodes.append(_NodeRow(node.name, sum(free) / MILLI_PER_GPU, frag))
+            records = list(state.pods.values())
+            node_states = list(state.nodes.values())
+        for start in range(0, len(records), ROWS_PER_CHUNK):
+            pause()
+            with state.lock:
+                for record in records[start:start + ROWS_PER_CHUNK]:
+                    node = state.nodes.get(record.node_name)
+                    if not record.applied or node is None:
+                        continue  # not counted on a node (its node is not known yet)
+                    queue = (rules.queue_of(record.uid, record.namespace, record.labels) if rules else None) or ""
+                    gpus = node.gpus
+                    held = tuple((str(gpus[u.position].index), gpus[u.position].uuid, u.memory_mib, u.cores, u.vgpus)
+                                 for u in record.usage)
+                    # a bind time ahead of this clock (skew between replicas) counts as just bound
+                    held_s = (max(0.0, now - record.bound_at_s)
+                              if record.confirmed and record.bound_at_s is not None else None)
+                    pods.append(_PodRow(record.namespace, record.name, record.uid, node.name, queue, held_s, held))
+        nodes_per_chunk = ROWS_PER_CHUNK // 4  # free shares and the policy's measure: ~10 us a node
+        for start in range(0, len(node_states), nodes_per_chunk):
+            pause()
+            with state.lock:
+                for node in node_states[start:start + nodes_per_chunk]:
+                    if not node.gpus:
+                        continue
+                    free = free_milli_list(node)
+                    frag = None
+                    if isinstance(policy, FragPolicyBase):
+                        cpu_free, cpu_known = frag_cpu_free_milli(node)
+                        frag = policy.measure(node, cpu_free, cpu_known, free) / MILLI_PER_GPU
+                    nodes.append(_NodeRow(node.name, sum(free) / MILLI_PER_GPU, frag))
         return pods, nodes
 
-    def collect(self) -> Iterator[Metric]:
-        pods, nodes = self.copy_out()
-        yield from self._pod_families(pods)
-        fragmented = GaugeMetricFamily("kube_vgpu_node_fragmented_gpus",
-                                       "idle GPU capacity the placement policy counts as fragmented (GPUs; fgd and "
-                                       "bfgd only: the FGD measure over the workload learned so far)",
-                                       labels=["node", "policy"])
-        idle = GaugeMetricFamily("kube_vgpu_node_idle_gpus",
-                                 "idle GPU capacity (GPUs: each GPU's free share of memory, compute and vGPU slots)",
-                                 labels=["node"])
+    def groups(self, pause: Pause) -> list[FamilyGroup]:
+        """The families as groups sharing label rows (kube_vgpu.extender.exposition renders them straight to text)."""
+        pods, nodes = self.copy_out(pause)
+        groups = self._pod_groups(pods, pause)
         policy = self.scheduler.default_node_policy.name
-        for row in nodes:
-            idle.add_metric([row.name], row.idle_gpus)
-            if row.fragmented_gpus is not None:
-                fragmented.add_metric([row.name, policy], row.fragmented_gpus)
-        yield fragmented
-        yield idle
+        fragmented = FamilyGroup([Family("kube_vgpu_node_fragmented_gpus", "gauge",
+                                         "idle GPU capacity the placement policy counts as fragmented (GPUs; fgd and "
+                                         "bfgd only: the FGD measure over the workload learned so far)")],
+                                 ["node", "policy"], [((row.name, policy), (row.fragmented_gpus,)) for row in nodes])
+        idle_help = "idle GPU capacity (GPUs: each GPU's free share of memory, compute and vGPU slots)"
+        idle = FamilyGroup([Family("kube_vgpu_node_idle_gpus", "gauge", idle_help)],
+                           ["node"], [((row.name,), (row.idle_gpus,)) for row in nodes])
+        return [*groups, fragmented, idle]
 
-    def _pod_families(self, pods: list[_PodRow]) -> Iterator[Metric]:
-        pod_gpu = {suffix: GaugeMetricFamily(f"kube_vgpu_pod_{suffix}", f"{text}, per pod and GPU",
-                                             labels=POD_GPU_LABELS) for suffix, text in _ALLOCATED}
-        seconds = {
-            "vgpus": CounterMetricFamily("kube_vgpu_pod_vgpu_seconds",
-                                         "vGPUs held times seconds since the pod was bound", labels=POD_LABELS),
-            "memory": CounterMetricFamily("kube_vgpu_pod_gpu_memory_mib_seconds",
-                                          "GPU memory held (MiB) times seconds since the pod was bound",
-                                          labels=POD_LABELS),
-            "cores": CounterMetricFamily("kube_vgpu_pod_gpu_core_percent_seconds",
-                                         "GPU compute held (percent of a GPU) times seconds since the pod was bound",
-                                         labels=POD_LABELS),
-        }
+    def _pod_groups(self, pods: list[_PodRow], pause: Pause) -> list[FamilyGroup]:
+        pod_gpu = FamilyGroup([Family(f"kube_vgpu_pod_{suffix}", "gauge", f"{text}, per pod and GPU")
+                               for suffix, text in _ALLOCATED], POD_GPU_LABELS)
+        seconds = FamilyGroup([
+            Family("kube_vgpu_pod_vgpu_seconds", "counter", "vGPUs held times seconds since the pod was bound"),
+            Family("kube_vgpu_pod_gpu_memory_mib_seconds", "counter",
+                   "GPU memory held (MiB) times seconds since the pod was bound"),
+            Family("kube_vgpu_pod_gpu_core_percent_seconds", "counter",
+                   "GPU compute held (percent of a GPU) times seconds since the pod was bound"),
+        ], POD_LABELS)
         #: scope -> key -> [MiB, cores, vGPUs, pods]
         totals: dict[str, dict[str, list[int]]] = {"node": {}, "namespace": {}, "cluster_queue": {}}
-        for row in pods:
+        for number, row in enumerate(pods):
+            if number % ROWS_PER_CHUNK == 0:
+                pause()
             memory = cores = vgpus = 0
             for index, uuid, gpu_memory, gpu_cores, gpu_vgpus in row.gpus:
-                values = [row.namespace, row.name, row.uid, row.node, index, uuid, row.cluster_queue]
-                pod_gpu["gpu_memory_allocated_mib"].add_metric(values, gpu_memory)
-                pod_gpu["gpu_cores_allocated"].add_metric(values, gpu_cores)
-                pod_gpu["vgpus_allocated"].add_metric(values, gpu_vgpus)
+                if self.per_pod_gpu:
+                    pod_gpu.rows.append(((row.namespace, row.name, row.uid, row.node, index, uuid, row.cluster_queue),
+                                         (gpu_memory, gpu_cores, gpu_vgpus)))
                 memory, cores, vgpus = memory + gpu_memory, cores + gpu_cores, vgpus + gpu_vgpus
             for scope, key in (("node", row.node), ("namespace", row.namespace), ("cluster_queue", row.cluster_queue)):
                 total = totals[scope].setdefault(key, [0, 0, 0, 0])
                 for position, added in enumerate((memory, cores, vgpus, 1)):
                     total[position] += added
             if row.held_s is not None:
-                labels = [row.namespace, row.name, row.cluster_queue]
-                seconds["vgpus"].add_metric(labels, vgpus * row.held_s)
-                seconds["memory"].add_metric(labels, memory * row.held_s)
-                seconds["cores"].add_metric(labels, cores * row.held_s)
-        yield from pod_gpu.values()
+                seconds.rows.append(((row.namespace, row.name, row.cluster_queue),
+                                     (vgpus * row.held_s, memory * row.held_s, cores * row.held_s)))
+        groups = [pod_gpu]
         for scope, by_key in totals.items():
-            families = [GaugeMetricFamily(f"kube_vgpu_{scope}_{suffix}", f"{text}, per {scope}", labels=[scope])
+            families = [Family(f"kube_vgpu_{scope}_{suffix}", "gauge", f"{text}, per {scope}")
                         for suffix, text in _ALLOCATED]
             if scope != "node":
-                families.append(GaugeMetricFamily(f"kube_vgpu_{scope}_gpu_pods", f"pods holding GPUs, per {scope}",
-                                                  labels=[scope]))
-            for key, sums in sorted(by_key.items()):
-                for family, amount in zip(families, sums, strict=False):  # per node: no pod count family
-                    family.add_metric([key], amount)
-            yield from families
-        yield from seconds.values()
+                families.append(Family(f"kube_vgpu_{scope}_gpu_pods", "gauge", f"pods holding GPUs, per {scope}"))
+            groups.append(FamilyGroup(families, [scope], [((key,), sums[:len(families)])
+                                                          for key, sums in sorted(by_key.items())]))
+        groups.append(seconds)
+        return groups

@@ -30,8 +30,9 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-#: (status, content type, body)
-Reply = tuple[int, str, bytes]
+#: (status, content type, body); a big body may come as a list of chunks, written one after another (joining 75 MB
+#: of /metrics into one bytes object would hold the GIL, and stall the extender's verbs, for tens of ms)
+Reply = tuple[int, str, bytes | list[bytes]]
 Route = Callable[[], Reply]
 
 DEFAULT_MAX_CONNECTIONS = 16
@@ -151,9 +152,11 @@ class _Handler(BaseHTTPRequestHandler):
         status, content_type, body = route() if route is not None else (404, "text/plain", b"not found")
         self.send_response(status)
         self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
+        chunks = [body] if isinstance(body, bytes) else body
+        self.send_header("Content-Length", str(sum(len(chunk) for chunk in chunks)))
         self.end_headers()
-        self.wfile.write(body)
+        for chunk in chunks:
+            self.wfile.write(chunk)
 
     def log_message(self, format: str, *args: Any) -> None:  # probes every few seconds: keep logs quiet
         return

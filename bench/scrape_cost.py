@@ -1,0 +1,230 @@
+"""What a Prometheus scrape of /metrics and a dashboard polling GET /state cost kube-scheduler's verbs on a big
+cluster (issue 18): filter and prioritize latency over HTTP while nothing else is asked of the extender, against
+the same verbs while /metrics is scraped and while /state is polled, in one run against one extender process.
+
+The cluster is bench/extender_latency.py's: N nodes x 8 A100-80GB, 8 bound 1-GPU pods per node at ~50% (40,000
+pods at 5000 nodes), each carrying a bind time so the per-pod GPU-seconds counters are exported as in a live
+cluster. Each phase runs the same loop for --seconds: a 1-GPU fractional pod filtered over every node, prioritized
+over the nodes that passed, bound to the best one (so per-node caches are invalidated as in production). The
+phases run --rounds times, interleaved, and each is summarised over its rounds. Phases:
+
+  * baseline: nothing else;
+  * metrics-every-Ns: GET /metrics on the metrics listener every --scrape-interval-s (a 15-30 s Prometheus interval
+    compressed into the run);
+  * metrics-continuous: GET /metrics back to back (worst case: several Prometheus replicas and a slow scraper);
+  * state-every-Ns: GET /state on the verbs' port every --state-interval-s (one dashboard: it polls once a second);
+  * quota is not polled: with no quota gate (no --quota-config) it is a 404.
+
+The scraper runs in its own process (as Prometheus would), reading each reply whole. Printed: each phase's filter
+and prioritize p50/p99, its p99 over the first baseline's and its slowest request (the client is sequential, as
+kube-scheduler's scheduling cycle is: a stall of the server delays one request, so p99 counts how often a verb
+meets one and max how long it lasts); each endpoint's reply size and time (alone, before
+the phases; that is the extender's generation time plus the transfer over loopback).
+
+    PYTHONPATH=. python bench/scrape_cost.py                      # 5000 nodes, 3 rounds of 8 s per phase
+    PYTHONPATH=. python bench/scrape_cost.py --nodes 500 --seconds 3 --rounds 1
+    PYTHONPATH=. python bench/scrape_cost.py --rounds 10 --seconds 30 --scrape-interval-s 15   # the long version
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import http.client
+import multiprocessing
+import multiprocessing.synchronize
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from bench.extender_latency import half_full_cluster, percentile, rss_mib, shapes
+from kube_vgpu import protocol
+from kube_vgpu.dev.fixtures import scheduled_pod as make_pod
+
+ROOT = Path(__file__).resolve().parent.parent
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+def with_bind_times(items: list[dict[str, Any]], hours_ago: float = 1.0) -> list[dict[str, Any]]:
+    """Give every bound pod a bind time, as the extender's bind writes it: the GPU-seconds counters need one."""
+    text = protocol.format_bind_time(dt.datetime.now(dt.UTC) - dt.timedelta(hours=hours_ago))
+    for item in items:
+        if item["kind"] == "Pod" and item["spec"].get("nodeName"):
+            item["metadata"].setdefault("annotations", {})[protocol.POD_BIND_TIME_ANNOTATION] = text
+    return items
+
+
+def fetch(port: int, path: str, timeout_s: float = 120.0) -> tuple[int, float, float]:
+    """GET path -> (bytes, seconds to the first byte of the reply, seconds to the last)."""
+    started = time.perf_counter()
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    try:
+        connection.request("GET", path)
+        reply = connection.getresponse()
+        first_s = time.perf_counter() - started
+        size = len(reply.read())
+        if reply.status != 200:
+            raise RuntimeError(f"GET {path}: {reply.status}")
+        return size, first_s, time.perf_counter() - started
+    finally:
+        connection.close()
+
+
+def poll(port: int, path: str, interval_s: float, stop: multiprocessing.synchronize.Event,
+         results: Any) -> None:
+    """GET path every interval_s (0: back to back) until stop; each (bytes, first-byte s, total s) onto results.
+    A request taking longer than the interval is followed at once by the next, as Prometheus does not do (it skips
+    a beat), so a too-slow endpoint shows as back-to-back requests: worst case, on purpose."""
+    samples = []
+    next_s = time.monotonic()
+    while not stop.is_set():
+        samples.append(fetch(port, path))
+        next_s += interval_s
+        stop.wait(max(0.0, next_s - time.monotonic()))
+    results.put(samples)
+
+
+def wait_ready(port: int, server: subprocess.Popen[bytes], deadline_s: float = 600.0) -> None:
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            connection.request("GET", "/readyz")
+            if connection.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline or server.poll() is not None:
+            raise RuntimeError("extender did not become ready")
+        time.sleep(0.5)
+
+
+def run_pods(connection: http.client.HTTPConnection, names: list[str], seconds: float) -> dict[str, list[float]]:
+    """filter + prioritize + bind one pod after another for `seconds`; the verbs' round trips in seconds."""
+    timings: dict[str, list[float]] = {"filter": [], "prioritize": []}
+    shape = shapes()["1-gpu-fractional"]
+    end = time.monotonic() + seconds
+
+    def post(path: str, body: bytes) -> Any:
+        connection.request("POST", path, body=body, headers=JSON_HEADERS)
+        return orjson.loads(connection.getresponse().read())
+
+    while time.monotonic() < end:
+        pod = make_pod(**shape)
+        started = time.perf_counter()
+        passed = post("/filter", orjson.dumps({"Pod": pod, "NodeNames": names}))["NodeNames"]
+        timings["filter"].append(time.perf_counter() - started)
+        started = time.perf_counter()
+        scores = post("/prioritize", orjson.dumps({"Pod": pod, "NodeNames": passed}))
+        timings["prioritize"].append(time.perf_counter() - started)
+        if scores:
+            meta = pod["metadata"]
+            best = max(scores, key=lambda s: s["Score"])["Host"]
+            post("/bind", orjson.dumps({"PodName": meta["name"], "PodNamespace": "default", "PodUID": meta["uid"],
+                                        "Node": best}))
+    return timings
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nodes", type=int, default=5000)
+    parser.add_argument("--seconds", type=float, default=8.0, help="length of each phase in each round")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="the phases run this many times, interleaved, and are summarised over all rounds (on a "
+                             "shared machine the load drifts: interleaving spreads the drift over every phase)")
+    parser.add_argument("--scrape-interval-s", type=float, default=2.0)
+    parser.add_argument("--state-interval-s", type=float, default=1.0)
+    parser.add_argument("--phases", nargs="+",
+                        default=["baseline", "metrics-interval", "metrics-continuous", "state-interval"],
+                        choices=["baseline", "metrics-interval", "metrics-continuous", "state-interval"])
+    parser.add_argument("--extender-arg", action="append", default=[],
+                        help="extra argument for `kube-vgpu extender` (repeatable), e.g. "
+                             "--extender-arg=--metrics-per-pod-gpu=off")
+    args = parser.parse_args()
+
+    started = time.perf_counter()
+    items = with_bind_times(half_full_cluster(args.nodes))
+    names = [i["metadata"]["name"] for i in items if i["kind"] == "Node"]
+    pods = sum(1 for i in items if i["kind"] == "Pod")
+    print(f"# scrape cost: {args.nodes} nodes x 8 GPUs, {pods} assigned pods, built in "
+          f"{time.perf_counter() - started:.1f}s; {args.seconds:.0f} s per phase; load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    port = 20000 + os.getpid() % 20000
+    metrics_port = port + 1
+    with tempfile.TemporaryDirectory() as tmp:
+        snapshot = Path(tmp) / "snapshot.json"
+        snapshot.write_bytes(orjson.dumps({"apiVersion": "v1", "kind": "List", "items": items}))
+        del items
+        server = subprocess.Popen(
+            [sys.executable, "-m", "kube_vgpu.cli", "extender", "--snapshot", str(snapshot), "--port", str(port),
+             "--metrics-port", str(metrics_port), "--log-level", "WARNING", *args.extender_arg],
+            cwd=ROOT,
+        )
+        try:
+            wait_ready(metrics_port, server)
+            for path, target in (("/metrics", metrics_port), ("/state", port)):
+                fetch(target, path)  # warm: first-time imports and caches
+                size, first_s, total_s = fetch(target, path)
+                print(f"GET {path:8s} alone: {size / 1e6:6.1f} MB, first byte {first_s * 1e3:7.0f} ms, "
+                      f"whole reply {total_s * 1e3:7.0f} ms")
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            run_pods(connection, names, min(3.0, args.seconds))  # warm the per-shape caches
+            collected: dict[str, dict[str, list[float]]] = {}
+            polled_by: dict[str, list[tuple[int, float, float]]] = {}
+            for phase in [phase for _ in range(args.rounds) for phase in args.phases]:
+                stop = multiprocessing.Event()
+                results: Any = multiprocessing.Queue()
+                poller = None
+                label = phase
+                if phase.startswith("metrics"):
+                    interval = args.scrape_interval_s if phase == "metrics-interval" else 0.0
+                    label = f"metrics-every-{interval:g}s" if interval else phase
+                    poller = multiprocessing.Process(target=poll, args=(metrics_port, "/metrics", interval, stop,
+                                                                        results))
+                elif phase == "state-interval":
+                    label = f"state-every-{args.state_interval_s:g}s"
+                    poller = multiprocessing.Process(target=poll, args=(port, "/state", args.state_interval_s, stop,
+                                                                        results))
+                if poller is not None:
+                    poller.start()
+                timings = run_pods(connection, names, args.seconds)
+                if poller is not None:
+                    stop.set()
+                    polled_by.setdefault(label, []).extend(results.get(timeout=300))
+                    poller.join(60)
+                for verb, samples in timings.items():
+                    collected.setdefault(label, {}).setdefault(verb, []).extend(samples)
+                print(f"  {label}: {len(timings['filter'])} pods", flush=True)
+            print(f"\n{'phase':22s}  pods  verb: p50 / p99 / max ms (p99 and p50 over the baseline's)")
+            base = collected.get("baseline")
+            for label, timings in collected.items():
+                cells = []
+                for verb in ("filter", "prioritize"):
+                    p50, p99 = percentile(timings[verb], 50), percentile(timings[verb], 99)
+                    ratio = ""
+                    if base is not None:
+                        ratio = (f" (p99 {p99 / percentile(base[verb], 99):4.2f}x, "
+                                 f"p50 {p50 / percentile(base[verb], 50):4.2f}x)")
+                    cells.append(f"{verb} {p50 * 1e3:5.2f} / {p99 * 1e3:6.2f} / {max(timings[verb]) * 1e3:6.1f}{ratio}")
+                polled = ""
+                if label in polled_by:
+                    fetched = polled_by[label]
+                    totals = [sample[2] for sample in fetched]
+                    polled = (f"  [{len(fetched)} GETs of {fetched[-1][0] / 1e6:.1f} MB, p50 "
+                              f"{percentile(totals, 50) * 1e3:.0f} ms, max {max(totals) * 1e3:.0f} ms]")
+                print(f"{label:22s} {len(timings['filter']):5d}  " + "  ".join(cells) + polled)
+            print(f"extender RSS after the run: {rss_mib(server.pid):.0f} MiB")
+        finally:
+            server.terminate()
+            server.wait(30)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
