@@ -12,7 +12,9 @@ phases run --rounds times, interleaved, and each is summarised over its rounds. 
   * metrics-every-Ns: GET /metrics on the metrics listener every --scrape-interval-s (a 15-30 s Prometheus interval
     compressed into the run);
   * metrics-continuous: GET /metrics back to back (worst case: several Prometheus replicas and a slow scraper);
-  * state-every-Ns: GET /state on the verbs' port every --state-interval-s (one dashboard: it polls once a second);
+  * state-every-Ns: GET /state on the verbs' port every --state-interval-s (a dashboard without its stretch rule);
+  * dashboard: the dashboard's own upstream reader (kube_vgpu.extender.dashboard.server.Upstream, as `kube-vgpu
+    dashboard` runs it) asked by one open page every 2 s: coalesced, the interval stretched to 10x a read's time;
   * quota is not polled: with no quota gate (no --quota-config) it is a 404.
 
 The scraper runs in its own process (as Prometheus would), reading each reply whole. Printed: each phase's filter
@@ -90,6 +92,26 @@ def poll(port: int, path: str, interval_s: float, stop: multiprocessing.synchron
     results.put(samples)
 
 
+def dashboard_poll(port: int, page_interval_s: float, stop: multiprocessing.synchronize.Event,
+                   results: Any) -> None:
+    """The dashboard's real upstream (kube_vgpu.extender.dashboard: coalesced reads, the interval stretched to keep
+    the extender busy at most busy_share of the time) asked by one open page every page_interval_s (the page's own
+    poll); each upstream read as (0, 0, its seconds) onto results."""
+    import asyncio
+
+    from kube_vgpu.extender.dashboard.server import Upstream
+
+    upstream = Upstream(f"http://127.0.0.1:{port}", timeout_s=120)
+    samples = []
+    while not stop.is_set():
+        before, started = upstream.fetches, time.monotonic()
+        asyncio.run(upstream.view())
+        if upstream.fetches > before:
+            samples.append((0, 0.0, time.monotonic() - started))
+        stop.wait(page_interval_s)
+    results.put(samples)
+
+
 def wait_ready(port: int, server: subprocess.Popen[bytes], deadline_s: float = 600.0) -> None:
     deadline = time.monotonic() + deadline_s
     while True:
@@ -142,7 +164,7 @@ def main() -> int:
     parser.add_argument("--state-interval-s", type=float, default=1.0)
     parser.add_argument("--phases", nargs="+",
                         default=["baseline", "metrics-interval", "metrics-continuous", "state-interval"],
-                        choices=["baseline", "metrics-interval", "metrics-continuous", "state-interval"])
+                        choices=["baseline", "metrics-interval", "metrics-continuous", "state-interval", "dashboard"])
     parser.add_argument("--extender-arg", action="append", default=[],
                         help="extra argument for `kube-vgpu extender` (repeatable), e.g. "
                              "--extender-arg=--metrics-per-pod-gpu=off")
@@ -191,6 +213,9 @@ def main() -> int:
                     label = f"state-every-{args.state_interval_s:g}s"
                     poller = multiprocessing.Process(target=poll, args=(port, "/state", args.state_interval_s, stop,
                                                                         results))
+                elif phase == "dashboard":
+                    label = "dashboard-page-open"
+                    poller = multiprocessing.Process(target=dashboard_poll, args=(port, 2.0, stop, results))
                 if poller is not None:
                     poller.start()
                 timings = run_pods(connection, names, args.seconds)

@@ -122,7 +122,7 @@ def test_upstream_reads_are_coalesced_across_pages(tmp_path: Path) -> None:
             assert asyncio.run(many()) == [200] * 40
         assert (app.paths["/state"], app.paths["/quota"], upstream.fetches) == (1, 1, 1)
         # concurrent requests when the cached read has expired share one new read (single flight)
-        upstream.interval_s = 0.0
+        upstream.interval_s, upstream.busy_share = 0.0, None
         with dashboard(upstream) as client:
             async def burst() -> None:
                 async with httpx.AsyncClient(base_url=str(client.base_url), timeout=10) as pages:
@@ -132,9 +132,28 @@ def test_upstream_reads_are_coalesced_across_pages(tmp_path: Path) -> None:
         assert app.paths["/state"] <= 11 and upstream.fetches == app.paths["/state"]
 
 
+def test_a_slow_read_stretches_the_interval_to_keep_the_extender_mostly_free() -> None:
+    """A read that took 0.5 s (this clock moves 0.5 s per look) is not repeated for 5 s (busy_share 0.1), however
+    often the page asks; without busy_share the interval alone counts."""
+    ticks = iter(range(1000))
+
+    def clock() -> float:
+        return next(ticks) * 0.5
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    slow = Upstream(dead, interval_s=0.0, timeout_s=2, clock=clock)
+    for _ in range(3):
+        asyncio.run(slow.view())
+    assert slow.fetches == 1
+    fixed = Upstream(dead, interval_s=0.0, busy_share=None, timeout_s=2, clock=clock)
+    for _ in range(3):
+        asyncio.run(fixed.view())
+    assert fixed.fetches == 3
+
+
 def test_an_unreachable_extender_is_said_so_and_the_last_data_kept_as_stale(tmp_path: Path) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
-    with dashboard(Upstream(dead, interval_s=0.0, timeout_s=2)) as client:
+    with dashboard(Upstream(dead, interval_s=0.0, busy_share=None, timeout_s=2)) as client:
         reply = client.get("/api/view")
         assert reply.status_code == 200
         view = reply.json()
@@ -143,7 +162,7 @@ def test_an_unreachable_extender_is_said_so_and_the_last_data_kept_as_stale(tmp_
     assert view["stale"] is False and "overview" not in view
     # up, read once, then gone: the page keeps the last good figures, marked stale with their age
     with extender(tmp_path) as (url, _):
-        upstream = Upstream(url, interval_s=0.0, timeout_s=2)
+        upstream = Upstream(url, interval_s=0.0, busy_share=None, timeout_s=2)
         with dashboard(upstream) as client:
             assert client.get("/api/view").json()["overview"]["pods"] == 4
     with dashboard(upstream) as client:
