@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.server
 import socket
 import threading
 import time
@@ -35,3 +36,16 @@ def serve(app: Any, **config: Any) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+@contextmanager
+def serve_handler(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """A stdlib request handler (a stand-in upstream such as Prometheus' query API) on a free loopback port, in a
+    thread, until the block ends."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import http.server
 import json
-import threading
 import urllib.parse
 from collections import Counter
 from collections.abc import Iterator
@@ -27,7 +26,7 @@ from kube_vgpu.extender.top import parse_state
 from tests.extender.test_top import plain_server
 from tests.extender.test_usage_metrics import BOUND_AT, EXAMPLES, T0, bound_pod
 from tests.helpers import gpu_node
-from tests.servers import free_port, serve
+from tests.servers import free_port, serve, serve_handler
 
 
 class CountingApp:
@@ -247,13 +246,8 @@ def prometheus(samples: dict[str, dict[str, float]]) -> Iterator[str]:
         def log_message(self, format: str, *args: Any) -> None:
             return
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serve_handler(Handler) as url:
+        yield url
 
 
 def test_measured_use_from_prometheus(tmp_path: Path) -> None:

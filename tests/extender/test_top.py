@@ -4,7 +4,6 @@ address is not an extender."""
 from __future__ import annotations
 
 import http.server
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,7 +16,7 @@ from kube_vgpu.cli import main as kube_vgpu_main
 from kube_vgpu.extender.top import StateFormatError, parse_state
 from tests.extender.test_usage_metrics import BOUND_AT, T0, bound_pod, serve_extender
 from tests.helpers import gpu_node, pod
-from tests.servers import free_port
+from tests.servers import free_port, serve_handler
 
 
 @pytest.fixture()
@@ -99,14 +98,8 @@ def plain_server(status: int, body: bytes) -> Iterator[str]:
         def log_message(self, format: str, *args: object) -> None:
             return
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serve_handler(Handler) as url:
+        yield url
 
 
 @pytest.mark.parametrize(

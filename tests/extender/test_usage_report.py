@@ -8,7 +8,6 @@ from __future__ import annotations
 import datetime as dt
 import http.server
 import json
-import threading
 import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,7 +17,7 @@ from typing import Any
 import pytest
 
 from kube_vgpu.cli import main as kube_vgpu_main
-from tests.servers import free_port
+from tests.servers import free_port, serve_handler
 
 START = "2026-11-01"
 END = "2026-11-02T00:00:00Z"
@@ -85,13 +84,8 @@ def prometheus(fake: FakePrometheus) -> Iterator[str]:
         def log_message(self, format: str, *args: Any) -> None:
             return
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serve_handler(Handler) as url:
+        yield url
 
 
 def usage(capsys: pytest.CaptureFixture[str], *words: str) -> tuple[int, str, str]:
