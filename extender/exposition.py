@@ -13,7 +13,7 @@ it on the loop) for as long as a scrape lasted. Three things here:
   worker thread) stops at the next `pause()` until none is and none ended in the last 2 ms; after waiting 5 ms it
   runs a 0.1 ms slice, so a steady burst of verbs delays a scrape but cannot starve it.
 * `SharedRender`: one render serves every request that arrives while it runs (two Prometheus replicas, several
-  dashboards), with the cyclic GC off meanwhile (`gc_paused`).
+  dashboards), with the cyclic GC off and a short GIL switch interval meanwhile (`render_settings`).
 """
 
 from __future__ import annotations
@@ -266,7 +266,7 @@ def render_registry(registry: CollectorRegistry, pause: Pause = no_pause) -> Bod
 RENDER_SWITCH_INTERVAL_S = 0.0001
 
 
-class _GcPause:
+class _RenderSettings:
     """The cyclic GC switched off while any render runs, and the GIL switch interval shortened
     (RENDER_SWITCH_INTERVAL_S). A render allocates a few hundred thousand containers,
     which set off full collections over all of them (measured: 17-50 ms each, one verb waiting through it); the
@@ -299,7 +299,7 @@ class _GcPause:
                         gc.enable()
 
 
-gc_paused = _GcPause()
+render_settings = _RenderSettings()
 
 
 @dataclass(slots=True)
@@ -338,7 +338,7 @@ class SharedRender:
             return job.body
         started = time.monotonic()
         try:
-            with gc_paused():
+            with render_settings():
                 job.body = self.render()
             return job.body
         except BaseException as exc:

@@ -22,8 +22,8 @@ from kube_vgpu.extender.exposition import (
     TextOut,
     VerbActivity,
     escape_value,
-    gc_paused,
     render_registry,
+    render_settings,
 )
 from kube_vgpu.extender.gangs import gangs_view
 from kube_vgpu.extender.server import state_view_bytes
@@ -159,9 +159,9 @@ def test_background_work_pauses_while_a_verb_computes() -> None:
 
 def test_gc_is_off_during_renders_and_back_after_the_last() -> None:
     assert gc.isenabled()
-    with gc_paused():
+    with render_settings():
         assert not gc.isenabled()
-        with gc_paused():
+        with render_settings():
             assert not gc.isenabled()
         assert not gc.isenabled()
     assert gc.isenabled()
