@@ -107,7 +107,23 @@ def mark_dynamic(inventory: NodeInventory, config: DynamicMigConfig, mig_capable
             continue
         dynamic = DynamicMigInfo(model.key, config.profiles[model.key], gpu.mig_devices)
         gpus.append(dataclasses.replace(gpu, mig_devices=(), dynamic_mig=dynamic))
+    _warn_unused(inventory, config, capable)
     return dataclasses.replace(inventory, gpus=tuple(gpus))
+
+
+def _warn_unused(inventory: NodeInventory, config: DynamicMigConfig, capable: set[int]) -> None:
+    """GPUs named for dynamic MIG (flag or node label) that cannot take it are said in the log, not skipped
+    silently: an index the node does not have, a GPU that is not MIG-capable, or a model not in the allowlist."""
+    by_index = {gpu.index: gpu for gpu in inventory.gpus}
+    for index in sorted(config.gpus or ()):
+        gpu = by_index.get(index)
+        if gpu is None:
+            log.warning("dynamic MIG: this node has no GPU %d (its GPUs: %s)", index, sorted(by_index) or "none")
+        elif index not in capable:
+            log.warning("dynamic MIG: GPU %d (%s) is not MIG-capable; it stays as it is", index, gpu.model)
+        elif (model := mig.mig_model(gpu.model, gpu.memory_mib)) is None or model.key not in config.profiles:
+            log.warning("dynamic MIG: GPU %d (%s) is of no model in --dynamic-mig-profiles (%s); it stays as it is",
+                        index, gpu.model, ", ".join(config.profiles) or "none")
 
 
 def live_placements(pods: Iterable[Mapping[str, Any]], node_name: str) -> set[DynamicMigPlacement]:

@@ -218,6 +218,25 @@ def test_the_node_label_picks_the_dynamic_gpus_when_the_flags_name_only_profiles
     assert (app.dynamic_mig is not None) == any(dynamic)
 
 
+@pytest.mark.parametrize(("gpus", "allow", "warning"), [
+    ("5", ALLOW, "this node has no GPU 5 (its GPUs: [0, 1])"),
+    ("0", {"A100-80GB": ("1g.10gb",)}, "GPU 0 (NVIDIA H100 80GB HBM3) is of no model in --dynamic-mig-profiles "
+                                       "(A100-80GB)"),
+])  # fmt: skip
+def test_gpus_named_for_dynamic_mig_that_cannot_take_it_are_warned_about(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture, gpus: str, allow: dict[str, tuple[str, ...]], warning: str
+) -> None:
+    cluster = InMemoryCluster()
+    cluster.add_node({"metadata": {"name": NODE}})
+    config = PluginConfig(node_name=NODE, kubelet_dir=str(tmp_path), heartbeat_seconds=3600,
+                          dynamic_mig=DynamicMigConfig(allow, parse_gpus(gpus)),
+                          delivery=DeliveryConfig(limiter_library_path="", cache_host_dir=""))
+    with caplog.at_level("WARNING"):
+        app = DevicePluginApp(config, Nvml(FakeNvml(load_profile("h100-mig-capable", NODE))), cluster)
+    assert all(gpu.dynamic_mig is None for gpu in app.state.inventory().gpus)
+    assert f"dynamic MIG: {warning}" in caplog.text
+
+
 def mig_pod(name: str, resource: str, devices: list[str], *, bound_at: float = 1.0, phase: str = "Pending"
             ) -> dict[str, Any]:
     limits = {"cpu": "1", resource: str(len(devices))}
