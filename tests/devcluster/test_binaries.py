@@ -82,9 +82,9 @@ def test_build_keys_name_versions_of_every_binary() -> None:
     keys = binaries.build_keys()
     assert set(keys) == set(BINARY_NAMES) == {
         "etcd", "kube-apiserver", "kube-scheduler", "kubectl", "kube-controller-manager", "kwok", "kueue", "helm",
-        "promtool",
+        "promtool", "prometheus",
     }
-    assert set(DEFAULT_BINARY_NAMES) == set(BINARY_NAMES) - {"kueue", "helm", "promtool"}  # opt-in
+    assert set(DEFAULT_BINARY_NAMES) == set(BINARY_NAMES) - {"kueue", "helm", "promtool", "prometheus"}  # opt-in
     assert ETCD_VERSION in keys["etcd"]
     for name in ("kube-apiserver", "kube-scheduler", "kubectl", "kube-controller-manager"):
         assert f"k8s.io/kubernetes@{KUBERNETES_VERSION}" in keys[name]
@@ -262,6 +262,7 @@ elif args[0] in ("build", "install"):
         "#!/bin/sh\\necho 'etcd Version: {etcd}'; echo 'Kubernetes {k8s}'; echo 'Client Version: {k8s}'\\n"
         "echo 'kwok version v0.7.0 (go1.26.0)'; echo '  -feature-gates string'; echo '{helm}'\\n"
         "echo 'promtool, version {prometheus} (branch: HEAD, revision: )'\\n"
+        "echo 'prometheus, version {prometheus} (branch: HEAD, revision: )'\\n"
     )
     out.chmod(0o755)
 else:
@@ -306,7 +307,7 @@ def test_build_records_stamp_and_second_call_does_not_rebuild(fake_go: Path) -> 
     ]
     keys = binaries.build_keys()
     assert binaries.read_stamp(binaries.stamp_path()) == {
-        name: keys[name] for name in keys if name not in ("kwok", "kueue", "helm", "promtool")
+        name: keys[name] for name in keys if name not in ("kwok", "kueue", "helm", "promtool", "prometheus")
     }
     assert binaries.read_stamp(binaries.stamp_path(binaries.kwok_cache_dir())) == {"kwok": keys["kwok"]}
     assert any("kube-apiserver" in message and "done in" in message for message in messages)
@@ -381,6 +382,27 @@ def test_promtool_is_installed_on_request_from_prometheus_s_own_module_with_its_
     assert any("[promtool] done in" in message for message in messages)
     ensure_binaries(progress=messages.append, names=("promtool",))  # cached now: not built again
     assert len(fake_go.read_text().splitlines()) == 1
+
+
+def test_the_prometheus_server_is_installed_on_request_beside_promtool_from_the_same_module(fake_go: Path) -> None:
+    # opt-in (the Prometheus e2e and `dev-cluster up --prometheus`): same module, version, tag and version flags as
+    # promtool, in the same cache home, so the Go build cache serves the packages both share
+    assert "prometheus" in BINARY_NAMES and "prometheus" not in DEFAULT_BINARY_NAMES
+    messages: list[str] = []
+    paths = ensure_binaries(progress=messages.append, names=("promtool", "prometheus"))
+    home = binaries.prometheus_cache_dir()
+    assert paths == {"promtool": home / "bin" / "promtool", "prometheus": home / "bin" / "prometheus"}
+    lines = [line.split()[1:] for line in fake_go.read_text().splitlines()]
+    assert lines == [["github.com/prometheus/prometheus/cmd/promtool", "install", "v0.316.0"],
+                     ["github.com/prometheus/prometheus/cmd/prometheus", "install", "v0.316.0"]]
+    flags = (fake_go.parent / "ldflags.log").read_text().splitlines()
+    assert len(flags) == 2 and all("-X github.com/prometheus/common/version.Version=3.16.0" in f for f in flags)
+    stamp = binaries.read_stamp(binaries.stamp_path(home))
+    assert stamp["prometheus"] == stamp["promtool"] == (f"github.com/prometheus/prometheus@v0.316.0 "
+                                                        f"tags=remove_all_sd recipe={binaries.RECIPE_VERSION}")
+    assert sorted(os.listdir(home / "bin")) == ["prometheus", "promtool"]
+    ensure_binaries(progress=messages.append, names=("prometheus",))  # cached now: not built again
+    assert len(fake_go.read_text().splitlines()) == 2
 
 
 def test_concurrent_callers_build_each_binary_once(fake_go: Path) -> None:

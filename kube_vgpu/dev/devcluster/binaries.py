@@ -143,8 +143,9 @@ LIFECYCLE_BINARY_NAMES: tuple[str, ...] = ("kube-controller-manager", "kwok")
 KUEUE_BINARY_NAMES: tuple[str, ...] = ("kueue",)
 #: What the Helm chart's tests add: helm.
 HELM_BINARY_NAMES: tuple[str, ...] = ("helm",)
-#: What the monitoring manifests' tests add: Prometheus's promtool (rules, rule unit tests, PromQL).
-PROMETHEUS_BINARY_NAMES: tuple[str, ...] = ("promtool",)
+#: What the monitoring manifests' tests add: Prometheus's promtool (rules, rule unit tests, PromQL) and the Prometheus
+#: server itself (tests/e2e/test_prometheus_e2e.py scrapes the dev cluster with it; `dev-cluster up --prometheus`).
+PROMETHEUS_BINARY_NAMES: tuple[str, ...] = ("promtool", "prometheus")
 BINARY_NAMES: tuple[str, ...] = (
     CORE_BINARY_NAMES + LIFECYCLE_BINARY_NAMES + KUEUE_BINARY_NAMES + HELM_BINARY_NAMES + PROMETHEUS_BINARY_NAMES
 )
@@ -266,11 +267,22 @@ _TARGETS: tuple[_Target, ...] = (
         ("--version",),
         f"promtool, version {PROMETHEUS_RELEASE} ",
     ),
+    # the server, same module, version, tag and flags ("prometheus, version 3.16.0 (branch: ...)"); built without
+    # the `builtinassets` tag, so it has no web UI (it would serve web/ui/static from its working directory, which
+    # is not there): the HTTP API is all the tests and the dev cluster use
+    _Target(
+        "prometheus",
+        "prometheus",
+        f"{PROMETHEUS_MODULE}/cmd/prometheus",
+        ("--version",),
+        f"prometheus, version {PROMETHEUS_RELEASE} ",
+    ),
 )
 #: The version `go install <package>@<version>` names, for the targets built that way.
 _GO_INSTALL_VERSIONS = {"kwok": KWOK_VERSION, "helm": HELM_VERSION, "prometheus": PROMETHEUS_VERSION}
 #: Go build tags per source. promtool without Prometheus's service-discovery plugins (its own `remove_all_sd` tag):
 #: rule checks, rule unit tests and PromQL need none of them, and the cloud SDKs they pull in are most of its build.
+#: The server is built with the same tag: the dev cluster's Prometheus scrapes static targets only.
 _BUILD_TAGS = {"prometheus": "remove_all_sd"}
 assert tuple(t.name for t in _TARGETS) == BINARY_NAMES
 _TARGETS_BY_NAME = {target.name: target for target in _TARGETS}

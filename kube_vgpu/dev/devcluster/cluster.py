@@ -86,6 +86,8 @@ NAMESPACE = "kube-vgpu"
 EXTENDER_SERVICE_ACCOUNT = "kube-vgpu-extender"
 DEVICE_PLUGIN_SERVICE_ACCOUNT = "kube-vgpu-device-plugin"
 WEBHOOK_SERVICE_ACCOUNT = "kube-vgpu-webhook"
+#: the webhook Service's DNS name (manifests/base/webhook), which its serving certificate holds
+WEBHOOK_SERVICE_DNS_NAME = f"kube-vgpu-webhook.{NAMESPACE}.svc"
 #: The heartbeat's dev-only account (not in manifests/), bound to the device plugin's ClusterRole.
 HEARTBEAT_SERVICE_ACCOUNT = "kube-vgpu-dev-heartbeat"
 DEVICE_PLUGIN_CLUSTER_ROLE = "kube-vgpu-device-plugin"
@@ -397,6 +399,12 @@ class DevCluster:
         return f"http://127.0.0.1:{self.ports['extender']}"
 
     @property
+    def extender_metrics_url(self) -> str:
+        """The extender's separate metrics listener (--metrics-port, the manifests' container port `metrics`):
+        /metrics, /healthz, /readyz, /state, /quota, as a Prometheus in the cluster scrapes them."""
+        return f"http://127.0.0.1:{self.ports['extender-metrics']}"
+
+    @property
     def webhook_url(self) -> str | None:
         return f"https://127.0.0.1:{self.ports['webhook']}/mutate" if self.options.webhook else None
 
@@ -422,7 +430,7 @@ class DevCluster:
         self._prepare_state_dir()
         self._resolve_binaries()
         overrides = dict(self.options.ports)
-        names = ["etcd", "etcd-peer", "kube-apiserver", "webhook", "extender", "kube-scheduler"]
+        names = ["etcd", "etcd-peer", "kube-apiserver", "webhook", "extender", "extender-metrics", "kube-scheduler"]
         if self.options.lifecycle:
             names += ["kube-controller-manager", "kwok"]
         if self.options.kueue:
@@ -574,7 +582,7 @@ class DevCluster:
     def _hint(self, name: str) -> str:
         text = log_tail(self.log_dir / f"{name}.log", 200).lower()
         if "address already in use" in text or "errno 98" in text:
-            keys = ("etcd", "etcd-peer") if name == "etcd" else (name,)
+            keys = {"etcd": ("etcd", "etcd-peer"), "extender": ("extender", "extender-metrics")}.get(name, (name,))
             ports = [str(self.ports[key]) for key in keys if key in self.ports]
             return f" (port {' or '.join(ports) or '?'} is already in use by another process)"
         return ""
@@ -867,7 +875,10 @@ class DevCluster:
         from kube_vgpu.webhook.certs import ensure_ca_and_serving_cert
         from kube_vgpu.webhook.registration import mutating_webhook_configuration
 
-        certs = ensure_ca_and_serving_cert(self.state_dir / "webhook-certs", ["localhost"], ["127.0.0.1"])
+        # also the Service name the manifests' ServiceMonitor verifies the webhook's certificate for (its tlsConfig
+        # serverName), so a Prometheus scrapes this webhook with the manifests' TLS settings
+        certs = ensure_ca_and_serving_cert(self.state_dir / "webhook-certs",
+                                           ["localhost", WEBHOOK_SERVICE_DNS_NAME], ["127.0.0.1"])
         self.webhook_ca_pem = certs.ca_pem
         port = self.ports["webhook"]
         argv = self._kube_vgpu(
@@ -899,6 +910,10 @@ class DevCluster:
             f"--kubeconfig={self.extender_kubeconfig}",
             "--host=127.0.0.1",
             f"--port={self.ports['extender']}",
+            # the metrics listener the manifests give it (--metrics-port=8889, container port `metrics`), on a free
+            # port: what the PodMonitor kube-vgpu-extender scrapes (extender_metrics_url)
+            "--metrics-host=127.0.0.1",
+            f"--metrics-port={self.ports['extender-metrics']}",
             # without the webhook no pod carries its admission mark: GPU pods would all be refused
             *(() if self.options.webhook else ("--no-require-admission-mark",)),
             *self.options.extender_args,
