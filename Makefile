@@ -1,6 +1,6 @@
 # The two Quick start commands. Both set everything up on a fresh machine (Python deps in a venv,
 # Kubernetes binaries built from the official Go modules), cached under ~/.cache/kube-vgpu.
-.PHONY: demo test test-oldest-k8s lint bench lock chart
+.PHONY: demo test test-oldest-k8s test-prometheus lint bench lock chart
 SHELL := /bin/bash
 VENV = $(shell scripts/bootstrap.sh)
 
@@ -16,6 +16,11 @@ test-oldest-k8s:
 	@venv=$$(scripts/bootstrap.sh) && \
 	KUBE_VGPU_K8S_VERSION=$$("$$venv/bin/python" -c 'from kube_vgpu.dev.devcluster import binaries as b; print(b.OLDEST_SUPPORTED_KUBERNETES_VERSION)') \
 	scripts/test.sh "$$venv" tests/e2e
+
+# The real-Prometheus end-to-end test alone (tests/e2e/test_prometheus_e2e.py, docs/operations.md "Monitoring"): it
+# builds Prometheus's server beside promtool the first time, then scrapes a dev cluster with the manifests' monitors.
+test-prometheus:
+	@venv=$$(scripts/bootstrap.sh) && scripts/test.sh "$$venv" tests/e2e/test_prometheus_e2e.py
 
 lint:
 	@venv=$$(scripts/bootstrap.sh) && "$$venv/bin/ruff" check . && "$$venv/bin/mypy"
