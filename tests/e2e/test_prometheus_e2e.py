@@ -52,7 +52,7 @@ from kube_vgpu.dev.devcluster.workload import (
 from tests.deviceplugin.kubelet import KubeletStandIn
 from tests.deviceplugin.regionfiles import Process, Region
 from tests.e2e.conftest import NODE_GROUP_LABEL
-from tests.manifests.render import NAMESPACE, find, one
+from tests.manifests.render import NAMESPACE, one
 from tests.manifests.test_monitoring import dashboard_queries, objects
 
 pytestmark = pytest.mark.e2e
@@ -171,18 +171,9 @@ def _scrape_jobs(dev_cluster: DevCluster, plugin_port: int, directory: Path) -> 
         ("kube-vgpu-device-plugin", "probes"): (f"127.0.0.1:{plugin_port}", "device-plugin"),
         ("kube-vgpu-webhook", "https"): (f"127.0.0.1:{dev_cluster.ports['webhook']}", "webhook"),
     }
-    jobs = []
-    for monitor in find(objects(), "PodMonitor") + find(objects(), "ServiceMonitor"):
-        name = monitor["metadata"]["name"]
-        endpoints = monitor["spec"].get("podMetricsEndpoints") or monitor["spec"]["endpoints"]
-        for index, endpoint in enumerate(endpoints):
-            address, container = listeners.pop((name, endpoint["port"]))
-            component = monitor["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"]
-            labels = {"namespace": NAMESPACE, "pod": f"kube-vgpu-{component}-0", "container": container,
-                      "job": f"{NAMESPACE}/{name}" if monitor["kind"] == "PodMonitor" else name}
-            jobs.append(prom.endpoint_job(monitor, index, endpoint, address, labels=labels, ca_file=str(ca_file),
-                                          bearer_token_file=str(token_file)))
-    assert not listeners, f"monitor endpoints the manifests no longer have: {sorted(listeners)}"
+    jobs, unserved = prom.monitor_jobs(objects(), listeners, ca_file=str(ca_file), bearer_token_file=str(token_file))
+    assert not unserved, f"monitor endpoints the test has no listener for: {unserved}"
+    assert len(jobs) == len(listeners), "monitor endpoints the manifests no longer have"
     webhook = next(job for job in jobs if "kube-vgpu-webhook" in job.name)
     assert (webhook.scheme, webhook.server_name) == ("https", WEBHOOK_SERVICE_DNS_NAME)
     return jobs
@@ -461,3 +452,32 @@ def test_kube_vgpu_usage_reports_the_teams_from_this_prometheus(scene: Scene) ->
     rows = {line.split()[0]: line.split()[1:] for line in by_namespace.splitlines()[2:] if line.strip()}
     assert float(rows[TEAM][1]) >= 0 and float(rows[OTHER][1]) >= 0  # GPU-HOURS: tiny after seconds, but a number
     assert re.search(rf"^{QUEUE_NAME}\s", by_queue, re.M), by_queue
+
+
+def test_dev_cluster_up_prometheus_scrapes_the_extender_the_webhook_and_kube_scheduler() -> None:
+    """`kube-vgpu dev-cluster up --prometheus` (ClusterOptions.prometheus): the same translation of the monitors, for
+    what a dev cluster runs (no device plugin: the heartbeat stands in for it), and the alert rules loaded."""
+    from tests.e2e.conftest import private_cluster
+
+    with private_cluster("prometheus", node_groups=(NodeGroup(count=2, gpus=2),), prometheus=True) as cluster:
+        url = cluster.prometheus_url
+        assert url is not None
+
+        def up() -> list[dict[str, Any]] | None:
+            targets = _targets(url)
+            return targets if len(targets) == 3 and all(t["health"] == "up" for t in targets) else None
+
+        targets = poll("the dev cluster's Prometheus scrapes its components", up, lambda: orjson.dumps(
+            _targets(url)).decode() + "\n" + cluster.log_tail("prometheus"), 120)
+        assert sorted(t["labels"]["job"] for t in targets) == [
+            "kube-vgpu-webhook", "kube-vgpu/kube-vgpu-extender", "kube-vgpu/kube-vgpu-scheduler"]
+        assert poll("the extender's series", lambda: _value_of(url, "max(kube_vgpu_nodes)"), lambda: "", 60) == 2
+        groups = prom.api_get(url, "/api/v1/rules")["groups"]
+        assert len([rule for group in groups for rule in group["rules"]]) == len(
+            [rule for group in one(objects(), "PrometheusRule", "kube-vgpu")["spec"]["groups"]
+             for rule in group["rules"]])
+
+
+def _value_of(url: str, expr: str) -> float | None:
+    result = prom.query(url, expr)
+    return float(result[0]["value"][1]) if len(result) == 1 else None

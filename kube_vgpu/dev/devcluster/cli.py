@@ -1,7 +1,8 @@
 """`kube-vgpu dev-cluster up|down`: a local control plane with simulated GPU nodes.
 
     kube-vgpu dev-cluster up [--nodes N] [--gpus-per-node G] [--gpu-model NAME] [--gpu-memory-mib M]
-                             [--topology nvswitch|nvlink-pairs|pcie] [--no-lifecycle] [--kueue] [--state-dir DIR]
+                             [--topology nvswitch|nvlink-pairs|pcie] [--no-lifecycle] [--kueue] [--prometheus]
+                             [--state-dir DIR]
     kube-vgpu dev-cluster down [--state-dir DIR]
 
 `up` starts everything detached (each process in its own session), prints the kubeconfig path and an
@@ -52,6 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "own CRDs and webhooks; the extender then leaves admission to it (quota mode kueue, docs/quota.md)",
     )
     start.add_argument(
+        "--prometheus", action="store_true",
+        help="also run a real Prometheus (built from its Go module the first time, a few minutes) scraping the "
+             "extender, the webhook and kube-scheduler as manifests/monitoring's monitors say, with its alert rules; "
+             "its HTTP API's address is printed (docs/operations.md, Monitoring)",
+    )
+    start.add_argument(
         "--heartbeat-seconds", type=float, default=DEFAULT_HEARTBEAT_INTERVAL_S, help="default: %(default)s"
     )
     start.add_argument("--extender-arg", action="append", default=[], metavar="ARG",
@@ -92,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         webhook=not args.no_webhook,
         lifecycle=not args.no_lifecycle,
         kueue=args.kueue,
+        prometheus=args.prometheus,
         extender_args=tuple(args.extender_arg),
         heartbeat_interval_s=args.heartbeat_seconds,
         progress=_progress,
@@ -109,6 +117,9 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print(f"kubeconfig: {cluster.kubeconfig}")
     print(f"extender: {cluster.extender_url}   logs: {cluster.log_dir}")
+    if cluster.prometheus_url is not None:
+        print(f"prometheus: {cluster.prometheus_url} (HTTP API; e.g. kube-vgpu usage --prometheus-url "
+              f"{cluster.prometheus_url} --start ...)")
     print(f"stop it with: kube-vgpu dev-cluster down --state-dir {state_dir}")
     print(f"export KUBECONFIG={cluster.kubeconfig}")
     return 0

@@ -113,10 +113,13 @@ KWOK_NAMESPACE = "kube-system"
 # kueue runs only with ClusterOptions.kueue.
 COMPONENTS = (
     "etcd", "kube-apiserver", "kube-controller-manager", "kueue", "webhook", "extender", "kube-scheduler", "heartbeat",
-    "kwok",
+    "prometheus", "kwok",
 )
 #: Components start_component can start again on their own (etcd and kube-apiserver hold the cluster's state).
-RESTARTABLE = ("kube-controller-manager", "kueue", "webhook", "extender", "kube-scheduler", "heartbeat", "kwok")
+RESTARTABLE = ("kube-controller-manager", "kueue", "webhook", "extender", "kube-scheduler", "heartbeat", "prometheus",
+               "kwok")
+#: How often ClusterOptions.prometheus's Prometheus scrapes and evaluates the rules.
+PROMETHEUS_INTERVAL_S = 5.0
 
 ProgressFn = Callable[[str], object]
 
@@ -201,6 +204,9 @@ class ClusterOptions:
     #: Jobs carrying a queue label; needs `lifecycle` (Jobs need their controller). The extender's quota mode is
     #: then up to extender_args (its default, auto, finds Kueue's controller and leaves admission to it).
     kueue: bool = False
+    #: A real Prometheus (built from its Go module beside promtool) scraping the extender, the webhook and
+    #: kube-scheduler as manifests/monitoring's monitors say, with its PrometheusRule as rule file (prometheus.py).
+    prometheus: bool = False
     scheduler_qps: float = DEFAULT_SCHEDULER_QPS
     scheduler_burst: int = DEFAULT_SCHEDULER_BURST
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
@@ -405,6 +411,11 @@ class DevCluster:
         return f"http://127.0.0.1:{self.ports['extender-metrics']}"
 
     @property
+    def prometheus_url(self) -> str | None:
+        """Prometheus's HTTP API, with ClusterOptions.prometheus."""
+        return f"http://127.0.0.1:{self.ports['prometheus']}" if self.options.prometheus else None
+
+    @property
     def webhook_url(self) -> str | None:
         return f"https://127.0.0.1:{self.ports['webhook']}/mutate" if self.options.webhook else None
 
@@ -437,6 +448,8 @@ class DevCluster:
             if not self.options.lifecycle:
                 raise DevClusterError("Kueue needs the pod lifecycle (its Jobs need kube-controller-manager)")
             names += ["kueue", "kueue-health", "kueue-metrics"]
+        if self.options.prometheus:
+            names.append("prometheus")
         for name in names:
             port = overrides.get(name) or free_port()
             while port in self.ports.values():  # the kernel may hand out a just-released port again
@@ -473,6 +486,8 @@ class DevCluster:
             node_registration.shutdown(wait=True)
         self._start_scheduler(with_extender=self.options.extender)
         self._start_heartbeat()
+        if self.options.prometheus:
+            self._start_prometheus()
         if self.options.lifecycle:
             self._wait_controller_manager_ready()
             self._start_kwok()
@@ -510,6 +525,7 @@ class DevCluster:
 
         names = CORE_BINARY_NAMES + (LIFECYCLE_BINARY_NAMES if self.options.lifecycle else ())
         names += KUEUE_BINARY_NAMES if self.options.kueue else ()
+        names += ("prometheus",) if self.options.prometheus else ()
         try:
             self.binaries = ensure_binaries(progress=self._progress, names=names)
         except BinariesError as exc:
@@ -724,9 +740,19 @@ class DevCluster:
     ) -> None:
         """Write a kubeconfig with a TokenRequest token of the account (in the kube-vgpu namespace unless said),
         bound to `bound_to` (an object reference: a Node, or a Pod, whose node the token then names too) if given."""
+        assert self.pki is not None
+        token = self.service_account_token(account, bound_to, namespace=namespace)
+        user = f"system:serviceaccount:{namespace}:{account}"
+        pki_module.write_kubeconfig(
+            path, pki_module.kubeconfig_document(self.server, self.pki.ca_cert, user, token=token)
+        )
+
+    def service_account_token(
+        self, account: str, bound_to: dict[str, str] | None = None, *, namespace: str = NAMESPACE
+    ) -> str:
+        """A TokenRequest token of the account, bound to `bound_to` if given."""
         from kubernetes import client
 
-        assert self.pki is not None
         core: Any = client.CoreV1Api(self.api)
         spec: dict[str, Any] = {"expirationSeconds": TOKEN_LIFETIME_S}
         if bound_to is not None:
@@ -737,11 +763,8 @@ class DevCluster:
             {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec},
             _preload_content=False,
         )
-        token = orjson.loads(response.data)["status"]["token"]
-        user = f"system:serviceaccount:{namespace}:{account}"
-        pki_module.write_kubeconfig(
-            path, pki_module.kubeconfig_document(self.server, self.pki.ca_cert, user, token=token)
-        )
+        token: str = orjson.loads(response.data)["status"]["token"]
+        return token
 
     def device_plugin_kubeconfig_for(self, node_name: str) -> Path:
         """A kubeconfig of the device plugin's account whose token is bound to the Node (so it carries the
@@ -1068,6 +1091,41 @@ class DevCluster:
             body = exc.body.decode(errors="replace") if isinstance(exc.body, bytes) else str(exc.body)
             return f"HTTP {exc.status}: {body[:300]}"
         return None
+
+    def _start_prometheus(self) -> None:
+        """Prometheus scraping what manifests/monitoring's monitors scrape and the dev cluster runs (the extender's
+        metrics listener, the webhook verified with its CA for its Service name, kube-scheduler with a token of the
+        manifests' metrics-reader account), every PROMETHEUS_INTERVAL_S, with the manifests' alert rules."""
+        from kubernetes import utils
+
+        from kube_vgpu.dev.devcluster import prometheus as prom
+
+        directory = self.state_dir / "prometheus"
+        directory.mkdir(parents=True, exist_ok=True)
+        documents = prom.monitoring_documents()
+        reader = [d for d in documents if d["kind"] in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding")]
+        utils.create_from_yaml(self.api, yaml_objects=reader)  # the token Secret: no token controller runs here
+        (account,) = [d["metadata"]["name"] for d in reader if d["kind"] == "ServiceAccount"]
+        token_file = directory / "metrics-reader.token"
+        token_file.write_text(self.service_account_token(account))
+        ca_file = directory / "webhook-ca.crt"
+        ca_file.write_bytes(self.webhook_ca_pem)
+        listeners = {("kube-vgpu-scheduler", "https"): (f"127.0.0.1:{self.ports['kube-scheduler']}", "kube-scheduler")}
+        if self.options.extender:
+            listeners[("kube-vgpu-extender", "metrics")] = (f"127.0.0.1:{self.ports['extender-metrics']}", "extender")
+        if self.options.webhook:
+            listeners[("kube-vgpu-webhook", "https")] = (f"127.0.0.1:{self.ports['webhook']}", "webhook")
+        jobs, _no_device_plugin = prom.monitor_jobs(documents, listeners, ca_file=str(ca_file),
+                                                    bearer_token_file=str(token_file))
+        (rule,) = [d for d in documents if d["kind"] == "PrometheusRule"]
+        rules = directory / "kube-vgpu.rules.yaml"
+        rules.write_text(yaml.safe_dump(prom.rules_document(rule), sort_keys=False))
+        config = prom.write_config(directory, prom.scrape_config(jobs, rule_files=[str(rules)],
+                                                                 interval_s=PROMETHEUS_INTERVAL_S))
+        self._spawn("prometheus", prom.command(Path(self._binary("prometheus")), config, directory / "data",
+                                               self.ports["prometheus"]))
+        url = f"{self.prometheus_url}/-/ready"
+        self._wait_ready("prometheus", url, lambda: _probe(url, None, _ok_200))
 
     def _start_heartbeat(self) -> None:
         ready_file = self.state_dir / "heartbeat.ready"

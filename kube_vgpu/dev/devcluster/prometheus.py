@@ -13,7 +13,9 @@ that select by them (e.g. ``scheduler_pending_pods{namespace="kube-vgpu"}``) see
     with running_prometheus(binary, directory, config) as url:   # http://127.0.0.1:<port>
         query(url, "up")
 
-Used by tests/e2e/test_prometheus_e2e.py (docs/operations.md, "Monitoring").
+Used by tests/e2e/test_prometheus_e2e.py (docs/operations.md, "Monitoring") and by `kube-vgpu dev-cluster up
+--prometheus` (ClusterOptions.prometheus: the extender, the webhook and kube-scheduler; the dev cluster runs no device
+plugin).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import Any
 import yaml
 
 READY_TIMEOUT_S = 60.0
+MONITORING_DIR = Path(__file__).resolve().parents[2] / "manifests" / "monitoring"
 
 
 class PrometheusError(RuntimeError):
@@ -115,6 +118,44 @@ def endpoint_job(monitor: Mapping[str, Any], index: int, endpoint: Mapping[str, 
     )
 
 
+def monitoring_documents(directory: Path = MONITORING_DIR) -> list[dict[str, Any]]:
+    """The objects of manifests/monitoring's YAML files as written (no kustomize: the dashboard's ConfigMap, which
+    only its kustomization generates, is not among them)."""
+    documents: list[dict[str, Any]] = []
+    for path in sorted(directory.glob("*.yaml")):
+        if path.name != "kustomization.yaml":
+            documents += [document for document in yaml.safe_load_all(path.read_text()) if document]
+    return documents
+
+
+def monitor_jobs(documents: Sequence[Mapping[str, Any]], listeners: Mapping[tuple[str, str], tuple[str, str]], *,
+                 ca_file: str | None, bearer_token_file: str | None) -> tuple[list[ScrapeJob], list[str]]:
+    """A job per endpoint of the PodMonitors and ServiceMonitors in `documents` that has a listener:
+    (monitor name, port name) -> (host:port, the container serving it). Each gets the target labels the Prometheus
+    Operator would give it (namespace, pod, container; job: "<namespace>/<PodMonitor>" or the Service's name).
+    Returns the jobs and "monitor/port" of the endpoints without a listener."""
+    jobs: list[ScrapeJob] = []
+    unserved: list[str] = []
+    for monitor in documents:
+        if monitor.get("kind") not in ("PodMonitor", "ServiceMonitor"):
+            continue
+        metadata = monitor["metadata"]
+        endpoints = monitor["spec"].get("podMetricsEndpoints") or monitor["spec"].get("endpoints") or []
+        component = monitor["spec"]["selector"]["matchLabels"].get("app.kubernetes.io/component", metadata["name"])
+        for index, endpoint in enumerate(endpoints):
+            listener = listeners.get((metadata["name"], endpoint["port"]))
+            if listener is None:
+                unserved.append(f"{metadata['name']}/{endpoint['port']}")
+                continue
+            address, container = listener
+            labels = {"namespace": metadata["namespace"], "pod": f"kube-vgpu-{component}-0", "container": container,
+                      "job": (f"{metadata['namespace']}/{metadata['name']}" if monitor["kind"] == "PodMonitor"
+                              else metadata["name"])}
+            jobs.append(endpoint_job(monitor, index, endpoint, address, labels=labels, ca_file=ca_file,
+                                     bearer_token_file=bearer_token_file))
+    return jobs, unserved
+
+
 def rules_document(prometheus_rule: Mapping[str, Any]) -> dict[str, Any]:
     """A PrometheusRule's spec.groups as a plain Prometheus rule file (what the operator mounts into Prometheus)."""
     return {"groups": list(prometheus_rule["spec"]["groups"])}
@@ -131,6 +172,19 @@ def scrape_config(jobs: Sequence[ScrapeJob], *, rule_files: Sequence[str] = (), 
     }
 
 
+def command(binary: Path, config_path: Path, data_dir: Path, port: int) -> list[str]:
+    """Prometheus's command line: the config, its TSDB, the HTTP API on 127.0.0.1:`port`, a day's retention."""
+    return [str(binary), f"--config.file={config_path}", f"--storage.tsdb.path={data_dir}",
+            f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=1d"]
+
+
+def write_config(directory: Path, config: Mapping[str, Any]) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "prometheus.yml"
+    path.write_text(yaml.safe_dump(dict(config), sort_keys=False))
+    return path
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -142,17 +196,12 @@ def _free_port() -> int:
 def running_prometheus(binary: Path, directory: Path, config: Mapping[str, Any]) -> Iterator[str]:
     """Run Prometheus with `config` (its TSDB and log in `directory`) until the block ends; yields its URL once
     /-/ready answers. The web UI is not built in (binaries.py): the HTTP API is what this is for."""
-    directory.mkdir(parents=True, exist_ok=True)
-    config_path = directory / "prometheus.yml"
-    config_path.write_text(yaml.safe_dump(dict(config), sort_keys=False))
+    config_path = write_config(directory, config)
     port = _free_port()
     log_path = directory / "prometheus.log"
     with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [str(binary), f"--config.file={config_path}", f"--storage.tsdb.path={directory / 'data'}",
-             f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=1d"],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=directory,
-        )
+        process = subprocess.Popen(command(binary, config_path, directory / "data", port),
+                                   stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=directory)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S
