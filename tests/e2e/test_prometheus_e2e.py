@@ -93,8 +93,8 @@ class Scene:
         """What Grafana substitutes into the queries here: the node and namespaces selected as a user would pick
         them (one node; the two namespaces, multi-value rendered as a regex alternation; the queue), a rate interval
         of 10 s (Grafana's max($__interval + scrape interval, 4 x scrape interval) is 4 s at a 1 s interval; 10 s
-        keeps several scrapes in each window on a loaded machine) and the dashboard's range (an hour: longer than this Prometheus has lived, as a dashboard's 6 h default is
-        on a new cluster)."""
+        keeps several scrapes in each window on a loaded machine) and the dashboard's range (an hour: longer than
+        this Prometheus has lived, as a dashboard's 6 h default is on a new cluster)."""
         return {"$__rate_interval": "10s", "$__range": "1h", "$__interval": "1s", "$node": self.node,
                 "$namespace": f"({TEAM}|{OTHER})", "$cluster_queue": QUEUE_NAME}
 
@@ -360,6 +360,43 @@ def test_every_dashboard_query_returns_data(scene: Scene) -> None:
     assert prom.query(scene.url, scene.substituted('kube_vgpu_no_such_metric{node=~"$node"}')) == []
     with pytest.raises(prom.PrometheusError, match="parse error"):
         prom.query(scene.url, "sum by (node (kube_vgpu_nodes)")
+
+
+def test_every_legend_and_variable_names_labels_the_series_carry(scene: Scene) -> None:
+    """Data is not enough: a panel's legend ({{node}} GPU {{gpu}}) shows what the series' labels hold, and a
+    variable offers the values of its label (label_values(metric, label)). Every label a legend names is on every
+    series its query returns, and each variable offers what this cluster has: the node, both namespaces, the
+    queue."""
+    from tests.manifests.test_monitoring import dashboard
+
+    poll("every target up", lambda: _all_up(scene), lambda: _describe_targets(scene))
+    problems: list[str] = []
+
+    def check() -> bool | None:
+        problems.clear()
+        for panel in dashboard()["panels"]:
+            for target in panel.get("targets", []):
+                if (panel["title"], target["refId"]) in EMPTY_WHEN_HEALTHY:
+                    continue
+                labels = re.findall(r"\{\{\s*(\w+)\s*\}\}", target.get("legendFormat", ""))
+                for series in prom.query(scene.url, scene.substituted(target["expr"])):
+                    absent = [label for label in labels if not series["metric"].get(label)]
+                    if absent:
+                        problems.append(f"{panel['title']!r} {target['refId']}: {series['metric']} lacks {absent}")
+        expected = {"node": {scene.node}, "namespace": {TEAM, OTHER}, "cluster_queue": {QUEUE_NAME}}
+        for variable in dashboard()["templating"]["list"]:
+            if variable["type"] != "query":
+                continue
+            match = re.fullmatch(r"label_values\((.+), *([a-z_]+)\)", variable["query"]["query"])
+            assert match, variable
+            metric, label = match.groups()
+            offered = {series["metric"].get(label, "") for series in prom.query(scene.url, metric)}
+            if not expected[variable["name"]] <= offered:
+                problems.append(f"variable {variable['name']} offers {sorted(offered)}, "
+                                f"not {sorted(expected[variable['name']])}")
+        return None if problems else True
+
+    poll("legends and variables match the series", check, lambda: "\n".join(problems), 60)
 
 
 def test_every_alert_rule_evaluates_without_error(scene: Scene) -> None:
