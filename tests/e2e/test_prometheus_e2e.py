@@ -455,8 +455,10 @@ def test_prometheus_agrees_with_the_extenders_state(dev_cluster: DevCluster, sce
     assert seen[0] == (4096 + 2048, 50 + 20, 1)
     # and the device plugin's per-container use is the shared regions': 3000 MiB for the trainer's process
     trainer = scene.pods["trainer"]["metadata"]["uid"]
-    used = _value(scene, f'sum(kube_vgpu_container_gpu_memory_used_bytes{{pod_uid="{trainer}"}})')
-    assert used == 3000 * 1048576
+    (series,) = prom.query(scene.url, f'kube_vgpu_container_gpu_memory_used_bytes{{pod_uid="{trainer}"}}')
+    assert float(series["value"][1]) == 3000 * 1048576
+    # honorLabels: the GPU container's name, not the device plugin's target label
+    assert series["metric"]["container"] == "main", series["metric"]
 
 
 def _usage(scene: Scene, by: str, end: dt.datetime, start: dt.datetime) -> str:
