@@ -132,6 +132,10 @@ def _values() -> list[Value]:
               " (`kube-vgpu limiter install --keep`)", {"type": "integer", "minimum": 0}),
         Value("devicePlugin.sharingCount", "vGPU slots per physical GPU (device plugin --sharing-count)",
               {"type": "integer", "minimum": 1}),
+        Value("devicePlugin.dynamicMigProfiles", "dynamic MIG (docs/deviceplugin.md): the allowlist per model, e.g."
+              " 'A100-80GB=1g.10gb,3g.40gb;H100-80GB=1g.10gb,3g.40gb' (device plugin --dynamic-mig-profiles) on the"
+              " GPUs of nodes labelled kube-vgpu.io/dynamic-mig; not empty makes the device plugin privileged"
+              " (manifests/components/dynamic-mig says why). Empty: off", {"type": "string"}),
         Value("devicePlugin.runtimeClassName", "e.g. nvidia, where the NVIDIA runtime is not the nodes' default",
               {"type": "string"}),
         Value("devicePlugin.nodeSelector", "the device plugin's nodeSelector (added to the affinity below)",
@@ -165,6 +169,7 @@ class Block:
 class Templater:
     inline: dict[str, str] = field(default_factory=dict)
     blocks: dict[str, Block] = field(default_factory=dict)
+    items: dict[str, Block] = field(default_factory=dict)
     defaults: dict[str, Any] = field(default_factory=dict)
 
     def value(self, path: str, default: Any) -> str:
@@ -183,6 +188,12 @@ class Templater:
     def block(self, block: Block) -> str:
         token = f"HELMBLOCK{len(self.blocks)}X"
         self.blocks[token] = block
+        return token
+
+    def item(self, guard: str, body: Any) -> str:
+        """A list item rendered only under `guard`: `body` dumped as YAML, its strings' placeholders replaced."""
+        token = f"HELMITEM{len(self.items)}X"
+        self.items[token] = Block(guard, "literal", body)
         return token
 
     def optional(self, mapping: Object, key: str, path: str, default: Any, body: str = "yaml") -> None:
@@ -206,9 +217,16 @@ class Templater:
             lines.append("{{- end }}")
             return "\n".join(lines)
 
+        def item_line(match: re.Match[str]) -> str:
+            indent, token = match.group(1), match.group(2)
+            block = self.items[token]
+            dumped = _dump([block.literal]).rstrip("\n").splitlines()
+            return "\n".join(["{{- " + block.guard + " }}", *(indent + line for line in dumped), "{{- end }}"])
+
         text = re.sub(r"^( *)([^\s:]+): (HELMBLOCK\d+X)$", block_line, text, flags=re.MULTILINE)
+        text = re.sub(r"^( *)- (HELMITEM\d+X)$", item_line, text, flags=re.MULTILINE)
         text = re.sub(r"HELMINLINE\d+X", lambda match: self.inline[match.group(0)], text)
-        leftover = re.search(r"HELM(BLOCK|INLINE)\d+X", text)
+        leftover = re.search(r"HELM(BLOCK|INLINE|ITEM)\d+X", text)
         if leftover:
             raise ChartError(f"placeholder {leftover.group(0)} was not replaced (a block must be a mapping value)")
         return text
@@ -351,12 +369,30 @@ def _edit_device_plugin(t: Templater, obj: Object) -> None:
             raise ChartError(f"container {container['name']}: {flag} should be {directory}")
     _flag(t, install, "--keep", lambda default: _printf_flag(
         "--keep", f"(int {t.value('limiter.keep', int(default))})", "%d"))
+    _edit_dynamic_mig(t, plugin)
     t.optional(pod, "runtimeClassName", "devicePlugin.runtimeClassName", "", body="scalar")
     t.optional(pod, "nodeSelector", "devicePlugin.nodeSelector", {})
     for key in ("tolerations", "affinity"):
         if key not in pod:
             raise ChartError(f"the device plugin's pod spec has no {key}")
         t.optional(pod, key, f"devicePlugin.{key}", pod[key])
+
+
+def _edit_dynamic_mig(t: Templater, plugin: Object) -> None:
+    """devicePlugin.dynamicMigProfiles: what manifests/components/dynamic-mig does, when the value is not empty
+    (tests/manifests/test_chart.py renders it against the overlay manifests/overlays/dynamic-mig)."""
+    profiles = t.value("devicePlugin.dynamicMigProfiles", "")
+    on = f"not (empty {profiles})"
+    security = plugin["securityContext"]
+    if security.get("privileged") is not False or security.get("allowPrivilegeEscalation") is not False \
+            or security.get("capabilities") != {"drop": ["ALL"]}:
+        raise ChartError("the device plugin's securityContext is no longer the unprivileged one the chart expects")
+    plugin["args"].append(t.item(f"with {profiles}", t.action('printf "--dynamic-mig-profiles=%s" . | quote')))
+    plugin["env"].append(t.item(f"if {on}", {"name": "NVIDIA_MIG_CONFIG_DEVICES", "value": "all"}))
+    # the component's reasons: creating MIG instances needs a privileged container; the API server refuses
+    # privileged without allowPrivilegeEscalation; a privileged container's drop list would mislead
+    security["privileged"] = security["allowPrivilegeEscalation"] = t.action(on)
+    security["capabilities"] = t.block(Block(f"if empty {profiles}", "literal", security["capabilities"]))
 
 
 def _edit_network_policy(t: Templater, obj: Object) -> None:

@@ -77,7 +77,8 @@ CERT_MANAGER_OBJECTS = {"Issuer/kube-vgpu-selfsigned", "Certificate/kube-vgpu-we
                         "Certificate/kube-vgpu-webhook"}
 
 
-@pytest.mark.parametrize("kustomization", ["overlays/self-signed", "overlays/cert-manager", "examples"])
+@pytest.mark.parametrize("kustomization", ["overlays/self-signed", "overlays/cert-manager", "overlays/dynamic-mig",
+                                           "examples"])
 def test_the_api_server_accepts_every_rendered_object(dev_cluster: DevCluster, kustomization: str) -> None:
     if kustomization == "examples":
         ensure_namespace(dev_cluster.api, "gpu-examples")  # a dry run creates no namespace for the pods

@@ -18,8 +18,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = ROOT / "manifests"
 #: Every kustomization an operator applies (or that an overlay builds on), relative to manifests/.
-KUSTOMIZATIONS = ("base", "overlays/cert-manager", "overlays/self-signed", "examples", "examples/kueue", "monitoring",
-                  "dashboard")
+KUSTOMIZATIONS = ("base", "overlays/cert-manager", "overlays/self-signed", "overlays/dynamic-mig", "examples",
+                  "examples/kueue", "monitoring", "dashboard")
 INSTALLABLE = ("overlays/cert-manager", "overlays/self-signed")
 NAMESPACE = "kube-vgpu"
 IMAGE_REPOSITORY = "ghcr.io/kube-vgpu/kube-vgpu"

@@ -172,6 +172,14 @@ def replicas(name: str, count: int) -> Change:
     return change
 
 
+def dynamic_mig_profiles() -> str:
+    """The allowlist manifests/components/dynamic-mig passes (read from its patch, without rendering)."""
+    component = yaml.safe_load((ROOT / "manifests" / "components" / "dynamic-mig" / "kustomization.yaml").read_text())
+    (patch,) = component["patches"]
+    (arg,) = [op["value"] for op in yaml.safe_load(patch["patch"]) if op["path"].endswith("/args/-")]
+    return str(arg).removeprefix("--dynamic-mig-profiles=")
+
+
 def flag(kind: str, name: str, container_name: str, flag_name: str, value: str) -> Change:
     def change(objects: list[Object]) -> list[Object]:
         set_flag(objects, kind, name, container_name, flag_name, value)
@@ -283,6 +291,9 @@ CHANGES: list[tuple[str, Any, Change]] = [
     ("limiter.keep", 1, flag("DaemonSet", "kube-vgpu-device-plugin", "limiter-install", "--keep", "1")),
     ("devicePlugin.sharingCount", 4,
      flag("DaemonSet", "kube-vgpu-device-plugin", "device-plugin", "--sharing-count", "4")),
+    # what manifests/components/dynamic-mig does, with its allowlist
+    ("devicePlugin.dynamicMigProfiles",
+     dynamic_mig_profiles(), lambda _objects: render("overlays/dynamic-mig")),
     ("devicePlugin.runtimeClassName", "nvidia", pod_field("runtimeClassName", "nvidia")),
     ("devicePlugin.nodeSelector", {"example.com/gpu": "yes"}, pod_field("nodeSelector", {"example.com/gpu": "yes"})),
     ("devicePlugin.tolerations", [{"operator": "Exists"}], pod_field("tolerations", [{"operator": "Exists"}])),

@@ -663,6 +663,10 @@ class DevCluster:
             # The kubernetes Service's endpoints would be 127.0.0.1, which Endpoints validation refuses.
             "--endpoint-reconciler-type=none",
             "--profiling=false",
+            # As kubeadm, kind and the managed clusters run it (the flag's own default is false): dynamic MIG's device
+            # plugin is privileged (manifests/components/dynamic-mig); Pod Security Admission still decides per
+            # namespace, and GPU tenants' namespaces enforce baseline (docs/security.md).
+            "--allow-privileged=true",
         ]
         if self.options.workload_api:
             argv += [f"--feature-gates={WORKLOAD_API_FEATURE_GATE}=true",
