@@ -17,6 +17,7 @@ with the manifests' RBAC) are the endpoint's own. Scrapes and rule evaluation ev
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import math
 import re
@@ -87,6 +88,7 @@ class Scene:
     jobs: list[prom.ScrapeJob]
     started: dt.datetime  # when Prometheus started (UTC)
     directory: Path
+    binary: Path
 
     @property
     def grafana_variables(self) -> dict[str, str]:
@@ -270,7 +272,7 @@ def scene(dev_cluster: DevCluster, kueue_crds: None) -> Iterator[Scene]:
             config = prom.scrape_config(jobs, rule_files=[str(rules)], interval_s=SCRAPE_INTERVAL_S)
             started = dt.datetime.now(dt.UTC)
             with prom.running_prometheus(binary, directory / "prometheus", config) as url:
-                yield Scene(url, node, pods, jobs, started, directory)
+                yield Scene(url, node, pods, jobs, started, directory, binary)
     finally:
         for namespace in (TEAM, OTHER):
             delete_pods(dev_cluster.api, namespace)
@@ -318,6 +320,24 @@ def test_every_monitor_endpoint_is_scraped_and_up(scene: Scene) -> None:
                         ("scheduler_pending_pods", "kube-vgpu-scheduler")):
         poll(f"{metric} from {job}", lambda m=metric: prom.query(scene.url, m) or None,
              lambda: _describe_targets(scene))
+
+
+def test_the_tls_settings_are_enforced_not_ignored(scene: Scene) -> None:
+    """Control: the webhook's job with another serverName (one its certificate does not hold), and kube-scheduler's
+    without its token, scraped by a Prometheus of their own: both down, for those reasons."""
+    webhook = next(job for job in scene.jobs if "kube-vgpu-webhook" in job.name)
+    scheduler = next(job for job in scene.jobs if "kube-vgpu-scheduler" in job.name)
+    jobs = [dataclasses.replace(webhook, name="wrong-server-name", server_name="kube-vgpu-webhook.elsewhere.svc"),
+            dataclasses.replace(scheduler, name="no-token", bearer_token_file=None)]
+    config = prom.scrape_config(jobs, interval_s=SCRAPE_INTERVAL_S)
+    with prom.running_prometheus(scene.binary, scene.directory / "control", config) as url:
+        def failed() -> dict[str, str] | None:
+            errors = {t["scrapePool"]: t["lastError"] for t in _targets(url) if t["health"] == "down"}
+            return errors if len(errors) == 2 else None
+
+        errors = poll("both control targets down", failed, lambda: orjson.dumps(_targets(url)).decode(), 60)
+    assert "certificate" in errors["wrong-server-name"] and "elsewhere" in errors["wrong-server-name"], errors
+    assert re.search(r"40[13]", errors["no-token"]), errors
 
 
 def _dashboard_cases(scene: Scene) -> list[tuple[str, str, tuple[str, str] | None]]:
