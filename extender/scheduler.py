@@ -161,8 +161,12 @@ class Scheduler:
         gang_timeout_s: float = DEFAULT_GANG_TIMEOUT_S,
         gang_topology_labels: Sequence[str] = protocol.DEFAULT_GANG_TOPOLOGY_LABELS,
         nominations: Nominations | None = None,
+        share_results: bool = True,
     ) -> None:
         self.state = state
+        #: place a request shape once per node-equivalence class and keep each shape's answer (equivalence_key,
+        #: _Answer); False: every node on its own, every verb over every node (tests compare the two)
+        self.share_results = share_results
         #: refuse GPU pods that did not pass the webhook (live clusters: `kube-vgpu extender` turns it on)
         self.require_admission_mark = require_admission_mark
         #: between scheduler replicas: binds reserve and write only in this replica's own leader term (fence.py)
@@ -383,7 +387,7 @@ class Scheduler:
             classes = None
             if cacheable:
                 epochs = (node_policy.epoch(), gpu_policy.epoch())
-                if groupable(placement_request, node_policy, gpu_policy):
+                if self.share_results and groupable(placement_request, node_policy, gpu_policy):
                     classes = self._classes_for(key, epochs)
                 outdated = self._outdated_nodes(key, epochs)
                 budget_pops = refresh_budget * 4  # nodes without a result of this shape cost nothing to skip
@@ -403,7 +407,7 @@ class Scheduler:
             todo = names
             answer = None
             failed_answers: dict[str, FitFailure] = {}
-            if cacheable and not self.gates and not held_nodes:
+            if cacheable and self.share_results and not self.gates and not held_nodes:
                 # every fitting node passes: the nodes already judged for this shape answer from its _Answer
                 answer = self._answer(key, now)
                 placements = answer.passed  # the caller reads it under the state lock
@@ -492,22 +496,32 @@ class Scheduler:
         return self._evaluate(pod, node_names, STALE_REFRESH_PER_CALL)[0]
 
     def prioritize(self, pod: Mapping[str, Any], node_names: Iterable[str]) -> list[tuple[str, int]]:
+        """Every node's score, 0..MAX_EXTENDER_SCORE, in the order asked."""
         names = node_names if isinstance(node_names, list) else list(node_names)
+        nonzero = dict(self.nonzero_scores(pod, names))
+        if not nonzero:
+            return [(name, 0) for name in names]
+        return [(name, nonzero.get(name, 0)) for name in names]
+
+    def nonzero_scores(self, pod: Mapping[str, Any], node_names: Iterable[str]) -> list[tuple[str, int]]:
+        """The nodes prioritize scores above 0, with their scores (kube-scheduler adds nothing for a node missing
+        from the list, exactly as for a 0): the passing nodes' raw scores scaled from the lowest (0) to the highest
+        (MAX_EXTENDER_SCORE); all 0 when they are equal. Raises InvalidGpuRequest."""
         with self.state.lock:  # placements may be a shape's answer, which the next verb updates
             # no re-placing of outdated results here: filter just did it for this pod (prioritize is the slower verb)
-            outcome, placements = self._evaluate(pod, names)
+            outcome, placements = self._evaluate(pod, node_names)
             if outcome.error:
                 raise InvalidGpuRequest(outcome.error)
-            raw_scores = [placements[name].score for name in outcome.passed]
+            passed = outcome.passed
+            raw_scores = [placements[name].score for name in passed]
         if not raw_scores:
-            return [(name, 0) for name in names]
+            return []
         low, high = min(raw_scores), max(raw_scores)
         spread = high - low
         if spread <= 1e-12:
-            return [(name, 0) for name in names]  # all equal: nothing to prefer (the same to kube-scheduler as all 10)
-        score_of = dict(zip(outcome.passed, raw_scores, strict=True)).get
-        return [(name, 0 if (raw := score_of(name)) is None else round((raw - low) / spread * MAX_EXTENDER_SCORE))
-                for name in names]
+            return []  # all equal: nothing to prefer (the same to kube-scheduler as all 10)
+        return [(name, score) for name, raw in zip(passed, raw_scores, strict=True)
+                if (score := round((raw - low) / spread * MAX_EXTENDER_SCORE))]
 
     # --- gangs (all-or-nothing; extender/gangs.py) -------------------------------------------------
     def _gang_outcome(
