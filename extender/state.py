@@ -387,15 +387,25 @@ class ClusterState:
 
     def replace_pods(self, pods: Iterable[Mapping[str, Any]]) -> None:
         with self.lock:
-            seen: set[str] = set()
-            for pod in pods:
-                uid = (pod.get("metadata") or {}).get("uid")
-                if uid:
-                    seen.add(uid)
-                    try:
-                        self.upsert_pod(pod)
-                    except Exception as exc:  # one pod that cannot be applied does not stop the others
-                        self.object_failed("pods", str((pod.get("metadata") or {}).get("name") or uid), exc)
+            self.replace_pod_pages((pods,))
+
+    def replace_pod_pages(self, pages: Iterable[Iterable[Mapping[str, Any]]]) -> None:
+        """replace_pods over a list read a page at a time: each page is applied under the lock as it comes (the lock
+        is not held while the next one is read), and what the whole list left out is dropped at the end. Only one
+        page of API objects is alive at a time: a list of 40,000 pods held whole is hundreds of MiB at its peak, and
+        the state's records, interleaved with it in memory, keep much of that from ever being returned."""
+        seen: set[str] = set()
+        for page in pages:
+            with self.lock:
+                for pod in page:
+                    uid = (pod.get("metadata") or {}).get("uid")
+                    if uid:
+                        seen.add(uid)
+                        try:
+                            self.upsert_pod(pod)
+                        except Exception as exc:  # one pod that cannot be applied does not stop the others
+                            self.object_failed("pods", str((pod.get("metadata") or {}).get("name") or uid), exc)
+        with self.lock:
             for uid, record in list(self.pods.items()):
                 # gone from the list: drop what the API server had (confirmed), had accepted (bound by the
                 # Binding's reply) or may have (an unverifiable Binding); keep reservations of binds under way
