@@ -147,6 +147,13 @@ def bench_in_process(
     state = ClusterState(heartbeat_ttl_s=float("inf"))
     cluster = SnapshotCluster(state, [dict(i) for i in items])
     scheduler = Scheduler(state, cluster)
+    try:
+        from kube_vgpu.extender.scheduler import equivalence_key  # type: ignore[attr-defined,unused-ignore]
+
+        classes = len({equivalence_key(node) for node in state.nodes.values()})
+        print(f"in-process distinct node states (equivalence keys): {classes}")
+    except ImportError:
+        pass  # code from before node-equivalence classes
 
     def one_pod(shape: dict[str, Any]) -> tuple[float, float]:
         pod = make_pod(**shape)

@@ -1,8 +1,11 @@
 """Decisions on the cluster state: filter, prioritize (pure, in memory) and bind (decide and commit).
 
 filter and prioritize never call the API server; per-node results are cached on the node keyed by
-(request shape, policies) and dropped whenever that node changes, so a burst of pods of few shapes
-costs one dict lookup per node per verb. bind has two steps: prepare_bind re-checks on fresh state and
+(request shape, policies) and dropped whenever that node changes. A new request shape is placed once per
+node-equivalence class (equivalence_key: nodes whose GPUs, links, CPU and pod kinds are in the same state get the
+same placement and score), and each shape keeps its answer (_Answer: which judged nodes pass, which fail and why),
+brought up to date from the state's journal of changed nodes, so a burst of pods of few shapes costs a list
+comprehension over the node names per verb plus a re-judging of the nodes changed since the shape's last pod. bind has two steps: prepare_bind re-checks on fresh state and
 reserves the GPUs in memory as soon as the bind arrives; commit_bind, when the node's turn comes (one at a time
 per node, or together with identical assignments: extender/binding.py), writes the Binding that carries the
 assignment, and rolls the reservation back if it fails.
