@@ -74,9 +74,19 @@ operations_strategy = st.lists(
         st.tuples(st.just("heartbeat"), st.integers(0, 11), st.sampled_from([0.0, 100.0])),
         st.tuples(st.just("time"), st.sampled_from([30.0, 130.0])),
         st.tuples(st.just("delete"), st.integers(0, 200), st.just("")),
+        st.tuples(st.just("cpu"), st.integers(0, 11), st.sampled_from(["1", "3", "20"])),
     ),
     min_size=1, max_size=40,
 )
+
+
+def cpu_only_pod(name: str, node_name: str, cpu: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default", "uid": f"uid-{name}", "annotations": {}},
+        "spec": {"nodeName": node_name, "containers": [{"name": "main", "resources": {"requests": {"cpu": cpu}}}]},
+        "status": {"phase": "Running"},
+    }
 
 
 class Twin:
@@ -133,6 +143,11 @@ def test_shared_results_decide_exactly_as_every_node_on_its_own(
                 twin.state.upsert_node(fresh)
         elif kind == "time":
             clock.now += operation[1]
+        elif kind == "cpu" and operation[1] < len(names):
+            # a pod without GPUs lands on the node: its GPUs stay as they were, its free CPU (which bfgd reads) drops
+            cpu_pod = cpu_only_pod(f"c{step}", names[operation[1]], operation[2])
+            for twin in (shared, alone):
+                twin.state.upsert_pod(cpu_pod)
         elif kind == "delete" and bound:
             uid = bound.pop(operation[1] % len(bound))
             for twin in (shared, alone):
@@ -171,3 +186,22 @@ def test_equivalent_nodes_are_placed_once(monkeypatch: pytest.MonkeyPatch) -> No
     selective = pod(gpus=1, memory_mib=4096, cores=10, annotations={protocol.ANNOTATION_USE_GPU_UUID: gpu_uuid})
     assert twin.scheduler.filter(selective, names).passed == ["n0"]
     assert len(calls) == len(names)
+
+
+def test_nodes_whose_gpus_match_but_whose_free_cpu_differs_are_not_equivalent() -> None:
+    """bfgd reads a node's free CPU: the same GPU state with less CPU free is another class (and decides so)."""
+    clock = Clock()
+    items = node_items("n0", 1, [0], START_S) + node_items("n1", 1, [0], START_S)
+    shared, alone = Twin(clock, items, True), Twin(clock, items, False)
+    names = ["n0", "n1"]
+    warm = pod("warm", gpus=1, memory_mib=8192, cores=20)
+    assert shared.scheduler.filter(warm, names).passed == names  # bfgd in use: CPU changes now touch nodes
+    alone.scheduler.filter(warm, names)
+    assert equivalence_key(shared.state.nodes["n0"]) == equivalence_key(shared.state.nodes["n1"])
+    for twin in (shared, alone):
+        twin.state.upsert_pod(cpu_only_pod("busy", "n1", "60"))
+    assert equivalence_key(shared.state.nodes["n0"]) != equivalence_key(shared.state.nodes["n1"])
+    for step in range(3):
+        pending = pod(f"p{step}", gpus=1, memory_mib=8192, cores=20)
+        pending["spec"]["containers"][0]["resources"]["requests"]["cpu"] = "2"
+        assert shared.schedule(pending, names) == alone.schedule(pending, names)
