@@ -5,10 +5,11 @@ filter and prioritize never call the API server; per-node results are cached on 
 node-equivalence class (equivalence_key: nodes whose GPUs, links, CPU and pod kinds are in the same state get the
 same placement and score), and each shape keeps its answer (_Answer: which judged nodes pass, which fail and why),
 brought up to date from the state's journal of changed nodes, so a burst of pods of few shapes costs a list
-comprehension over the node names per verb plus a re-judging of the nodes changed since the shape's last pod. bind has two steps: prepare_bind re-checks on fresh state and
-reserves the GPUs in memory as soon as the bind arrives; commit_bind, when the node's turn comes (one at a time
-per node, or together with identical assignments: extender/binding.py), writes the Binding that carries the
-assignment, and rolls the reservation back if it fails.
+comprehension over the node names per verb plus a re-judging of the nodes changed since the shape's last pod.
+
+bind has two steps: prepare_bind re-checks on fresh state and reserves the GPUs in memory as soon as the bind
+arrives; commit_bind, when the node's turn comes (one at a time per node, or together with identical assignments:
+extender/binding.py), writes the Binding that carries the assignment, and rolls the reservation back if it fails.
 """
 
 from __future__ import annotations
@@ -100,22 +101,35 @@ class Binder(Protocol):
         ...
 
 
-def equivalence_key(node: NodeState) -> tuple[Any, ...] | None:
-    """Everything fit.place and the policies read of a node except its name and GPU UUIDs: two nodes with equal keys
-    get the same placement (GPU positions), score and failure reason for any request without UUID selectors or MIG
-    containers, so a new request shape is placed once per distinct key, not once per node. Cached on the node until
-    it changes (NodeState.touch). None: the node is placed on its own (MIG devices, GPUs held by pods outside
-    kube-vgpu, whose reasons name them, or no GPUs)."""
+#: node state (equivalence_key's tuple) -> a small number, so that per-shape class results are keyed by an int (a
+#: tuple of a node's 8 GPU tuples is hashed anew on every lookup; an int is not). Numbers are never reused.
+_EQUIVALENCE_IDS: dict[tuple[Any, ...], int] = {}
+_NEXT_EQUIVALENCE_ID = itertools.count(1)
+#: distinct node states remembered before the table starts over (their nodes get new numbers when they change)
+EQUIVALENCE_IDS_LIMIT = 200_000
+
+
+def equivalence_key(node: NodeState) -> int | None:
+    """A number for everything fit.place and the policies read of a node except its name and GPU UUIDs: two nodes
+    with equal numbers get the same placement (GPU positions), score and failure reason for any request without UUID
+    selectors or MIG containers, so a new request shape is placed once per distinct number, not once per node.
+    Cached on the node until it changes (NodeState.touch). None: the node is placed on its own (MIG devices, GPUs
+    held by pods outside kube-vgpu, whose reasons name them, or no GPUs)."""
     key = node.equivalence_key
     if key is None:
         if node.mig_devices or node.dynamic_mig_devices or node.inventory_external or not node.gpus:
-            key = False
+            key = 0
         else:
-            key = (node.link_id, node.cpu_milli_total, node.cpu_milli_used, node.memory_mib_total,
-                   node.memory_mib_used, tuple(sorted(node.pod_kinds.items())),
-                   *[(gpu.index, gpu.model, gpu.memory_mib, gpu.cores, gpu.max_vgpus, gpu.numa_node, gpu.healthy,
-                      gpu.mig_mode, gpu.used_memory_mib, gpu.used_cores, gpu.used_vgpus, gpu.exclusive_holders)
-                     for gpu in node.gpus])
+            state = (node.link_id, node.cpu_milli_total, node.cpu_milli_used, node.memory_mib_total,
+                     node.memory_mib_used, tuple(sorted(node.pod_kinds.items())),
+                     *[(gpu.index, gpu.model, gpu.memory_mib, gpu.cores, gpu.max_vgpus, gpu.numa_node, gpu.healthy,
+                        gpu.mig_mode, gpu.used_memory_mib, gpu.used_cores, gpu.used_vgpus, gpu.exclusive_holders)
+                       for gpu in node.gpus])
+            key = _EQUIVALENCE_IDS.get(state)
+            if key is None:
+                if len(_EQUIVALENCE_IDS) >= EQUIVALENCE_IDS_LIMIT:
+                    _EQUIVALENCE_IDS.clear()
+                key = _EQUIVALENCE_IDS.setdefault(state, next(_NEXT_EQUIVALENCE_ID))
         node.equivalence_key = key
     return key or None
 
@@ -203,7 +217,7 @@ class Scheduler:
         self._key_epochs: dict[int, tuple[int, int]] = {}
         self._outdated: dict[int, list[str]] = {}
         # request key -> (policies' epochs, equivalence key -> result of the node placed for that class)
-        self._class_results: dict[int, tuple[tuple[int, int], dict[tuple[Any, ...], Placement | FitFailure]]] = {}
+        self._class_results: dict[int, tuple[tuple[int, int], dict[int, Placement | FitFailure]]] = {}
         # request key -> its answer (least recently used first)
         self._answers: dict[int, _Answer] = {}
         # pods seen by filter, for bind (which only gets name / uid): uid -> pod object
@@ -288,7 +302,7 @@ class Scheduler:
                 self._outdated[key] = list(self.state.nodes)
         return self._outdated.get(key)
 
-    def _classes_for(self, key: int, epochs: tuple[int, int]) -> dict[tuple[Any, ...], Placement | FitFailure]:
+    def _classes_for(self, key: int, epochs: tuple[int, int]) -> dict[int, Placement | FitFailure]:
         """The per-equivalence-class results of a request shape under the policies' current model (caller holds the
         state lock)."""
         entry = self._class_results.get(key)
@@ -300,7 +314,7 @@ class Scheduler:
 
     @staticmethod
     def _place(node: NodeState, request: PlacementRequest, gpu_policy: Policy, node_policy: Policy,
-               classes: dict[tuple[Any, ...], Placement | FitFailure] | None) -> Placement | FitFailure:
+               classes: dict[int, Placement | FitFailure] | None) -> Placement | FitFailure:
         """fit.place, once per node-equivalence class when `classes` is given (the results of this request shape
         under the current model): a node of a class already placed gets that class's result, under its own name."""
         if classes is not None:
