@@ -1,13 +1,26 @@
 """Extender latency: filter + prioritize for a 1-GPU fractional pod and a 4-GPU pod on N synthetic nodes
-x 8 GPUs at ~50% usage, in-process and over HTTP (server in its own process), plus the server's RSS.
+x 8 GPUs at ~50% usage, in-process and over HTTP (server in its own process), the first pod of new request shapes
+(cold), plus the server's RSS, in snapshot mode and in live mode.
 
 Each iteration is what kube-scheduler does for one pod: filter, prioritize, then bind to the best node,
 so per-node caches are invalidated as in production. Baselines measured in the same run:
   * HTTP: a /filter round trip with the same pod and an empty node list (framework + JSON cost);
   * in-process: parsing the pod's GPU request alone.
 
+Clusters (--cluster):
+  * distinct: each node carries 8 1-GPU pods of random memory (20-60 GiB) and cores (30-70%), one per GPU (the
+    `spread` policy): every node's state differs from every other's, the worst case for sharing work between nodes;
+  * packed: each node runs one workload, 4 to 12 pods (8 on average) of one of four shapes, placed by the
+    extender's default policy (`bfgd`), as a cluster the extender filled itself looks: few distinct node states.
+
+Modes (--modes): `snapshot` serves the cluster from a snapshot file (`kube-vgpu extender --snapshot`), which also
+holds every Node and Pod object; `live` runs `kube-vgpu extender --kubeconfig` against a stand-in API server (a
+process of its own: tests/extender/fakeapi.py, serving lists and watches over HTTP), so the state is built by the
+live source's list + watch, binds are written as Bindings and come back as watch events, and only the parsed state
+is held. Each pod of the live phase is created in the API server before it is filtered (untimed).
+
     python bench/extender_latency.py                  # 500, 1000, 5000 nodes
-    python bench/extender_latency.py --nodes 500 --iterations 100
+    python bench/extender_latency.py --nodes 5000 --cluster distinct packed --modes snapshot live
 """
 
 from __future__ import annotations
@@ -19,60 +32,101 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
-
-from kube_vgpu import protocol
-from kube_vgpu.dev.fixtures import gpu_pod_object, node_object, synth_inventory
-from kube_vgpu.dev.fixtures import scheduled_pod as make_pod
-from kube_vgpu.extender.engine.fit import place
-from kube_vgpu.extender.engine.model import NodeState, Placement, PlacementRequest, assignment_from_placement
-from kube_vgpu.extender.engine.policies import make_policy
-from kube_vgpu.extender.scheduler import Scheduler
-from kube_vgpu.extender.sources.snapshot import SnapshotCluster
-from kube_vgpu.extender.state import ClusterState
+from fastapi import Request  # the stand-in API server's routes resolve their annotations in this module
+from fastapi.responses import Response
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from kube_vgpu import protocol  # noqa: E402
+from kube_vgpu.dev.fixtures import gpu_pod_object, node_object, synth_inventory  # noqa: E402
+from kube_vgpu.dev.fixtures import scheduled_pod as make_pod  # noqa: E402
+from kube_vgpu.extender.engine.fit import place  # noqa: E402
+from kube_vgpu.extender.engine.model import (  # noqa: E402
+    NodeState,
+    Placement,
+    PlacementRequest,
+    assignment_from_placement,
+)
+from kube_vgpu.extender.engine.policies import make_policy  # noqa: E402
+from kube_vgpu.extender.scheduler import Scheduler  # noqa: E402
+from kube_vgpu.extender.sources.snapshot import SnapshotCluster  # noqa: E402
+from kube_vgpu.extender.state import ClusterState  # noqa: E402
 
 GPU_MEMORY_MIB = 81920
+#: (memory MiB, cores) of the packed cluster's four workloads
+PACKED_SHAPES = ((8192, 20), (16384, 25), (20480, 50), (40960, 30))
+
+
+def _node_with_pods(
+    name: str, pods: list[tuple[int, int]], policy_name: str
+) -> list[dict[str, Any]]:
+    inventory = synth_inventory(name, 8, "NVIDIA-A100-SXM4-80GB", GPU_MEMORY_MIB, "nvswitch")
+    items = [node_object(name, inventory)]
+    state = NodeState(name, inventory)
+    policy = make_policy(policy_name)
+    for pod_number, (memory, cores) in enumerate(pods):
+        pod = gpu_pod_object(f"{name}-p{pod_number}", memory_mib=memory, cores=cores)
+        placement = place(state, PlacementRequest(protocol.parse_pod_gpu_request(pod)), policy, policy)
+        assert isinstance(placement, Placement)
+        state.apply_usage(placement.usage)
+        items.append(
+            gpu_pod_object(
+                f"{name}-p{pod_number}",
+                memory_mib=memory,
+                cores=cores,
+                node_name=name,
+                assignment=assignment_from_placement(state, placement),
+            )
+        )
+    return items
 
 
 def half_full_cluster(nodes: int, pods_per_node: int = 8, seed: int = 7) -> list[dict[str, Any]]:
-    """nodes x 8 A100-80GB, each node carrying pods_per_node 1-GPU pods at ~50% memory and cores."""
+    """nodes x 8 A100-80GB, each node carrying pods_per_node 1-GPU pods at ~50% memory and cores (every node's
+    state its own: the `distinct` cluster)."""
     rng = random.Random(seed)
-    policy = make_policy("spread")
     items: list[dict[str, Any]] = []
     for number in range(nodes):
-        name = f"gpu-node-{number:05d}"
-        inventory = synth_inventory(name, 8, "NVIDIA-A100-SXM4-80GB", GPU_MEMORY_MIB, "nvswitch")
-        items.append(node_object(name, inventory))
-        state = NodeState(name, inventory)
-        for pod_number in range(pods_per_node):
-            memory = rng.randrange(20000, 60000, 1024)
-            cores = rng.randrange(30, 71, 5)
-            pod = gpu_pod_object(f"{name}-p{pod_number}", memory_mib=memory, cores=cores)
-            placement = place(state, PlacementRequest(protocol.parse_pod_gpu_request(pod)), policy, policy)
-            assert isinstance(placement, Placement)
-            state.apply_usage(placement.usage)
-            items.append(
-                gpu_pod_object(
-                    f"{name}-p{pod_number}",
-                    memory_mib=memory,
-                    cores=cores,
-                    node_name=name,
-                    assignment=assignment_from_placement(state, placement),
-                )
-            )
+        pods = [(rng.randrange(20000, 60000, 1024), rng.randrange(30, 71, 5)) for _ in range(pods_per_node)]
+        items.extend(_node_with_pods(f"gpu-node-{number:05d}", pods, "spread"))
     return items
+
+
+def packed_cluster(nodes: int, seed: int = 7) -> list[dict[str, Any]]:
+    """nodes x 8 A100-80GB, each running 4-12 pods of one workload shape (PACKED_SHAPES), placed by `bfgd`."""
+    rng = random.Random(seed)
+    items: list[dict[str, Any]] = []
+    for number in range(nodes):
+        shape = rng.choice(PACKED_SHAPES)
+        items.extend(_node_with_pods(f"gpu-node-{number:05d}", [shape] * rng.randint(4, 12), "bfgd"))
+    return items
+
+
+CLUSTERS: dict[str, Callable[[int], list[dict[str, Any]]]] = {"distinct": half_full_cluster, "packed": packed_cluster}
 
 
 def shapes() -> dict[str, dict[str, Any]]:
     return {
         "1-gpu-fractional": {"gpus": 1, "memory_mib": 8192, "cores": 20},
         "4-gpu": {"gpus": 4, "memory_mib": 10240, "cores": 10},
+    }
+
+
+def cold_shapes() -> dict[str, dict[str, Any]]:
+    """Request shapes the extender has not seen before this phase (each one's first pod is placed on every node)."""
+    return {
+        "1 GPU, 12 GiB, 25%": {"gpus": 1, "memory_mib": 12288, "cores": 25},
+        "1 GPU, 4 GiB, 5%": {"gpus": 1, "memory_mib": 4096, "cores": 5},
+        "2 GPUs, 6 GiB, 15%": {"gpus": 2, "memory_mib": 6144, "cores": 15},
+        "3 GPUs, 2 GiB, 10%": {"gpus": 3, "memory_mib": 2048, "cores": 10},
     }
 
 
@@ -87,33 +141,47 @@ def summarise(samples_s: list[float]) -> str:
 
 def bench_in_process(
     items: list[dict[str, Any]], names: list[str], iterations: int
-) -> dict[str, dict[str, list[float]]]:
+) -> tuple[dict[str, dict[str, list[float]]], dict[str, tuple[float, float]]]:
     # a snapshot, as `kube-vgpu extender --snapshot` serves it: its heartbeats never expire, however long building
     # 5000 nodes took on a loaded machine (the default 120 s TTL would measure filters failing on stale nodes)
     state = ClusterState(heartbeat_ttl_s=float("inf"))
     cluster = SnapshotCluster(state, [dict(i) for i in items])
     scheduler = Scheduler(state, cluster)
+    try:
+        from kube_vgpu.extender.scheduler import equivalence_key  # type: ignore[attr-defined,unused-ignore]
+
+        classes = len({equivalence_key(node) for node in state.nodes.values()})
+        print(f"in-process distinct node states (equivalence keys): {classes}")
+    except ImportError:
+        pass  # code from before node-equivalence classes
+
+    def one_pod(shape: dict[str, Any]) -> tuple[float, float]:
+        pod = make_pod(**shape)
+        started = time.perf_counter()
+        outcome = scheduler.filter(pod, names)
+        filtered = time.perf_counter()
+        scores = scheduler.prioritize(pod, outcome.passed)
+        prioritized = time.perf_counter()
+        if scores:
+            best = max(scores, key=lambda s: s[1])[0]
+            cluster.remember_pod(pod)
+            meta = pod["metadata"]
+            scheduler.bind(meta["namespace"], meta["name"], meta["uid"], best)
+        return filtered - started, prioritized - filtered
+
     results: dict[str, dict[str, list[float]]] = {}
     for shape_name, shape in shapes().items():
         timings: dict[str, list[float]] = {"filter": [], "prioritize": [], "baseline-parse": []}
         for _ in range(iterations):
-            pod = make_pod(**shape)
             started = time.perf_counter()
-            protocol.parse_pod_gpu_request(pod)
+            protocol.parse_pod_gpu_request(make_pod(**shape))
             timings["baseline-parse"].append(time.perf_counter() - started)
-            started = time.perf_counter()
-            outcome = scheduler.filter(pod, names)
-            timings["filter"].append(time.perf_counter() - started)
-            started = time.perf_counter()
-            scores = scheduler.prioritize(pod, outcome.passed)
-            timings["prioritize"].append(time.perf_counter() - started)
-            if scores:
-                best = max(scores, key=lambda s: s[1])[0]
-                cluster.remember_pod(pod)
-                meta = pod["metadata"]
-                scheduler.bind(meta["namespace"], meta["name"], meta["uid"], best)
+            filter_s, prioritize_s = one_pod(shape)
+            timings["filter"].append(filter_s)
+            timings["prioritize"].append(prioritize_s)
         results[shape_name] = timings
-    return results
+    cold = {shape_name: one_pod(shape) for shape_name, shape in cold_shapes().items()}
+    return results, cold
 
 
 def rss_mib(pid: int) -> float:
@@ -123,113 +191,190 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
-def bench_http(snapshot: Path, names: list[str], iterations: int) -> tuple[dict[str, dict[str, list[float]]], float]:
+def wait_ready(client: httpx.Client, process: subprocess.Popen[bytes], path: str, timeout_s: float = 900) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if client.get(path).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline or process.poll() is not None:
+            raise RuntimeError(f"{path} never answered 200")
+        time.sleep(0.2)
+
+
+def serve_fake_api(snapshot: Path, port: int) -> None:
+    """The stand-in API server of the live phase (run as its own process: `--serve-fake-api`): the snapshot's
+    objects, lists served without copying them (they are replaced, never changed in place), pod creation."""
+    import uvicorn
+
+    from tests.extender.fakeapi import FakeApiServer
+
+    class BenchApiServer(FakeApiServer):
+        def __init__(self) -> None:
+            super().__init__()
+            self.app.add_api_route("/api/v1/namespaces/{namespace}/pods", self.create_pod, methods=["POST"])
+
+        async def collection(self, plural: str, request: Request) -> Response:
+            query = request.query_params
+            if plural not in self.objects or query.get("watch") in ("true", "1", "True"):
+                return await super().collection(plural, request)
+            limit = int(query.get("limit") or 0)
+            start = int(query.get("continue") or 0)
+            with self.lock:
+                items = list(self.objects[plural].values())
+                version = self.version
+            page = items[start:start + limit] if limit else items[start:]
+            more = bool(limit) and start + limit < len(items)
+            doc = {"kind": "List", "apiVersion": "v1",
+                   "metadata": {"resourceVersion": str(version), **({"continue": str(start + limit)} if more else {})},
+                   "items": page}
+            return Response(orjson.dumps(doc), media_type="application/json")
+
+        async def create_pod(self, namespace: str, request: Request) -> Response:
+            self.put("pods", orjson.loads(await request.body()))
+            return Response(b"{}", status_code=201, media_type="application/json")
+
+    server = BenchApiServer()
+    for item in orjson.loads(snapshot.read_bytes())["items"]:
+        plural = "nodes" if item["kind"] == "Node" else "pods"
+        item["metadata"]["resourceVersion"] = "1"
+        server.objects[plural][server.key(item)] = item  # the initial state: listed, no watch events
+    uvicorn.run(server.app, host="127.0.0.1", port=port, log_level="warning")
+
+
+def bench_http(
+    snapshot: Path, names: list[str], iterations: int, mode: str
+) -> tuple[dict[str, dict[str, list[float]]], dict[str, tuple[float, float]], float, float]:
+    """(steady timings per shape, cold (filter s, prioritize s) per shape, RSS MiB after the run, seconds until the
+    extender was ready)."""
     port = 20000 + os.getpid() % 20000
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kube_vgpu.cli",
-            "extender",
-            "--snapshot",
-            str(snapshot),
-            "--port",
-            str(port),
-            "--log-level",
-            "WARNING",
-        ],
-        cwd=ROOT,
-    )
+    command = [sys.executable, "-m", "kube_vgpu.cli", "extender", "--port", str(port), "--log-level", "WARNING"]
+    api: subprocess.Popen[bytes] | None = None
+    api_url = f"http://127.0.0.1:{port + 1}"
+    tmp = tempfile.TemporaryDirectory()
+    if mode == "snapshot":
+        command += ["--snapshot", str(snapshot)]
+    else:
+        api = subprocess.Popen([sys.executable, __file__, "--serve-fake-api", str(snapshot), str(port + 1)], cwd=ROOT)
+        from tests.extender.fakeapi import write_kubeconfig
+
+        kubeconfig = write_kubeconfig(Path(tmp.name) / "kubeconfig", api_url)
+        with httpx.Client(base_url=api_url, timeout=60) as api_client:
+            wait_ready(api_client, api, "/api/v1/nodes?limit=1")
+        command += ["--kubeconfig", str(kubeconfig), "--quota-mode", "off", "--no-require-admission-mark",
+                    "--heartbeat-ttl-seconds", "86400"]
+    started = time.perf_counter()
+    server = subprocess.Popen(command, cwd=ROOT)
     try:
         url = f"http://127.0.0.1:{port}"
-        with httpx.Client(base_url=url, timeout=60) as client:
-            deadline = time.monotonic() + 300
-            while True:
-                try:
-                    if client.get("/readyz").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise RuntimeError("extender did not become ready")
-                time.sleep(0.2)
-            results: dict[str, dict[str, list[float]]] = {}
+        with httpx.Client(base_url=url, timeout=60) as client, httpx.Client(base_url=api_url, timeout=60) as api_client:
+            wait_ready(client, server, "/readyz")
+            ready_s = time.perf_counter() - started
             headers = {"Content-Type": "application/json"}
-            for shape_name, shape in shapes().items():
-                timings: dict[str, list[float]] = {"filter": [], "prioritize": [], "baseline-empty-filter": []}
-                for _ in range(iterations):
-                    pod = make_pod(**shape)
+
+            def one_pod(shape: dict[str, Any], timings: dict[str, list[float]] | None) -> tuple[float, float]:
+                pod = make_pod(**shape)
+                if api is not None:
+                    api_client.post("/api/v1/namespaces/default/pods", content=orjson.dumps(pod))
+                if timings is not None:
                     empty = orjson.dumps({"Pod": pod, "NodeNames": []})
                     started = time.perf_counter()
                     client.post("/filter", content=empty, headers=headers)
                     timings["baseline-empty-filter"].append(time.perf_counter() - started)
-                    body = orjson.dumps({"Pod": pod, "NodeNames": names})
-                    started = time.perf_counter()
-                    reply = orjson.loads(client.post("/filter", content=body, headers=headers).content)
-                    timings["filter"].append(time.perf_counter() - started)
-                    passed = reply["NodeNames"]
-                    body = orjson.dumps({"Pod": pod, "NodeNames": passed})
-                    started = time.perf_counter()
-                    scores = orjson.loads(client.post("/prioritize", content=body, headers=headers).content)
-                    timings["prioritize"].append(time.perf_counter() - started)
-                    if scores:
-                        best = max(scores, key=lambda s: s["Score"])["Host"]
-                        meta = pod["metadata"]
-                        client.post(
-                            "/bind",
-                            json={
-                                "PodName": meta["name"],
-                                "PodNamespace": "default",
-                                "PodUID": meta["uid"],
-                                "Node": best,
-                            },
-                        )
+                body = orjson.dumps({"Pod": pod, "NodeNames": names})
+                started = time.perf_counter()
+                reply = orjson.loads(client.post("/filter", content=body, headers=headers).content)
+                filter_s = time.perf_counter() - started
+                body = orjson.dumps({"Pod": pod, "NodeNames": reply["NodeNames"]})
+                started = time.perf_counter()
+                scores = orjson.loads(client.post("/prioritize", content=body, headers=headers).content)
+                prioritize_s = time.perf_counter() - started
+                if scores:
+                    best = max(scores, key=lambda s: s["Score"])["Host"]
+                    meta = pod["metadata"]
+                    client.post("/bind", json={"PodName": meta["name"], "PodNamespace": "default",
+                                               "PodUID": meta["uid"], "Node": best})
+                return filter_s, prioritize_s
+
+            results: dict[str, dict[str, list[float]]] = {}
+            for shape_name, shape in shapes().items():
+                timings: dict[str, list[float]] = {"filter": [], "prioritize": [], "baseline-empty-filter": []}
+                for _ in range(iterations):
+                    filter_s, prioritize_s = one_pod(shape, timings)
+                    timings["filter"].append(filter_s)
+                    timings["prioritize"].append(prioritize_s)
                 results[shape_name] = timings
-            return results, rss_mib(server.pid)
+            cold = {shape_name: one_pod(shape, None) for shape_name, shape in cold_shapes().items()}
+            return results, cold, rss_mib(server.pid), ready_s
     finally:
         server.terminate()
         server.wait(10)
+        if api is not None:
+            api.terminate()
+            api.wait(10)
+        tmp.cleanup()
+
+
+def print_cold(where: str, cold: dict[str, tuple[float, float]]) -> None:
+    for shape_name, (filter_s, prioritize_s) in cold.items():
+        print(f"{where:10s} cold {shape_name:19s} filter {filter_s * 1e3:8.2f} ms  prioritize "
+              f"{prioritize_s * 1e3:7.2f} ms  together {(filter_s + prioritize_s) * 1e3:8.2f} ms")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, nargs="+", default=[500, 1000, 5000])
     parser.add_argument("--iterations", type=int, default=200)
+    parser.add_argument("--cluster", choices=sorted(CLUSTERS), nargs="+", default=["distinct"])
+    parser.add_argument("--modes", choices=("snapshot", "live"), nargs="+", default=["snapshot", "live"])
+    parser.add_argument("--skip-in-process", action="store_true", help="HTTP phases only")
+    parser.add_argument("--serve-fake-api", nargs=2, metavar=("SNAPSHOT", "PORT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    print(f"# extender latency: {args.iterations} pods per shape; each pod filtered, prioritized, bound")
-    for nodes in args.nodes:
-        started = time.perf_counter()
-        items = half_full_cluster(nodes)
-        names = [i["metadata"]["name"] for i in items if i["kind"] == "Node"]
-        pods = sum(1 for i in items if i["kind"] == "Pod")
-        print(
-            f"\n## {nodes} nodes x 8 GPUs, {pods} assigned pods (~50% memory and cores), built in "
-            f"{time.perf_counter() - started:.1f}s"
-        )
-        for shape_name, timings in bench_in_process(items, names, args.iterations).items():
-            base = percentile(timings["baseline-parse"], 50)
-            for verb in ("filter", "prioritize"):
-                ratio = percentile(timings[verb], 50) / base
-                print(
-                    f"in-process {shape_name:17s} {verb:10s} {summarise(timings[verb])}  "
-                    f"(p50 = {ratio:6.1f}x parsing alone)"
-                )
-        with tempfile.TemporaryDirectory() as tmp:
-            snapshot = Path(tmp) / "snapshot.json"
-            snapshot.write_bytes(orjson.dumps({"apiVersion": "v1", "kind": "List", "items": items}))
-            http_results, rss = bench_http(snapshot, names, args.iterations)
-        for shape_name, timings in http_results.items():
-            base = percentile(timings["baseline-empty-filter"], 99)
-            print(
-                f"http       {shape_name:17s} {'empty-filter':10s} "
-                f"{summarise(timings['baseline-empty-filter'])}  (baseline)"
-            )
-            for verb in ("filter", "prioritize"):
-                ratio = percentile(timings[verb], 99) / base
-                print(
-                    f"http       {shape_name:17s} {verb:10s} {summarise(timings[verb])}  (p99 = {ratio:5.1f}x baseline)"
-                )
-        print(f"extender RSS after the run: {rss:.0f} MiB (snapshot mode, holding every Node and Pod object)")
+    if args.serve_fake_api:
+        serve_fake_api(Path(args.serve_fake_api[0]), int(args.serve_fake_api[1]))
+        return 0
+    print(f"# extender latency: {args.iterations} pods per shape; each pod filtered, prioritized, bound; "
+          f"load average {os.getloadavg()[0]:.2f}")
+    for cluster_name in args.cluster:
+        for nodes in args.nodes:
+            started = time.perf_counter()
+            items = CLUSTERS[cluster_name](nodes)
+            names = [i["metadata"]["name"] for i in items if i["kind"] == "Node"]
+            pods = sum(1 for i in items if i["kind"] == "Pod")
+            print(f"\n## {cluster_name} cluster: {nodes} nodes x 8 GPUs, {pods} assigned pods, built in "
+                  f"{time.perf_counter() - started:.1f}s")
+            if not args.skip_in_process:
+                in_process, cold = bench_in_process(items, names, args.iterations)
+                for shape_name, timings in in_process.items():
+                    base = percentile(timings["baseline-parse"], 50)
+                    for verb in ("filter", "prioritize"):
+                        ratio = percentile(timings[verb], 50) / base
+                        print(f"in-process {shape_name:17s} {verb:10s} {summarise(timings[verb])}  "
+                              f"(p50 = {ratio:6.1f}x parsing alone)")
+                print_cold("in-process", cold)
+            with tempfile.TemporaryDirectory() as tmp:
+                snapshot = Path(tmp) / "snapshot.json"
+                snapshot.write_bytes(orjson.dumps({"apiVersion": "v1", "kind": "List", "items": items}))
+                del items
+                for mode in args.modes:
+                    http_results, http_cold, rss, ready_s = bench_http(snapshot, names, args.iterations, mode)
+                    where = f"http-{mode}"
+                    for shape_name, timings in http_results.items():
+                        base50 = percentile(timings["baseline-empty-filter"], 50)
+                        base99 = percentile(timings["baseline-empty-filter"], 99)
+                        print(f"{where:13s} {shape_name:17s} {'empty-filter':10s} "
+                              f"{summarise(timings['baseline-empty-filter'])}  (baseline)")
+                        for verb in ("filter", "prioritize"):
+                            print(f"{where:13s} {shape_name:17s} {verb:10s} {summarise(timings[verb])}  "
+                                  f"(p50 = {percentile(timings[verb], 50) / base50:5.1f}x, "
+                                  f"p99 = {percentile(timings[verb], 99) / base99:5.1f}x baseline)")
+                    print_cold(where, http_cold)
+                    held = ("holding every Node and Pod object" if mode == "snapshot"
+                            else "state built by list + watch from the stand-in API server")
+                    print(f"{where:13s} extender RSS after the run: {rss:.0f} MiB ({held}; ready after "
+                          f"{ready_s:.0f} s); load average {os.getloadavg()[0]:.2f}")
     return 0
 
 

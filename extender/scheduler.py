@@ -1,17 +1,23 @@
 """Decisions on the cluster state: filter, prioritize (pure, in memory) and bind (decide and commit).
 
 filter and prioritize never call the API server; per-node results are cached on the node keyed by
-(request shape, policies) and dropped whenever that node changes, so a burst of pods of few shapes
-costs one dict lookup per node per verb. bind has two steps: prepare_bind re-checks on fresh state and
-reserves the GPUs in memory as soon as the bind arrives; commit_bind, when the node's turn comes (one at a time
-per node, or together with identical assignments: extender/binding.py), writes the Binding that carries the
-assignment, and rolls the reservation back if it fails.
+(request shape, policies) and dropped whenever that node changes. A new request shape is placed once per
+node-equivalence class (equivalence_key: nodes whose GPUs, links, CPU and pod kinds are in the same state get the
+same placement and score), and each shape keeps its answer (_Answer: which judged nodes pass, which fail and why),
+brought up to date from the state's journal of changed nodes, so a burst of pods of few shapes costs a list
+comprehension over the node names per verb plus a re-judging of the nodes changed since the shape's last pod.
+
+bind has two steps: prepare_bind re-checks on fresh state and reserves the GPUs in memory as soon as the bind
+arrives; commit_bind, when the node's turn comes (one at a time per node, or together with identical assignments:
+extender/binding.py), writes the Binding that carries the assignment, and rolls the reservation back if it fails.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 import logging
+import math
 import re
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -59,6 +65,14 @@ MAX_EXTENDER_SCORE = 10  # kube-scheduler's extenderv1.MaxExtenderPriority
 STALE_REFRESH_PER_CALL = 16
 #: request shapes whose outdated nodes are being worked through at once (a shape evicted starts over when seen)
 REFRESHING_SHAPES = 64
+#: request shapes whose answer (every judged node's verdict, `_Answer`) is kept, least recently used beyond: filter
+#: and prioritize of such a shape cost one dict lookup per node in a list comprehension, plus a re-judging of the
+#: nodes changed since the shape's last pod (the state's journal)
+ANSWERED_SHAPES = 32
+#: per request shape, the results kept per node-equivalence class under the policies' current model (cleared beyond)
+CLASS_RESULTS_PER_SHAPE = 50_000
+#: request shapes whose per-class results are kept (all are dropped beyond: they are only the cold path's shortcut)
+CLASS_RESULT_SHAPES = 256
 NOT_SYNCED = "kube-vgpu extender is still loading the cluster state (initial sync); the pod will be retried"
 NOT_ADMITTED = (
     f"pod was not admitted by kube-vgpu's webhook (no {protocol.POD_ADMITTED_ANNOTATION} annotation: its namespace "
@@ -87,6 +101,60 @@ class Binder(Protocol):
         ...
 
 
+#: node state (equivalence_key's tuple) -> a small number, so that per-shape class results are keyed by an int (a
+#: tuple of a node's 8 GPU tuples is hashed anew on every lookup; an int is not). Numbers are never reused.
+_EQUIVALENCE_IDS: dict[tuple[Any, ...], int] = {}
+_NEXT_EQUIVALENCE_ID = itertools.count(1)
+#: distinct node states remembered before the table starts over (their nodes get new numbers when they change)
+EQUIVALENCE_IDS_LIMIT = 200_000
+
+
+def equivalence_key(node: NodeState) -> int | None:
+    """A number for everything fit.place and the policies read of a node except its name and GPU UUIDs: two nodes
+    with equal numbers get the same placement (GPU positions), score and failure reason for any request without UUID
+    selectors or MIG containers, so a new request shape is placed once per distinct number, not once per node.
+    Cached on the node until it changes (NodeState.touch). None: the node is placed on its own (MIG devices, GPUs
+    held by pods outside kube-vgpu, whose reasons name them, or no GPUs)."""
+    key = node.equivalence_key
+    if key is None:
+        if node.mig_devices or node.dynamic_mig_devices or node.inventory_external or not node.gpus:
+            key = 0
+        else:
+            state = (node.link_id, node.cpu_milli_total, node.cpu_milli_used, node.memory_mib_total,
+                     node.memory_mib_used, tuple(sorted(node.pod_kinds.items())),
+                     *[(gpu.index, gpu.model, gpu.memory_mib, gpu.cores, gpu.max_vgpus, gpu.numa_node, gpu.healthy,
+                        gpu.mig_mode, gpu.used_memory_mib, gpu.used_cores, gpu.used_vgpus, gpu.exclusive_holders)
+                       for gpu in node.gpus])
+            key = _EQUIVALENCE_IDS.get(state)
+            if key is None:
+                if len(_EQUIVALENCE_IDS) >= EQUIVALENCE_IDS_LIMIT:
+                    _EQUIVALENCE_IDS.clear()
+                key = _EQUIVALENCE_IDS.setdefault(state, next(_NEXT_EQUIVALENCE_ID))
+        node.equivalence_key = key
+    return key or None
+
+
+def groupable(request: PlacementRequest, node_policy: Policy, gpu_policy: Policy) -> bool:
+    """Whether nodes of one equivalence key get one result for this request (equivalence_key)."""
+    selectors = request.gpu.selectors
+    return (node_policy.node_equivalence and gpu_policy.node_equivalence and not selectors.use_uuids
+            and not selectors.nouse_uuids and not any(container.mig for container in request.gpu.containers))
+
+
+@dataclass(slots=True)
+class _Answer:
+    """One request shape's verdicts on the nodes judged so far (each also in node.fit_cache), as of the state's
+    journal position: nodes changed since are dropped when the shape is next asked for, and judged again then.
+    Only nodes whose heartbeat was fresh are kept, and the whole answer only until the earliest of their heartbeats
+    expires. Used when no gate and no nomination can refuse a fitting node (those depend on the pod)."""
+
+    journal_epoch: int
+    journal_position: int
+    expires_s: float = math.inf
+    passed: dict[str, Placement] = field(default_factory=dict)
+    failed: dict[str, FitFailure] = field(default_factory=dict)
+
+
 @dataclass(slots=True)
 class FilterOutcome:
     passed: list[str] = field(default_factory=list)
@@ -110,8 +178,12 @@ class Scheduler:
         gang_timeout_s: float = DEFAULT_GANG_TIMEOUT_S,
         gang_topology_labels: Sequence[str] = protocol.DEFAULT_GANG_TOPOLOGY_LABELS,
         nominations: Nominations | None = None,
+        share_results: bool = True,
     ) -> None:
         self.state = state
+        #: place a request shape once per node-equivalence class and keep each shape's answer (equivalence_key,
+        #: _Answer); False: every node on its own, every verb over every node (tests compare the two)
+        self.share_results = share_results
         #: refuse GPU pods that did not pass the webhook (live clusters: `kube-vgpu extender` turns it on)
         self.require_admission_mark = require_admission_mark
         #: between scheduler replicas: binds reserve and write only in this replica's own leader term (fence.py)
@@ -144,6 +216,10 @@ class Scheduler:
         # holding results of an older model (see _outdated_nodes)
         self._key_epochs: dict[int, tuple[int, int]] = {}
         self._outdated: dict[int, list[str]] = {}
+        # request key -> (policies' epochs, equivalence key -> result of the node placed for that class)
+        self._class_results: dict[int, tuple[tuple[int, int], dict[int, Placement | FitFailure]]] = {}
+        # request key -> its answer (least recently used first)
+        self._answers: dict[int, _Answer] = {}
         # pods seen by filter, for bind (which only gets name / uid): uid -> pod object
         self._recent_pods: TTLCache[str, Mapping[str, Any]] = TTLCache(maxsize=50_000, ttl=600)
         # pods between prepare_bind and the end of commit_bind
@@ -226,6 +302,53 @@ class Scheduler:
                 self._outdated[key] = list(self.state.nodes)
         return self._outdated.get(key)
 
+    def _classes_for(self, key: int, epochs: tuple[int, int]) -> dict[int, Placement | FitFailure]:
+        """The per-equivalence-class results of a request shape under the policies' current model (caller holds the
+        state lock)."""
+        entry = self._class_results.get(key)
+        if entry is None or entry[0] != epochs or len(entry[1]) >= CLASS_RESULTS_PER_SHAPE:
+            if entry is None and len(self._class_results) >= CLASS_RESULT_SHAPES:
+                self._class_results.clear()
+            entry = self._class_results[key] = (epochs, {})
+        return entry[1]
+
+    @staticmethod
+    def _place(node: NodeState, request: PlacementRequest, gpu_policy: Policy, node_policy: Policy,
+               classes: dict[int, Placement | FitFailure] | None) -> Placement | FitFailure:
+        """fit.place, once per node-equivalence class when `classes` is given (the results of this request shape
+        under the current model): a node of a class already placed gets that class's result, under its own name."""
+        if classes is not None:
+            equivalence = equivalence_key(node)
+            if equivalence is not None:
+                shared = classes.get(equivalence)
+                if shared is None:
+                    shared = classes[equivalence] = place(node, request, gpu_policy, node_policy)
+                    return shared
+                if isinstance(shared, Placement) and shared.node_name != node.name:
+                    return Placement(node.name, shared.containers, shared.usage, shared.score)
+                return shared
+        return place(node, request, gpu_policy, node_policy)
+
+    def _answer(self, key: int, now: float) -> _Answer:
+        """The request shape's answer, brought up to date with the state's journal (caller holds the state lock)."""
+        state = self.state
+        state.trim_journal()
+        journal = state.journal
+        answers = self._answers
+        answer = answers.pop(key, None)
+        if answer is None or answer.journal_epoch != state.journal_epoch or now > answer.expires_s:
+            answer = _Answer(state.journal_epoch, len(journal))
+            if len(answers) >= ANSWERED_SHAPES:
+                del answers[next(iter(answers))]
+        elif answer.journal_position < len(journal):
+            passed, failed = answer.passed, answer.failed
+            for name in itertools.islice(journal, answer.journal_position, None):
+                passed.pop(name, None)
+                failed.pop(name, None)
+            answer.journal_position = len(journal)
+        answers[key] = answer  # the most recently used last
+        return answer
+
     # --- filter / prioritize ----------------------------------------------------------------------
     # complexity: filter's per-node loop, inlined on purpose: it runs for every node of every pod
     def _evaluate(  # noqa: C901
@@ -278,18 +401,48 @@ class Scheduler:
             quota_failed: list[tuple[str, Placement]] = []  # GPUs fit, the quota gate refused
             if preemptor is not None and uid and self.nominations.by_preemptor:
                 preemptor.before_filter(str(uid))
+            classes = None
             if cacheable:
-                outdated = self._outdated_nodes(key, (node_policy.epoch(), gpu_policy.epoch()))
+                epochs = (node_policy.epoch(), gpu_policy.epoch())
+                if self.share_results and groupable(placement_request, node_policy, gpu_policy):
+                    classes = self._classes_for(key, epochs)
+                outdated = self._outdated_nodes(key, epochs)
                 budget_pops = refresh_budget * 4  # nodes without a result of this shape cost nothing to skip
                 while outdated and refresh_budget > 0 and budget_pops > 0:
                     budget_pops -= 1
                     node = nodes.get(outdated.pop())
                     if node is not None and key in node.fit_cache:
-                        node.fit_cache[key] = place(node, placement_request, gpu_policy, node_policy)
+                        node.fit_cache[key] = self._place(node, placement_request, gpu_policy, node_policy, classes)
                         refresh_budget -= 1
+                        stale_answer = self._answers.get(key)
+                        if stale_answer is not None:
+                            stale_answer.passed.pop(node.name, None)
+                            stale_answer.failed.pop(node.name, None)
                 if outdated is not None and not outdated:
                     del self._outdated[key]
-            for name in node_names:
+            names = node_names if isinstance(node_names, list) else list(node_names)
+            todo = names
+            answer = None
+            failed_answers: dict[str, FitFailure] = {}
+            if cacheable and self.share_results and not self.gates and not held_nodes:
+                # every fitting node passes: the nodes already judged for this shape answer from its _Answer
+                answer = self._answer(key, now)
+                placements = answer.passed  # the caller reads it under the state lock
+                failed_answers = answer.failed
+                outcome.passed = [name for name in names if name in placements]
+                if len(outcome.passed) < len(names):
+                    todo = [name for name in names if name not in placements] if outcome.passed else names
+                else:
+                    todo = []
+            judged_passes = False
+            for name in todo:
+                known = failed_answers.get(name) if answer is not None else None
+                if known is not None:
+                    (outcome.unresolvable if known.unresolvable else outcome.failed)[name] = known.reason
+                    self.on_rejection(known.code)
+                    if not known.unresolvable:
+                        gpu_failed.append(name)
+                    continue
                 node = nodes.get(name)
                 if node is None:
                     outcome.failed[name] = "not known to kube-vgpu yet (no GPU inventory seen)"
@@ -302,16 +455,25 @@ class Scheduler:
                         else "no GPUs (no kube-vgpu GPU inventory on this node)"
                     )
                     continue
-                if node.heartbeat_s is None or now - node.heartbeat_s > ttl:
-                    age = "never" if node.heartbeat_s is None else f"{now - node.heartbeat_s:.0f} s ago"
+                heartbeat_s = node.heartbeat_s
+                if heartbeat_s is None or now - heartbeat_s > ttl:
+                    age = "never" if heartbeat_s is None else f"{now - heartbeat_s:.0f} s ago"
                     outcome.failed[name] = f"GPU inventory stale (last heartbeat {age})"
                     self.on_rejection("stale")
                     continue
                 result = node.fit_cache.get(key) if cacheable else None
                 if result is None:
-                    result = place(node, placement_request, gpu_policy, node_policy)
+                    result = self._place(node, placement_request, gpu_policy, node_policy, classes)
                     if cacheable:
                         node.fit_cache[key] = result
+                if answer is not None:
+                    expires_s = heartbeat_s + ttl
+                    if expires_s < answer.expires_s:
+                        answer.expires_s = expires_s
+                    if isinstance(result, FitFailure):
+                        failed_answers[name] = result
+                    else:
+                        judged_passes = True  # placements is the answer's: recorded below
                 if isinstance(result, FitFailure):
                     (outcome.unresolvable if result.unresolvable else outcome.failed)[name] = result.reason
                     self.on_rejection(result.code)
@@ -335,8 +497,11 @@ class Scheduler:
                     self.on_rejection("quota")
                     quota_failed.append((name, result))
                     continue
-                outcome.passed.append(name)
+                if answer is None:
+                    outcome.passed.append(name)
                 placements[name] = result
+            if judged_passes:  # in the order asked, with the nodes that answered from the shape's answer
+                outcome.passed = [name for name in names if name in placements]
             if not outcome.passed and preemptor is not None and uid and (gpu_failed or quota_failed):
                 preemptor.on_unplaced(pod, str(uid), request, placement_request, gpu_policy, node_policy,
                                       gpu_failed, quota_failed, outcome.failed)
@@ -348,25 +513,32 @@ class Scheduler:
         return self._evaluate(pod, node_names, STALE_REFRESH_PER_CALL)[0]
 
     def prioritize(self, pod: Mapping[str, Any], node_names: Iterable[str]) -> list[tuple[str, int]]:
-        # no re-placing of outdated results here: filter just did it for this pod (prioritize is the slower verb)
-        outcome, placements = self._evaluate(pod, node_names)
-        if outcome.error:
-            raise InvalidGpuRequest(outcome.error)
-        scores = {name: placements[name].score for name in outcome.passed}
-        if not scores:
-            return [(name, 0) for name in node_names]
-        low, high = min(scores.values()), max(scores.values())
+        """Every node's score, 0..MAX_EXTENDER_SCORE, in the order asked."""
+        names = node_names if isinstance(node_names, list) else list(node_names)
+        nonzero = dict(self.nonzero_scores(pod, names))
+        if not nonzero:
+            return [(name, 0) for name in names]
+        return [(name, nonzero.get(name, 0)) for name in names]
+
+    def nonzero_scores(self, pod: Mapping[str, Any], node_names: Iterable[str]) -> list[tuple[str, int]]:
+        """The nodes prioritize scores above 0, with their scores (kube-scheduler adds nothing for a node missing
+        from the list, exactly as for a 0): the passing nodes' raw scores scaled from the lowest (0) to the highest
+        (MAX_EXTENDER_SCORE); all 0 when they are equal. Raises InvalidGpuRequest."""
+        with self.state.lock:  # placements may be a shape's answer, which the next verb updates
+            # no re-placing of outdated results here: filter just did it for this pod (prioritize is the slower verb)
+            outcome, placements = self._evaluate(pod, node_names)
+            if outcome.error:
+                raise InvalidGpuRequest(outcome.error)
+            passed = outcome.passed
+            raw_scores = [placements[name].score for name in passed]
+        if not raw_scores:
+            return []
+        low, high = min(raw_scores), max(raw_scores)
         spread = high - low
-        result = []
-        for name in node_names:
-            raw = scores.get(name)
-            if raw is None:
-                result.append((name, 0))
-            elif spread <= 1e-12:
-                result.append((name, 0))  # all equal: nothing to prefer (the same to kube-scheduler as all 10)
-            else:
-                result.append((name, round((raw - low) / spread * MAX_EXTENDER_SCORE)))
-        return result
+        if spread <= 1e-12:
+            return []  # all equal: nothing to prefer (the same to kube-scheduler as all 10)
+        return [(name, score) for name, raw in zip(passed, raw_scores, strict=True)
+                if (score := round((raw - low) / spread * MAX_EXTENDER_SCORE))]
 
     # --- gangs (all-or-nothing; extender/gangs.py) -------------------------------------------------
     def _gang_outcome(

@@ -199,8 +199,12 @@ def _extender_args(doc: Any) -> tuple[dict[str, Any], list[str], list[dict[str, 
     names = doc.get("NodeNames")
     nodes = doc.get("Nodes")
     if names is not None:
-        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        if not isinstance(names, list):
             raise BadRequest("ExtenderArgs.NodeNames must be a list of strings")
+        try:
+            "".join(names)  # raises on anything but a string; a C loop, where a generator over 5000 names is 0.2 ms
+        except TypeError:
+            raise BadRequest("ExtenderArgs.NodeNames must be a list of strings") from None
         return pod, names, None
     if nodes is not None:
         items = nodes.get("items") if isinstance(nodes, dict) else None
@@ -353,12 +357,12 @@ class Verbs:
     def prioritize(self, doc: Any) -> Any:
         pod, names, _ = _extender_args(doc)
         try:
-            scores = self.scheduler.prioritize(pod, names)
+            # kube-scheduler adds nothing for a node missing from the list, exactly as for a 0: those are left out (in
+            # a burst onto an empty cluster that is nearly every node, and the reply shrinks from 500 entries to a few)
+            scores = self.scheduler.nonzero_scores(pod, names)
         except InvalidGpuRequest:
-            scores = [(name, 0) for name in names]
-        # kube-scheduler adds nothing for a node missing from the list, exactly as for a 0: leave those out (in a
-        # burst onto an empty cluster that is nearly every node, and the reply shrinks from 500 entries to a few)
-        return [{"Host": name, "Score": score} for name, score in scores if score]
+            return []
+        return [{"Host": name, "Score": score} for name, score in scores]
 
     @staticmethod
     def _binding_args(doc: Any) -> tuple[str, str, str, str]:

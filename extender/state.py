@@ -33,6 +33,8 @@ from kube_vgpu.protocol import PodAssignment, ProtocolError
 log = logging.getLogger(__name__)
 
 FINISHED_PHASES = frozenset({"Succeeded", "Failed"})
+#: entries of ClusterState.journal before it starts over (the scheduler's answers are then re-judged in full)
+JOURNAL_LIMIT = 100_000
 
 
 def bound_pod_cpu_milli(obj: Mapping[str, Any]) -> int:
@@ -159,6 +161,11 @@ class ClusterState:
         self.cpu_used_by_node: dict[str, int] = {}
         #: set by the scheduler when a policy reads host CPU: CPU changes then invalidate a node's cached results
         self.touch_on_cpu_change = False
+        #: names of the nodes changed (touched, heartbeat, labels, deleted), in order, since `journal_epoch` began:
+        #: the scheduler's per-shape answers re-judge only these. Whoever clears it (in place: nodes hold it)
+        #: bumps the epoch.
+        self.journal: list[str] = []
+        self.journal_epoch = 0
 
     # --- nodes ----------------------------------------------------------------------------------
     def upsert_node(self, obj: Mapping[str, Any]) -> None:
@@ -180,13 +187,13 @@ class ClusterState:
         with self.lock:
             node = self.nodes.get(name)
             if node is None:
-                node = NodeState(name, None)
-                self.nodes[name] = node
-                self.pods_by_node.setdefault(name, set())
+                node = self._new_node(name)
                 node.cpu_milli_used = self.cpu_used_by_node.get(name, 0)
                 changed_inventory = True
             else:
                 changed_inventory = node.inventory_text != inventory_text
+            self.trim_journal()
+            self.journal.append(name)  # its heartbeat (and labels) may have changed: no touch, still news
             node.labels = dict(metadata.get("labels") or {})
             allocatable_cpu = node_allocatable_cpu_milli(obj)
             if allocatable_cpu != node.cpu_milli_total:
@@ -201,6 +208,14 @@ class ClusterState:
                 log.warning("node %s: %s", name, exc)
                 node.heartbeat_s = None
             self.generation += 1
+
+    def _new_node(self, name: str) -> NodeState:
+        name = sys.intern(name)  # one string for the node, its pods' records and every cache keyed by it
+        node = NodeState(name, None)
+        node.journal = self.journal
+        self.nodes[name] = node
+        self.pods_by_node.setdefault(name, set())
+        return node
 
     def _set_inventory(self, node: NodeState, inventory_text: str | None) -> None:
         inventory = None
@@ -229,9 +244,7 @@ class ClusterState:
             try:
                 node = self.nodes.get(name)
                 if node is None:
-                    node = NodeState(name, None)
-                    self.nodes[name] = node
-                    self.pods_by_node.setdefault(name, set())
+                    node = self._new_node(name)
                 node.inventory_text = None  # the next update decodes its inventory afresh
                 node.set_inventory(None)
                 for uid in self.pods_by_node.get(name, ()):
@@ -253,10 +266,19 @@ class ClusterState:
             node = self.nodes.pop(name, None)
             if node is None:
                 return
+            node.journal = None
+            self.journal.append(name)
             # pods keep their records: if the node comes back (re-registration) they are counted again
             for uid in self.pods_by_node.get(name, ()):
                 self.pods[uid].applied = False
             self.generation += 1
+
+    def trim_journal(self) -> None:
+        """Keep the change journal bounded: past JOURNAL_LIMIT entries it starts over (in place) in a new epoch, and
+        whoever reads it judges every node again (caller holds `lock`)."""
+        if len(self.journal) > JOURNAL_LIMIT:
+            self.journal.clear()
+            self.journal_epoch += 1
 
     # --- pods -----------------------------------------------------------------------------------
     def upsert_pod(self, obj: Mapping[str, Any]) -> None:
@@ -365,15 +387,25 @@ class ClusterState:
 
     def replace_pods(self, pods: Iterable[Mapping[str, Any]]) -> None:
         with self.lock:
-            seen: set[str] = set()
-            for pod in pods:
-                uid = (pod.get("metadata") or {}).get("uid")
-                if uid:
-                    seen.add(uid)
-                    try:
-                        self.upsert_pod(pod)
-                    except Exception as exc:  # one pod that cannot be applied does not stop the others
-                        self.object_failed("pods", str((pod.get("metadata") or {}).get("name") or uid), exc)
+            self.replace_pod_pages((pods,))
+
+    def replace_pod_pages(self, pages: Iterable[Iterable[Mapping[str, Any]]]) -> None:
+        """replace_pods over a list read a page at a time: each page is applied under the lock as it comes (the lock
+        is not held while the next one is read), and what the whole list left out is dropped at the end. Only one
+        page of API objects is alive at a time: a list of 40,000 pods held whole is hundreds of MiB at its peak, and
+        the state's records, interleaved with it in memory, keep much of that from ever being returned."""
+        seen: set[str] = set()
+        for page in pages:
+            with self.lock:
+                for pod in page:
+                    uid = (pod.get("metadata") or {}).get("uid")
+                    if uid:
+                        seen.add(uid)
+                        try:
+                            self.upsert_pod(pod)
+                        except Exception as exc:  # one pod that cannot be applied does not stop the others
+                            self.object_failed("pods", str((pod.get("metadata") or {}).get("name") or uid), exc)
+        with self.lock:
             for uid, record in list(self.pods.items()):
                 # gone from the list: drop what the API server had (confirmed), had accepted (bound by the
                 # Binding's reply) or may have (an unverifiable Binding); keep reservations of binds under way
@@ -453,6 +485,7 @@ class ClusterState:
 
     # --- internals ------------------------------------------------------------------------------
     def _add(self, record: PodRecord) -> None:
+        self.trim_journal()
         self.pods[record.uid] = record
         self.pods_by_node.setdefault(record.node_name, set()).add(record.uid)
         self._apply(record)
@@ -478,6 +511,7 @@ class ClusterState:
         record.applied = True
 
     def _remove(self, uid: str) -> None:
+        self.trim_journal()
         record = self.pods.pop(uid)
         self.pods_by_node.get(record.node_name, set()).discard(uid)
         node = self.nodes.get(record.node_name)

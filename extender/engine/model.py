@@ -274,6 +274,7 @@ class NodeState:
         "cpu_milli_used",
         "devices",
         "dynamic_mig_devices",
+        "equivalence_key",
         "fit_cache",
         "free_milli_cache",
         "gpu_by_uuid",
@@ -284,6 +285,7 @@ class NodeState:
         "heartbeat_s",
         "inventory_external",
         "inventory_text",
+        "journal",
         "labels",
         "link_id",
         "link_matrix",
@@ -318,6 +320,10 @@ class NodeState:
         # policy's model changes, the scheduler re-places these a few nodes at a time)
         self.fit_cache: dict[Any, Any] = {}
         self.free_milli_cache: tuple[int, ...] | None = None  # engine.shares free share per GPU (policies._milli)
+        #: the extender's node-equivalence key of this version (scheduler.equivalence_key; None: not computed yet)
+        self.equivalence_key: Any = None
+        #: where touch() records this node's name (the cluster state's change journal; None: nowhere, e.g. a copy)
+        self.journal: list[str] | None = None
         # how many pods of each GPU kind ("share", "1-gpu", "2-gpu", ...) hold GPUs here (kept by apply_usage;
         # the gpu-clustering policy groups pods of one kind on the same nodes)
         self.pod_kinds: dict[str, int] = {}
@@ -401,6 +407,8 @@ class NodeState:
         twin.pod_kinds = dict(self.pod_kinds)
         twin.fit_cache = {}
         twin.free_milli_cache = None
+        twin.equivalence_key = None
+        twin.journal = None  # what-if changes are nobody's news
         return twin
 
     def touch(self) -> None:
@@ -409,6 +417,9 @@ class NodeState:
         if self.fit_cache:
             self.fit_cache = {}
         self.free_milli_cache = None
+        self.equivalence_key = None
+        if self.journal is not None:
+            self.journal.append(self.name)
 
     def apply_usage(self, usage: tuple[GpuUsage, ...], sign: int = 1) -> None:
         """Add (sign=1) or remove (sign=-1) a pod's usage (on GPUs and MIG devices)."""

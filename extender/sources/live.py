@@ -32,6 +32,7 @@ from kube_vgpu.extender.sources.apiclient import (
 from kube_vgpu.extender.sources.watch import (
     LIST_PAGE_SIZE,
     Gone,
+    ListPager,
     WatchHealth,
     WatchStalled,
     list_all,
@@ -242,8 +243,11 @@ class LiveSource:
 
     def _run_pods(self) -> None:
         def resync() -> str:
-            items, version = list_all(self.core.list_pod_for_all_namespaces, timeouts=self.timeouts)
-            self.state.replace_pods(items)  # a pod that cannot be applied is reported and skipped there
+            # applied a page at a time as it is read (state.replace_pod_pages: the whole list at once is hundreds of
+            # MiB at 40,000 pods); a pod that cannot be applied is reported and skipped there
+            pager = ListPager(self.core.list_pod_for_all_namespaces, timeouts=self.timeouts)
+            self.state.replace_pod_pages(pager)
+            version = pager.resource_version
             self._pods_synced.set()
             self._mark_synced()
             return version

@@ -39,31 +39,48 @@ class WatchStalled(Exception):
     """The watch delivered nothing (no event, no bookmark, no end) for its progress timeout."""
 
 
+class ListPager:
+    """The pages of a list call, each a list of objects read under its own deadline, one at a time as they are
+    iterated; `resource_version` is the list's (to watch from) once the last page was read."""
+
+    def __init__(self, list_call: ListCall, *, timeouts: ApiTimeouts = DEFAULT_TIMEOUTS) -> None:
+        self.list_call = list_call
+        self.timeouts = timeouts
+        self.resource_version = ""
+
+    def __iter__(self) -> Iterator[list[dict[str, Any]]]:
+        token = None
+        while True:
+            deadline = time.monotonic() + self.timeouts.list_page_s
+            kwargs: dict[str, Any] = {
+                "limit": LIST_PAGE_SIZE,
+                "_preload_content": False,
+                "_request_timeout": self.timeouts.list_page_s,  # connect and headers; the body: read_body
+            }
+            if token:
+                kwargs["_continue"] = token
+            response = self.list_call(**kwargs)
+            doc = orjson.loads(read_body(response, deadline, "list"))
+            if not isinstance(doc, dict):
+                raise ValueError("the API server answered a list with something other than a JSON object")
+            metadata = doc.get("metadata") or {}
+            token = metadata.get("continue")
+            page = [item for item in doc.get("items") or [] if isinstance(item, dict)]
+            del doc
+            yield page
+            if not token:
+                self.resource_version = str(metadata.get("resourceVersion") or "")
+                return
+
+
 def list_all(
     list_call: ListCall, *, timeouts: ApiTimeouts = DEFAULT_TIMEOUTS
 ) -> tuple[list[dict[str, Any]], str]:
     """Every object of a list call, page by page (each page under its own deadline), and the list's
     resourceVersion to watch from."""
-    items: list[dict[str, Any]] = []
-    token = None
-    while True:
-        deadline = time.monotonic() + timeouts.list_page_s
-        kwargs: dict[str, Any] = {
-            "limit": LIST_PAGE_SIZE,
-            "_preload_content": False,
-            "_request_timeout": timeouts.list_page_s,  # connect and headers; the body: read_body
-        }
-        if token:
-            kwargs["_continue"] = token
-        response = list_call(**kwargs)
-        doc = orjson.loads(read_body(response, deadline, "list"))
-        if not isinstance(doc, dict):
-            raise ValueError("the API server answered a list with something other than a JSON object")
-        items.extend(item for item in doc.get("items") or [] if isinstance(item, dict))
-        metadata = doc.get("metadata") or {}
-        token = metadata.get("continue")
-        if not token:
-            return items, str(metadata.get("resourceVersion") or "")
+    pager = ListPager(list_call, timeouts=timeouts)
+    items = [item for page in pager for item in page]
+    return items, pager.resource_version
 
 
 def watch_events(

@@ -51,6 +51,10 @@ class Policy:
     uses_pod_kinds: ClassVar[bool] = False
     #: True when, as GPU policy, it takes only GPUs no vGPU holds (HAMi's mutex): fit offers it only those
     only_idle_gpus: ClassVar[bool] = False
+    #: True when score/choice read nothing of a node but what the extender's node-equivalence key holds (its GPUs'
+    #: hardware and usage, link layout, host CPU and memory, pod kinds; not its name, labels or GPU UUIDs): nodes in
+    #: the same state then share one placement per request shape (scheduler.equivalence_key)
+    node_equivalence: ClassVar[bool] = True
 
     def epoch(self) -> int:
         """Changes whenever the policy's learned model changes (cached results keyed by it)."""

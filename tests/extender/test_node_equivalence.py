@@ -1,0 +1,207 @@
+"""Sharing work between nodes (issue 19, live cost) changes no decision: a scheduler that places each request shape
+once per node-equivalence class and answers from each shape's kept answer gives exactly the filter outcome and the
+scores of one that judges every node on its own, on randomized clusters where many nodes share a state, through
+binds, pod deletions, heartbeats (fresh and expired) and the learned model's refreshes (bfgd's epochs)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kube_vgpu import protocol
+from kube_vgpu.dev.fixtures import gpu_node, gpu_pod_object
+from kube_vgpu.extender.engine.fit import place
+from kube_vgpu.extender.engine.model import NodeState, Placement, PlacementRequest, assignment_from_placement
+from kube_vgpu.extender.engine.policies import make_policy
+from kube_vgpu.extender.scheduler import Scheduler, equivalence_key
+from kube_vgpu.extender.sources.snapshot import SnapshotCluster
+from kube_vgpu.extender.state import ClusterState
+from tests.helpers import pod
+
+START_S = 1_800_000_000.0
+TTL_S = 120.0
+#: (GPU count, topology, allocatable milli-CPU): few hardware kinds, so nodes repeat
+HARDWARE = [(2, "pcie", 32000), (4, "nvswitch", 64000), (4, "nvswitch", 32000), (8, "nvlink-pairs", 64000)]
+#: (GPUs, memory MiB, cores) of the pods already running and of the pods scheduled
+RUNNING = [(1, 8192, 20), (1, 40960, 50), (2, 10240, 30), (1, 81920, 100)]
+ASKS = [(1, 8192, 20), (1, 20480, 25), (2, 6144, 15), (4, 10240, 10), (1, 81920, 100), (3, 2048, 5), (1, 1024, 1)]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = START_S
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def heartbeat_at(seconds: float) -> dt.datetime:
+    return dt.datetime.fromtimestamp(seconds, dt.UTC)
+
+
+def node_items(name: str, hardware: int, running: list[int], heartbeat_s: float) -> list[dict[str, Any]]:
+    gpus, topology, cpu_milli = HARDWARE[hardware]
+    node = gpu_node(name, gpus=gpus, topology=topology, cpu_milli=cpu_milli, heartbeat=heartbeat_at(heartbeat_s))
+    inventory = protocol.decode_inventory(node["metadata"]["annotations"][protocol.NODE_INVENTORY_ANNOTATION])
+    state = NodeState(name, inventory)
+    policy = make_policy("binpack")
+    items = [node]
+    for number, shape in enumerate(running):
+        count, memory, cores = RUNNING[shape]
+        if count > gpus:
+            continue
+        running_pod = gpu_pod_object(f"{name}-r{number}", gpus=count, memory_mib=memory, cores=cores)
+        placement = place(state, PlacementRequest(protocol.parse_pod_gpu_request(running_pod)), policy, policy)
+        if not isinstance(placement, Placement):
+            continue
+        state.apply_usage(placement.usage)
+        items.append(gpu_pod_object(f"{name}-r{number}", gpus=count, memory_mib=memory, cores=cores, node_name=name,
+                                    assignment=assignment_from_placement(state, placement)))
+    return items
+
+
+nodes_strategy = st.lists(
+    st.tuples(st.integers(0, len(HARDWARE) - 1), st.lists(st.integers(0, len(RUNNING) - 1), max_size=3)),
+    min_size=1, max_size=12,
+)
+operations_strategy = st.lists(
+    st.one_of(
+        st.tuples(st.just("pod"), st.integers(0, len(ASKS) - 1), st.sampled_from(["", "2", "8", "30"])),
+        st.tuples(st.just("heartbeat"), st.integers(0, 11), st.sampled_from([0.0, 100.0])),
+        st.tuples(st.just("time"), st.sampled_from([30.0, 130.0])),
+        st.tuples(st.just("delete"), st.integers(0, 200), st.just("")),
+        st.tuples(st.just("cpu"), st.integers(0, 11), st.sampled_from(["1", "3", "20"])),
+    ),
+    min_size=1, max_size=40,
+)
+
+
+def cpu_only_pod(name: str, node_name: str, cpu: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default", "uid": f"uid-{name}", "annotations": {}},
+        "spec": {"nodeName": node_name, "containers": [{"name": "main", "resources": {"requests": {"cpu": cpu}}}]},
+        "status": {"phase": "Running"},
+    }
+
+
+class Twin:
+    """One extender: its state, snapshot and scheduler."""
+
+    def __init__(self, clock: Clock, items: list[dict[str, Any]], share_results: bool) -> None:
+        self.state = ClusterState(heartbeat_ttl_s=TTL_S, clock=clock)
+        self.cluster = SnapshotCluster(self.state, [dict(item) for item in items])
+        self.scheduler = Scheduler(self.state, self.cluster, share_results=share_results)
+
+    def schedule(self, pending: dict[str, Any], names: list[str]) -> tuple[Any, ...]:
+        outcome = self.scheduler.filter(pending, names)
+        scores = self.scheduler.prioritize(pending, outcome.passed)
+        nonzero = self.scheduler.nonzero_scores(pending, outcome.passed)
+        best = max(scores, key=lambda pair: pair[1])[0] if scores else None
+        if best is not None:
+            meta = pending["metadata"]
+            self.scheduler.bind(meta["namespace"], meta["name"], meta["uid"], best)
+        return outcome.passed, outcome.failed, outcome.unresolvable, outcome.error, scores, nonzero, best
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(nodes=nodes_strategy, operations=operations_strategy)
+def test_shared_results_decide_exactly_as_every_node_on_its_own(
+    nodes: list[tuple[int, list[int]]], operations: list[tuple[Any, ...]]
+) -> None:
+    clock = Clock()
+    names = [f"n{index}" for index in range(len(nodes))]
+    items: list[dict[str, Any]] = []
+    for name, (hardware, running) in zip(names, nodes, strict=True):
+        items.extend(node_items(name, hardware, running, START_S))
+    shared, alone = Twin(clock, items, True), Twin(clock, items, False)
+    bound: list[str] = []
+    for step, operation in enumerate(operations):
+        kind = operation[0]
+        if kind == "pod":
+            count, memory, cores = ASKS[operation[1]]
+            pending = pod(f"p{step}", gpus=count, memory_mib=memory, cores=cores)
+            if operation[2]:
+                pending["spec"]["containers"][0]["resources"]["requests"]["cpu"] = operation[2]
+            # kube-scheduler's list: every node, in an order of its own
+            asked = names[step % len(names):] + names[:step % len(names)]
+            decided = shared.schedule(pending, asked)
+            assert decided == alone.schedule(pending, asked), f"step {step}: {operation}"
+            if decided[-1] is not None:
+                bound.append(pending["metadata"]["uid"])
+        elif kind == "heartbeat" and operation[1] < len(names):
+            name = names[operation[1]]
+            hardware, _ = nodes[operation[1]]
+            gpus, topology, cpu_milli = HARDWARE[hardware]
+            fresh = gpu_node(name, gpus=gpus, topology=topology, cpu_milli=cpu_milli,
+                             heartbeat=heartbeat_at(clock.now - operation[2]))
+            for twin in (shared, alone):
+                twin.state.upsert_node(fresh)
+        elif kind == "time":
+            clock.now += operation[1]
+        elif kind == "cpu" and operation[1] < len(names):
+            # a pod without GPUs lands on the node: its GPUs stay as they were, its free CPU (which bfgd reads) drops
+            cpu_pod = cpu_only_pod(f"c{step}", names[operation[1]], operation[2])
+            for twin in (shared, alone):
+                twin.state.upsert_pod(cpu_pod)
+        elif kind == "delete" and bound:
+            uid = bound.pop(operation[1] % len(bound))
+            for twin in (shared, alone):
+                twin.state.delete_pod(uid)
+
+
+def test_equivalent_nodes_are_placed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new request shape costs one placement per distinct node state, and each node's result carries its own
+    name."""
+    from kube_vgpu.extender import scheduler as scheduler_module
+
+    names = [f"n{i}" for i in range(30)]
+    items: list[dict[str, Any]] = []
+    for index, name in enumerate(names):
+        items.extend(node_items(name, 1, [0] * (index % 3), START_S))  # three distinct states
+    clock = Clock()
+    twin = Twin(clock, items, True)
+    calls: list[str] = []
+    real_place = scheduler_module.place
+
+    def counting_place(node: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(node.name)
+        return real_place(node, *args, **kwargs)
+
+    monkeypatch.setattr(scheduler_module, "place", counting_place)
+    pending = pod(gpus=1, memory_mib=4096, cores=10)
+    assert twin.scheduler.filter(pending, names).passed == names
+    assert len(calls) == 3
+    assert len({equivalence_key(twin.state.nodes[name]) for name in names}) == 3
+    for name in names:
+        cached = twin.state.nodes[name].fit_cache
+        assert all(result.node_name == name for result in cached.values())
+    # a UUID selector names one node's GPUs: no sharing then
+    calls.clear()
+    gpu_uuid = twin.state.nodes["n0"].gpus[0].uuid
+    selective = pod(gpus=1, memory_mib=4096, cores=10, annotations={protocol.ANNOTATION_USE_GPU_UUID: gpu_uuid})
+    assert twin.scheduler.filter(selective, names).passed == ["n0"]
+    assert len(calls) == len(names)
+
+
+def test_nodes_whose_gpus_match_but_whose_free_cpu_differs_are_not_equivalent() -> None:
+    """bfgd reads a node's free CPU: the same GPU state with less CPU free is another class (and decides so)."""
+    clock = Clock()
+    items = node_items("n0", 1, [0], START_S) + node_items("n1", 1, [0], START_S)
+    shared, alone = Twin(clock, items, True), Twin(clock, items, False)
+    names = ["n0", "n1"]
+    warm = pod("warm", gpus=1, memory_mib=8192, cores=20)
+    assert shared.scheduler.filter(warm, names).passed == names  # bfgd in use: CPU changes now touch nodes
+    alone.scheduler.filter(warm, names)
+    assert equivalence_key(shared.state.nodes["n0"]) == equivalence_key(shared.state.nodes["n1"])
+    for twin in (shared, alone):
+        twin.state.upsert_pod(cpu_only_pod("busy", "n1", "60"))
+    assert equivalence_key(shared.state.nodes["n0"]) != equivalence_key(shared.state.nodes["n1"])
+    for step in range(3):
+        pending = pod(f"p{step}", gpus=1, memory_mib=8192, cores=20)
+        pending["spec"]["containers"][0]["resources"]["requests"]["cpu"] = "2"
+        assert shared.schedule(pending, names) == alone.schedule(pending, names)
