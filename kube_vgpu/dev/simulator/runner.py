@@ -28,7 +28,7 @@ from kube_vgpu.dev.simulator.trace import (
     trace_name,
 )
 from kube_vgpu.extender.engine.fragmentation import WeightedShapes, typical_shapes
-from kube_vgpu.extender.engine.policies import DEFAULT_NODE_POLICY, Policy, make_policy
+from kube_vgpu.extender.engine.policies import DEFAULT_NODE_POLICY, Policy, make_policy, policy_names
 
 DEFAULT_SEEDS = tuple(range(42, 52))
 
@@ -183,9 +183,21 @@ def bound_summary(
     )
 
 
+#: simulator names for a policy with options: name -> (registered policy, constructor options)
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    # bfgd breaking ties as the FGD reference (lowest-index GPU, no fill term): the first published table's bfgd
+    "bfgd-ref": ("bfgd", {"reference_ties": True}),
+}
+
+
 def resolve_policy_name(name: str) -> str:
     """`default` is whatever the extender uses by default."""
     return DEFAULT_NODE_POLICY if name == "default" else name
+
+
+def known_policy_names() -> list[str]:
+    """What the simulator accepts: the registered policies and their VARIANTS."""
+    return sorted({*policy_names(), *VARIANTS})
 
 
 @lru_cache(maxsize=8)
@@ -197,9 +209,10 @@ def _load(node_csv: str, pod_csv: str) -> tuple[list[NodeSpec], list[Task], Weig
 def build_policy(name: str, trace_shapes: WeightedShapes) -> Policy:
     """A fresh policy. Policies that take a target workload (`shapes`) get the whole trace's typical shapes,
     as the FGD paper gives its policy; policies that learn it online ignore them."""
-    probe = make_policy(name)
+    name, options = VARIANTS.get(name, (name, {}))
+    probe = make_policy(name, **options)
     if "shapes" in inspect.signature(type(probe).__init__).parameters:
-        return make_policy(name, shapes=trace_shapes)
+        return make_policy(name, shapes=trace_shapes, **options)
     return probe
 
 
