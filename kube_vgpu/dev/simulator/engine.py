@@ -375,12 +375,20 @@ class Cluster:
             rank = self.rank
             heap = board.heap
             memo = self.memo
+            cannot_fit = self._cannot_fit
+            audit = self.audit
             for sid in touched:
                 group = members.get(sid)
                 if group is None:
                     scores.pop(sid, None)
                     continue
-                result = memo[sid].get(shape_id) or evaluate(sid, shape_id, request)
+                results = memo[sid]
+                result = results.get(shape_id)
+                if result is None:
+                    if not audit and cannot_fit(sid, shape_id):
+                        results[shape_id] = _PREFILTERED
+                        continue
+                    result = evaluate(sid, shape_id, request)
                 if type(result) is Placement:
                     score = scores[sid] = result.score
                     heapq.heappush(heap, (-score, rank[group[0]], sid))
@@ -388,10 +396,21 @@ class Cluster:
                 board.heap = [(-score, rank[members[sid][0]], sid) for sid, score in scores.items()]
                 heapq.heapify(board.heap)
             return
-        # random ties: keep each bucket in members' order (states by creation)
+        self._update_random(board, touched, shape_id, request)
+
+    def _update_random(
+        self, board: _Board, touched: Iterable[int], shape_id: int, request: PlacementRequest
+    ) -> None:
+        """`_update` for random ties: keep each bucket in members' order (states by creation)."""
+        members = self.members
+        evaluate = self._evaluate
+        scores = board.scores
         created = self.created
         buckets = board.buckets
         seqs = board.seqs
+        memo = self.memo
+        cannot_fit = self._cannot_fit
+        audit = self.audit
         for sid in sorted(touched, key=created.__getitem__):
             group = members.get(sid)
             old = scores.get(sid)
@@ -406,7 +425,13 @@ class Cluster:
                     del buckets[old]
             if group is None:
                 continue
-            result = evaluate(sid, shape_id, request)
+            results = memo[sid]
+            result = results.get(shape_id)
+            if result is None:
+                if not audit and cannot_fit(sid, shape_id):
+                    results[shape_id] = _PREFILTERED
+                    continue
+                result = evaluate(sid, shape_id, request)
             if type(result) is Placement:
                 score = scores[sid] = result.score
                 seqs[sid] = created[sid]
