@@ -14,7 +14,12 @@ from kube_vgpu.dev.simulator.runner import build_policy, known_policy_names
 from kube_vgpu.dev.simulator.trace import NodeSpec, Task
 from kube_vgpu.extender.engine.fragmentation import typical_shapes
 
-HARDWARE = [(32000, 131072, 4, "T4"), (96000, 393216, 8, "V100M32"), (16000, 65536, 2, "P100"), (64000, 262144, 1, "A10")]
+HARDWARE = [
+    (32000, 131072, 4, "T4"),
+    (96000, 393216, 8, "V100M32"),
+    (16000, 65536, 2, "P100"),
+    (64000, 262144, 1, "A10"),
+]
 
 
 def _cluster_and_tasks(seed: int) -> tuple[list[NodeSpec], list[Task]]:

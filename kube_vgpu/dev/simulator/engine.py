@@ -209,8 +209,7 @@ class Cluster:
         if group is None:
             self.members[sid] = [index]
             self.created[sid] = len(self.log)
-            if sid not in self.memo:
-                self.memo[sid] = {}
+            self.memo[sid] = {}
             if sid not in self.views:
                 node = self.nodes[index]
                 gpus = node.gpus
@@ -235,8 +234,7 @@ class Cluster:
         group.remove(index)
         if not group:
             del self.members[sid]
-            if self.scan:
-                del self.memo[sid]
+            del self.memo[sid]
         self.log.append(sid)
 
     def request_of(self, task: Task) -> tuple[int, PlacementRequest]:

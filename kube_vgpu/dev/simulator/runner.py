@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 import multiprocessing
 import os
 import sys
@@ -11,6 +12,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from kube_vgpu.dev.simulator.bound import offline_packing, prefix_through, upper_bound
@@ -53,6 +55,36 @@ class ExperimentResult:
     placed: int
     failed: int
     engine_calls: int
+
+    def to_json(self) -> dict[str, Any]:
+        """What `bench/results` stores of one experiment: everything but the wall time, numbers as computed
+        (a re-run on the same code gives the same object exactly)."""
+        return {
+            "trace": trace_name(self.job.pod_csv),
+            "policy": self.job.policy,
+            "seed": self.job.seed,
+            "inflate": self.job.inflate,
+            "tie_break": self.job.tie_break,
+            "tasks": self.tasks,
+            "placed": self.placed,
+            "failed": self.failed,
+            "alloc_at_100": self.curve.get(100),
+            "alloc_at_130": self.curve.get(130),
+            "frag_at_100": self.frag_at_100,
+            "curve": [[arrived, alloc] for arrived, alloc in sorted(self.curve.items())],
+        }
+
+
+def stored_path(root: Path, job: Job) -> Path:
+    """Where `bench/results/openb` keeps one experiment: <root>/<trace>/<policy>/<seed>.json."""
+    return root / trace_name(job.pod_csv) / job.policy / f"{job.seed}.json"
+
+
+def store(root: Path, result: ExperimentResult) -> Path:
+    path = stored_path(root, result.job)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result.to_json(), separators=(",", ":")) + "\n")
+    return path
 
 
 @dataclass
