@@ -28,6 +28,7 @@ from kube_vgpu.dev.simulator.runner import (
     Job,
     PolicySummary,
     bound_summary,
+    load_stored,
     run_churn_jobs,
     run_jobs,
     store,
@@ -94,6 +95,11 @@ def main() -> int:
         help="seeds on which an offline packing (largest first, bfgd) brackets the offline optimum from below",
     )
     parser.add_argument(
+        "--from-results",
+        action="store_true",
+        help="run nothing: build the table (and plot) from the experiments stored under --results",
+    )
+    parser.add_argument(
         "--churn",
         default="",
         help="instead of the arrivals table: the churn protocol at these capacities (fractions of peak demand, "
@@ -121,7 +127,12 @@ def main() -> int:
         if args.results is not None:
             store(args.results, result)
 
-    results = run_jobs(jobs, args.jobs, on_result=save)
+    if args.from_results:
+        if args.results is None:
+            parser.error("--from-results needs --results")
+        results = [load_stored(args.results, job) for job in jobs]
+    else:
+        results = run_jobs(jobs, args.jobs, on_result=save)
     summaries = summarise(results)
     for summary in summaries:
         (args.out / f"{summary.trace}-{summary.policy}.json").write_text(json.dumps(summary.to_json(), indent=1) + "\n")
@@ -142,8 +153,9 @@ def main() -> int:
     default = [s for s in summaries if s.trace == "default"]
     if default and args.plot:
         plot_curves(default, args.plot, "openb default trace: allocated vs arrived GPU (mean over seeds)")
-    print(f"{len(jobs)} runs in {time.time() - started:.0f} s wall; "
-          f"mean {sum(r.seconds for r in results) / max(1, len(results)):.1f} s per run")
+    if not args.from_results:
+        print(f"{len(jobs)} runs in {time.time() - started:.0f} s wall; "
+              f"mean {sum(r.seconds for r in results) / max(1, len(results)):.1f} s per run")
     return 0
 
 

@@ -80,6 +80,21 @@ def stored_path(root: Path, job: Job) -> Path:
     return root / trace_name(job.pod_csv) / job.policy / f"{job.seed}.json"
 
 
+def load_stored(root: Path, job: Job) -> ExperimentResult:
+    """A stored experiment (`store`) as a result again (no wall time or engine calls)."""
+    data = json.loads(stored_path(root, job).read_text())
+    return ExperimentResult(
+        job=job,
+        curve={int(arrived): alloc for arrived, alloc in data["curve"]},
+        frag_at_100=data["frag_at_100"],
+        seconds=0.0,
+        tasks=data["tasks"],
+        placed=data["placed"],
+        failed=data["failed"],
+        engine_calls=0,
+    )
+
+
 def store(root: Path, result: ExperimentResult) -> Path:
     path = stored_path(root, result.job)
     path.parent.mkdir(parents=True, exist_ok=True)
