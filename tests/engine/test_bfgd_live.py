@@ -1,5 +1,5 @@
 """bfgd as the extender's default: real nodes (links, GPUs in percent), unknown host CPU, the node score's
-topology and fill terms; the openb view stays the reference's (tests/engine/test_reference_policies.py)."""
+topology and fill terms (openb-style nodes and the reference_ties option: tests/engine/test_reference_policies.py)."""
 
 from __future__ import annotations
 

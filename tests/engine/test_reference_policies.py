@@ -126,3 +126,41 @@ def test_bfgd_keeps_cpu_for_idle_gpus():
     assert node_score(bfgd, full) > node_score(bfgd, idle)
     fgd = make_policy("fgd", shapes=((TaskShape(2000, 1000, 1), 1.0),))
     assert node_score(fgd, full) == node_score(fgd, idle)
+
+
+
+def test_bfgd_knows_no_simulator_only_its_reference_ties_option():
+    """bfgd on an openb-style node (no links) uses its live tie-breaks: among equally good GPUs one already split,
+    and a fill term under one point; reference_ties=True the FGD reference's: lowest index, no extra term."""
+    from kube_vgpu.extender.engine.policies.base import Scratch, node_fill_after
+    from kube_vgpu.extender.engine.policies.bfgd import FILL_TIE_BREAK, BalancedFGD
+
+    state = build_node(NodeSpec("a", 32000, 262144, 2, "T4"))
+    bestfit = make_policy("bestfit")
+    whole = place(state, build_request(WHOLE), bestfit, bestfit, check_host=True)
+    assert isinstance(whole, Placement)
+    state.apply_usage(whole.usage)  # GPU 0
+    share = place(state, build_request(SHARE), bestfit, bestfit, check_host=True)
+    assert isinstance(share, Placement)
+    state.apply_usage(share.usage)  # GPU 1
+    state.apply_usage(whole.usage, sign=-1)  # GPU 0 idle again, GPU 1 split
+    assert not state.has_links
+    live, reference = BalancedFGD(), BalancedFGD(reference_ties=True)
+    tied = list(state.gpus)
+    assert live.break_tie(state, tied, Scratch(2)).index == 1
+    assert reference.break_tie(state, tied, Scratch(2)).index == 0
+    for pol in (live, reference):
+        for _ in range(4):
+            pol.observe(build_request(SHARE))
+            pol.observe(build_request(WHOLE))
+    cpu_only = place(state, build_request(CPU), live, live, check_host=True)
+    assert isinstance(cpu_only, Placement)
+    fill = node_fill_after(state, cpu_only)
+    assert fill > 0
+    assert score_with(live, state, CPU) - score_with(reference, state, CPU) == pytest.approx(FILL_TIE_BREAK * fill)
+
+
+def score_with(pol, state: NodeState, task: Task) -> float:
+    result = place(state, build_request(task), pol, pol, check_host=True)
+    assert isinstance(result, Placement), result
+    return result.score

@@ -22,9 +22,11 @@ whose loss least breaks up well-connected idle GPUs, a sharing pod's ties go to 
 least damaging idle one), and the node score adds up to TOPOLOGY_WEIGHT for how well a multi-GPU placement is
 connected plus under one point (FILL_TIE_BREAK) for how full the node gets, so equal fragmentation scores go to
 the fuller node instead of a random one (kube-scheduler's tie-break; FGD depends on ties, docs/simulator.md).
-The openb simulator's nodes (GPUs modelled with 1000 cores, no links: `reference_node`) keep the reference's
-choices, so the published comparison stands: sharing pods take the best-scoring GPU, lowest index on ties; whole
-GPUs the lowest-index idle ones; no extra score terms.
+A node without links (`NodeState.has_links` false, e.g. the openb simulator's) has nothing for the topology
+terms to say: whole GPUs are the lowest-index idle ones and the connectivity term is 0; the tie-breaks above
+(split GPU first, fill term) apply on every node. `reference_ties=True` ("bfgd-ref" in the simulator) breaks
+ties as the FGD reference does instead (lowest-index GPU, no fill term), the variant the first published
+simulator table measured.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from kube_vgpu.extender.engine.fragmentation import task_shape
 from kube_vgpu.extender.engine.policies.base import Scratch, node_fill_after
 from kube_vgpu.extender.engine.policies.fgd import FragPolicyBase
 from kube_vgpu.extender.engine.policies.topology import best_connected_gpus, connectivity, least_damaging_gpu
-from kube_vgpu.extender.engine.shares import MILLI_PER_GPU, ask_share_milli
+from kube_vgpu.extender.engine.shares import ask_share_milli
 
 if TYPE_CHECKING:
     from kube_vgpu.extender.engine.model import GpuState, NodeState, Placement, PlacementRequest
@@ -54,19 +56,16 @@ FILL_TIE_BREAK = 0.5
 _Ask = tuple[int, int, int, int]
 
 
-def reference_node(node: NodeState) -> bool:
-    """GPUs modelled in milli-GPU (cores = 1000), the openb simulator's convention; real inventories count cores
-    in percent (protocol.CORES_PER_GPU). Such nodes get exactly the choices the simulated numbers were measured
-    with (lowest-index ties, no topology or fill terms)."""
-    return bool(node.gpus) and node.gpus[0].cores == MILLI_PER_GPU
-
-
 class BalancedFGD(FragPolicyBase):
     name = "bfgd"
 
-    def __init__(self, balance_weight: float = DEFAULT_BALANCE_WEIGHT, coverage: float = 0.95) -> None:
+    def __init__(
+        self, balance_weight: float = DEFAULT_BALANCE_WEIGHT, coverage: float = 0.95, reference_ties: bool = False
+    ) -> None:
         super().__init__(None, coverage)  # no given workload: a live scheduler only knows the pods it has seen
         self.balance_weight = balance_weight
+        #: break ties as the FGD reference: equally good GPUs by lowest index, no fill term between nodes
+        self.reference_ties = reference_ties
         self._asks: dict[_Ask, list[int]] = {}  # GPU pods seen: ask -> [pods, milli-CPU summed]
         self._asks_at_refresh: tuple[tuple[_Ask, int, int], ...] = ()
         #: milli-CPU per milli-GPU of GPU pods, by GPU memory size, as of the last refresh (filled lazily)
@@ -131,14 +130,14 @@ class BalancedFGD(FragPolicyBase):
     def choose_whole(
         self, node: NodeState, container: ContainerGpuRequest, candidates: Sequence[GpuState], scratch: Scratch
     ) -> Sequence[GpuState]:
-        if not node.has_links or reference_node(node):
+        if not node.has_links:
             return list(candidates[: container.count])
         if container.count == 1:
             return [least_damaging_gpu(node, candidates, scratch)]
         return best_connected_gpus(node, candidates, container.count)
 
     def break_tie(self, node: NodeState, tied: list[GpuState], scratch: Scratch) -> GpuState:
-        if reference_node(node):
+        if self.reference_ties:
             return tied[0]  # the reference: lowest index
         # as policies.topology: a GPU already split first (fullest memory), else the least damaging idle one
         shared = [gpu for gpu in tied if gpu.used_vgpus + scratch.vgpus[gpu.position] > 0]
@@ -148,10 +147,10 @@ class BalancedFGD(FragPolicyBase):
 
     def score(self, node: NodeState, request: PlacementRequest, placement: Placement) -> float:
         score = super().score(node, request, placement)
-        if not reference_node(node):
-            quality = connectivity(node, placement)
-            if quality is not None:
-                score += TOPOLOGY_WEIGHT * quality
+        quality = connectivity(node, placement) if node.has_links else None  # no links: nothing to add
+        if quality is not None:
+            score += TOPOLOGY_WEIGHT * quality
+        if not self.reference_ties:
             # ties of the integer score go to the fuller node (kube-scheduler would pick one at random)
             score += FILL_TIE_BREAK * node_fill_after(node, placement)
         return score

@@ -17,6 +17,7 @@ from kube_vgpu.dev.simulator.runner import (
     PolicySummary,
     bound_summary,
     default_workers,
+    known_policy_names,
     resolve_policy_name,
     run_churn_jobs,
     run_jobs,
@@ -24,7 +25,6 @@ from kube_vgpu.dev.simulator.runner import (
     summarise_churn,
 )
 from kube_vgpu.dev.simulator.trace import TraceError, trace_name
-from kube_vgpu.extender.engine.policies import policy_names
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--policy",
         default="default",
         help="placement policy, or several separated by commas; 'default' = the extender's default "
-        "(known: {known})".format(known=", ".join(["default", *policy_names()])),
+        "(known: {known})".format(known=", ".join(["default", *known_policy_names()])),
     )
     parser.add_argument(
         "--seed", type=int, nargs="+", default=list(DEFAULT_SEEDS), help="arrival seeds (default: 42..51)"
@@ -147,7 +147,7 @@ def write_curve_csv(summaries: list[PolicySummary], path: Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     policies = [name.strip() for name in args.policy.split(",") if name.strip()]
-    known = set(policy_names())
+    known = set(known_policy_names())
     unknown = [name for name in policies if resolve_policy_name(name) not in known]
     if unknown or not policies:
         names = ", ".join(unknown) or "(none)"

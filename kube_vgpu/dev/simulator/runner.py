@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 import multiprocessing
 import os
 import sys
@@ -11,6 +12,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from kube_vgpu.dev.simulator.bound import offline_packing, prefix_through, upper_bound
@@ -28,7 +30,7 @@ from kube_vgpu.dev.simulator.trace import (
     trace_name,
 )
 from kube_vgpu.extender.engine.fragmentation import WeightedShapes, typical_shapes
-from kube_vgpu.extender.engine.policies import DEFAULT_NODE_POLICY, Policy, make_policy
+from kube_vgpu.extender.engine.policies import DEFAULT_NODE_POLICY, Policy, make_policy, policy_names
 
 DEFAULT_SEEDS = tuple(range(42, 52))
 
@@ -53,6 +55,51 @@ class ExperimentResult:
     placed: int
     failed: int
     engine_calls: int
+
+    def to_json(self) -> dict[str, Any]:
+        """What `bench/results` stores of one experiment: everything but the wall time, numbers as computed
+        (a re-run on the same code gives the same object exactly)."""
+        return {
+            "trace": trace_name(self.job.pod_csv),
+            "policy": self.job.policy,
+            "seed": self.job.seed,
+            "inflate": self.job.inflate,
+            "tie_break": self.job.tie_break,
+            "tasks": self.tasks,
+            "placed": self.placed,
+            "failed": self.failed,
+            "alloc_at_100": self.curve.get(100),
+            "alloc_at_130": self.curve.get(130),
+            "frag_at_100": self.frag_at_100,
+            "curve": [[arrived, alloc] for arrived, alloc in sorted(self.curve.items())],
+        }
+
+
+def stored_path(root: Path, job: Job) -> Path:
+    """Where `bench/results/openb` keeps one experiment: <root>/<trace>/<policy>/<seed>.json."""
+    return root / trace_name(job.pod_csv) / job.policy / f"{job.seed}.json"
+
+
+def load_stored(root: Path, job: Job) -> ExperimentResult:
+    """A stored experiment (`store`) as a result again (no wall time or engine calls)."""
+    data = json.loads(stored_path(root, job).read_text())
+    return ExperimentResult(
+        job=job,
+        curve={int(arrived): alloc for arrived, alloc in data["curve"]},
+        frag_at_100=data["frag_at_100"],
+        seconds=0.0,
+        tasks=data["tasks"],
+        placed=data["placed"],
+        failed=data["failed"],
+        engine_calls=0,
+    )
+
+
+def store(root: Path, result: ExperimentResult) -> Path:
+    path = stored_path(root, result.job)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result.to_json(), separators=(",", ":")) + "\n")
+    return path
 
 
 @dataclass
@@ -183,9 +230,21 @@ def bound_summary(
     )
 
 
+#: simulator names for a policy with options: name -> (registered policy, constructor options)
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    # bfgd breaking ties as the FGD reference (lowest-index GPU, no fill term): the first published table's bfgd
+    "bfgd-ref": ("bfgd", {"reference_ties": True}),
+}
+
+
 def resolve_policy_name(name: str) -> str:
     """`default` is whatever the extender uses by default."""
     return DEFAULT_NODE_POLICY if name == "default" else name
+
+
+def known_policy_names() -> list[str]:
+    """What the simulator accepts: the registered policies and their VARIANTS."""
+    return sorted({*policy_names(), *VARIANTS})
 
 
 @lru_cache(maxsize=8)
@@ -197,9 +256,10 @@ def _load(node_csv: str, pod_csv: str) -> tuple[list[NodeSpec], list[Task], Weig
 def build_policy(name: str, trace_shapes: WeightedShapes) -> Policy:
     """A fresh policy. Policies that take a target workload (`shapes`) get the whole trace's typical shapes,
     as the FGD paper gives its policy; policies that learn it online ignore them."""
-    probe = make_policy(name)
+    name, options = VARIANTS.get(name, (name, {}))
+    probe = make_policy(name, **options)
     if "shapes" in inspect.signature(type(probe).__init__).parameters:
-        return make_policy(name, shapes=trace_shapes)
+        return make_policy(name, shapes=trace_shapes, **options)
     return probe
 
 
