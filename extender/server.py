@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
+from kube_vgpu.extender.engine.model import NodeState
 from kube_vgpu.extender.exposition import (
     ROWS_PER_CHUNK,
     Body,
@@ -33,10 +34,14 @@ from kube_vgpu.extender.exposition import (
     FamilyGroup,
     GroupedCollector,
     Pause,
+    RenderedGroup,
     SharedRender,
     VerbActivity,
+    label_text,
     no_pause,
     render_registry,
+    rows_text,
+    sorted_labels,
 )
 from kube_vgpu.extender.gangs import gangs_view
 from kube_vgpu.extender.scheduler import BindError, Scheduler
@@ -76,8 +81,19 @@ def _json(data: Any, status_code: int = 200) -> Response:
     return Response(orjson.dumps(data), status_code=status_code, media_type="application/json")
 
 
+@dataclass(frozen=True, slots=True)
+class _NodeText:
+    """One node's per-GPU sample lines as of one version of it (NodeState.version: bumped by every change of its
+    GPUs or their usage); `node` tells a node deleted and added again (a new object, its version from 0) apart."""
+
+    node: NodeState
+    version: int
+    families: tuple[bytes, ...]  # its lines of each of GpuCollector.FAMILIES
+
+
 class GpuCollector(GroupedCollector):
-    """Per-GPU allocation gauges computed at scrape time from the state (no cost per bind)."""
+    """Per-GPU allocation gauges computed at scrape time from the state (no cost per bind). /metrics keeps each
+    node's lines between scrapes and renders again only the nodes whose version changed (a few per bind)."""
 
     FAMILIES = (
         Family("kube_vgpu_gpu_memory_mib", "gauge", "GPU memory (MiB)"),
@@ -87,12 +103,22 @@ class GpuCollector(GroupedCollector):
         Family("kube_vgpu_gpu_vgpus_allocated", "gauge", "vGPUs on the GPU"),
         Family("kube_vgpu_gpu_healthy", "gauge", "1 if the GPU is healthy"),
     )
+    LABELS = ("node", "gpu", "uuid", "model")
 
     def __init__(self, state: ClusterState) -> None:
         self.state = state
+        #: node name -> its lines as last rendered (only nodes present at the last scrape)
+        self._text: dict[str, _NodeText] = {}
+
+    @staticmethod
+    def _rows(node: NodeState) -> list[tuple[tuple[str, ...], tuple[float, ...]]]:
+        return [((node.name, str(gpu.index), gpu.uuid, gpu.model),
+                 (gpu.memory_mib, gpu.used_memory_mib, gpu.cores, gpu.used_cores, gpu.used_vgpus,
+                  1 if gpu.healthy else 0))
+                for gpu in node.gpus]
 
     def groups(self, pause: Pause) -> list[FamilyGroup]:
-        gpus = FamilyGroup(self.FAMILIES, ["node", "gpu", "uuid", "model"])
+        gpus = FamilyGroup(self.FAMILIES, self.LABELS)
         # only plain tuples are copied under the lock (filter waits for it), a chunk of nodes at a time with the
         # lock released and `pause` called between chunks; rendering the samples happens outside it
         state = self.state
@@ -102,17 +128,52 @@ class GpuCollector(GroupedCollector):
         for start in range(0, len(nodes), ROWS_PER_CHUNK // 8):  # ~8 GPUs a node
             pause()
             with state.lock:
-                gpus.rows.extend(((node.name, str(gpu.index), gpu.uuid, gpu.model),
-                                  (gpu.memory_mib, gpu.used_memory_mib, gpu.cores, gpu.used_cores, gpu.used_vgpus,
-                                   1 if gpu.healthy else 0))
-                                 for node in nodes[start:start + ROWS_PER_CHUNK // 8] for gpu in node.gpus)
+                for node in nodes[start:start + ROWS_PER_CHUNK // 8]:
+                    gpus.rows.extend(self._rows(node))
+        return [gpus, *self._counts(node_count, pod_count)]
+
+    @staticmethod
+    def _counts(node_count: int, pod_count: int) -> list[FamilyGroup]:
         return [
-            gpus,
             FamilyGroup([Family("kube_vgpu_nodes", "gauge", "GPU nodes known to the extender")], [],
                         [((), (node_count,))]),
             FamilyGroup([Family("kube_vgpu_assigned_pods", "gauge", "pods holding GPU assignments")], [],
                         [((), (pod_count,))]),
         ]
+
+    def render_groups(self, pause: Pause, numbers: dict[float, str]) -> list[FamilyGroup | RenderedGroup]:
+        """groups(), with each node's lines reused while its version is the one they were rendered at: a scrape
+        looks up 5000 nodes and renders the few that changed, instead of 40,000 GPUs' lines."""
+        state = self.state
+        with state.lock:
+            nodes = list(state.nodes.values())
+            node_count, pod_count = len(state.nodes), len(state.pods)
+        old, new = self._text, {}
+        texts: list[_NodeText] = []
+        order, names = sorted_labels(self.LABELS)
+        nodes_per_chunk = ROWS_PER_CHUNK * 5  # a look-up is ~0.2 us: ~20 us a chunk when nothing changed
+        for start in range(0, len(nodes), nodes_per_chunk):
+            pause()
+            changed: list[tuple[int, NodeState, int, list[tuple[tuple[str, ...], tuple[float, ...]]]]] = []
+            with state.lock:  # the version and the rows are read together, under the lock
+                for node in nodes[start:start + nodes_per_chunk]:
+                    text = old.get(node.name)
+                    if text is None or text.node is not node or text.version != node.version:
+                        changed.append((len(texts), node, node.version, self._rows(node)))
+                    texts.append(text)  # type: ignore[arg-type]  # replaced below when changed
+            for done, (slot, node, version, rows) in enumerate(changed):
+                if done % 4 == 3:
+                    pause()  # ~50 us a node
+                labels = [label_text(names, [values[i] for i in order]) for values, _ in rows]
+                texts[slot] = _NodeText(node, version, rows_text(self.FAMILIES, labels,
+                                                                 [amounts for _, amounts in rows], numbers))
+        parts: list[list[bytes]] = [[] for _ in self.FAMILIES]
+        for text in texts:
+            new[text.node.name] = text
+            for position, lines in enumerate(text.families):
+                parts[position].append(lines)
+        self._text = new  # nodes gone since the last scrape are dropped with the old dict
+        return [RenderedGroup(self.FAMILIES, parts), *self._counts(node_count, pod_count)]
 
 
 class BindTurnCollector(Collector):

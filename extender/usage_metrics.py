@@ -27,11 +27,26 @@ from typing import TYPE_CHECKING
 from kube_vgpu.extender.engine.policies._milli import frag_cpu_free_milli, free_milli_list
 from kube_vgpu.extender.engine.policies.fgd import FragPolicyBase
 from kube_vgpu.extender.engine.shares import MILLI_PER_GPU
-from kube_vgpu.extender.exposition import ROWS_PER_CHUNK, Family, FamilyGroup, GroupedCollector, Pause, no_pause
+from kube_vgpu.extender.exposition import (
+    ROWS_PER_CHUNK,
+    Family,
+    FamilyGroup,
+    GroupedCollector,
+    Pause,
+    RenderedGroup,
+    RowTextCache,
+    go_float,
+    label_text,
+    no_pause,
+    rows_text,
+    sorted_labels,
+)
 
 if TYPE_CHECKING:
+    from kube_vgpu.extender.engine.model import GpuState, GpuUsage, NodeState
     from kube_vgpu.extender.preemption.rules import QueueRules
     from kube_vgpu.extender.scheduler import Scheduler
+    from kube_vgpu.extender.state import PodRecord
 
 POD_GPU_LABELS = ["namespace", "pod", "pod_uid", "node", "gpu", "uuid", "cluster_queue"]
 POD_LABELS = ["namespace", "pod", "cluster_queue"]
@@ -62,13 +77,60 @@ class _NodeRow:
     fragmented_gpus: float | None  # None: the policy has no fragmentation measure
 
 
+@dataclass(frozen=True, slots=True)
+class _PodText:
+    """A pod's text as rendered for one scrape, valid while its record, usage, node inventory and queue are the
+    ones it was rendered from: the state replaces `record.usage` (a new tuple) whenever it counts the pod again,
+    and `node.gpus` (a new list) whenever the node's inventory changes; the queue is looked up every scrape."""
+
+    record: PodRecord
+    usage: tuple[GpuUsage, ...]
+    gpus: list[GpuState]
+    queue: str
+    gpu_lines: tuple[bytes, ...]  # its per-pod-and-GPU gauge lines, one piece per family (none when turned off)
+    labels: str  # the GPU-seconds counters' label set: their values change every scrape, so only this is kept
+    totals: tuple[int, int, int]  # MiB, cores, vGPUs over its GPUs
+
+
+_POD_GPU_FAMILIES = tuple(Family(f"kube_vgpu_pod_{suffix}", "gauge", f"{text}, per pod and GPU")
+                          for suffix, text in _ALLOCATED)
+_SECONDS_FAMILIES = (
+    Family("kube_vgpu_pod_vgpu_seconds", "counter", "vGPUs held times seconds since the pod was bound"),
+    Family("kube_vgpu_pod_gpu_memory_mib_seconds", "counter",
+           "GPU memory held (MiB) times seconds since the pod was bound"),
+    Family("kube_vgpu_pod_gpu_core_percent_seconds", "counter",
+           "GPU compute held (percent of a GPU) times seconds since the pod was bound"),
+)
+_FRAGMENTED = Family("kube_vgpu_node_fragmented_gpus", "gauge",
+                     "idle GPU capacity the placement policy counts as fragmented (GPUs; fgd and bfgd only: the FGD "
+                     "measure over the workload learned so far)")
+_IDLE = Family("kube_vgpu_node_idle_gpus", "gauge",
+               "idle GPU capacity (GPUs: each GPU's free share of memory, compute and vGPU slots)")
+
+
+def _scope_families(scope: str) -> list[Family]:
+    families = [Family(f"kube_vgpu_{scope}_{suffix}", "gauge", f"{text}, per {scope}") for suffix, text in _ALLOCATED]
+    if scope != "node":
+        families.append(Family(f"kube_vgpu_{scope}_gpu_pods", "gauge", f"pods holding GPUs, per {scope}"))
+    return families
+
+
 class UsageCollector(GroupedCollector):
     """`per_pod_gpu`: export the per-pod-and-GPU allocation gauges (a third of /metrics at 5000 nodes; the per-pod
-    counters and the per-node, namespace and ClusterQueue gauges are always exported)."""
+    counters and the per-node, namespace and ClusterQueue gauges are always exported).
+
+    /metrics (render_groups) keeps text between scrapes: each pod's gauge lines and counter labels (_PodText), and
+    the per-node lines by their values (RowTextCache); only the counters' values are formatted every scrape.
+    groups() (collect(), and the reference the tests compare it with) renders everything afresh."""
 
     def __init__(self, scheduler: Scheduler, *, per_pod_gpu: bool = True) -> None:
         self.scheduler = scheduler
         self.per_pod_gpu = per_pod_gpu
+        #: pod UID -> its text as last rendered (only pods counted at the last scrape)
+        self._pod_text: dict[str, _PodText] = {}
+        self._node_allocated = RowTextCache(_scope_families("node"), ["node"])
+        self._fragmented = RowTextCache([_FRAGMENTED], ["node", "policy"])
+        self._idle = RowTextCache([_IDLE], ["node"])
 
     def _queue_rules(self) -> QueueRules | None:
         for gate in self.scheduler.gates:
@@ -85,9 +147,7 @@ class UsageCollector(GroupedCollector):
         shows in the next scrape."""
         state = self.scheduler.state
         rules = self._queue_rules()
-        policy = self.scheduler.default_node_policy
         pods: list[_PodRow] = []
-        nodes: list[_NodeRow] = []
         with state.lock:
             now = state.clock()
             records = list(state.pods.values())
@@ -107,45 +167,21 @@ class UsageCollector(GroupedCollector):
                     held_s = (max(0.0, now - record.bound_at_s)
                               if record.confirmed and record.bound_at_s is not None else None)
                     pods.append(_PodRow(record.namespace, record.name, record.uid, node.name, queue, held_s, held))
-        nodes_per_chunk = ROWS_PER_CHUNK // 4  # free shares and the policy's measure: ~10 us a node
-        for start in range(0, len(node_states), nodes_per_chunk):
-            pause()
-            with state.lock:
-                for node in node_states[start:start + nodes_per_chunk]:
-                    if not node.gpus:
-                        continue
-                    free = free_milli_list(node)
-                    frag = None
-                    if isinstance(policy, FragPolicyBase):
-                        cpu_free, cpu_known = frag_cpu_free_milli(node)
-                        frag = policy.measure(node, cpu_free, cpu_known, free) / MILLI_PER_GPU
-                    nodes.append(_NodeRow(node.name, sum(free) / MILLI_PER_GPU, frag))
-        return pods, nodes
+        return pods, self._node_rows(node_states, pause)
 
     def groups(self, pause: Pause) -> list[FamilyGroup]:
         """The families as groups sharing label rows (kube_vgpu.extender.exposition renders them straight to text)."""
         pods, nodes = self.copy_out(pause)
         groups = self._pod_groups(pods, pause)
         policy = self.scheduler.default_node_policy.name
-        fragmented = FamilyGroup([Family("kube_vgpu_node_fragmented_gpus", "gauge",
-                                         "idle GPU capacity the placement policy counts as fragmented (GPUs; fgd and "
-                                         "bfgd only: the FGD measure over the workload learned so far)")],
-                                 ["node", "policy"], [((row.name, policy), (row.fragmented_gpus,)) for row in nodes])
-        idle_help = "idle GPU capacity (GPUs: each GPU's free share of memory, compute and vGPU slots)"
-        idle = FamilyGroup([Family("kube_vgpu_node_idle_gpus", "gauge", idle_help)],
-                           ["node"], [((row.name,), (row.idle_gpus,)) for row in nodes])
+        fragmented = FamilyGroup([_FRAGMENTED], ["node", "policy"],
+                                 [((row.name, policy), (row.fragmented_gpus,)) for row in nodes])
+        idle = FamilyGroup([_IDLE], ["node"], [((row.name,), (row.idle_gpus,)) for row in nodes])
         return [*groups, fragmented, idle]
 
     def _pod_groups(self, pods: list[_PodRow], pause: Pause) -> list[FamilyGroup]:
-        pod_gpu = FamilyGroup([Family(f"kube_vgpu_pod_{suffix}", "gauge", f"{text}, per pod and GPU")
-                               for suffix, text in _ALLOCATED], POD_GPU_LABELS)
-        seconds = FamilyGroup([
-            Family("kube_vgpu_pod_vgpu_seconds", "counter", "vGPUs held times seconds since the pod was bound"),
-            Family("kube_vgpu_pod_gpu_memory_mib_seconds", "counter",
-                   "GPU memory held (MiB) times seconds since the pod was bound"),
-            Family("kube_vgpu_pod_gpu_core_percent_seconds", "counter",
-                   "GPU compute held (percent of a GPU) times seconds since the pod was bound"),
-        ], POD_LABELS)
+        pod_gpu = FamilyGroup(_POD_GPU_FAMILIES, POD_GPU_LABELS)
+        seconds = FamilyGroup(_SECONDS_FAMILIES, POD_LABELS)
         #: scope -> key -> [MiB, cores, vGPUs, pods]
         totals: dict[str, dict[str, list[int]]] = {"node": {}, "namespace": {}, "cluster_queue": {}}
         for number, row in enumerate(pods):
@@ -166,11 +202,125 @@ class UsageCollector(GroupedCollector):
                                      (vgpus * row.held_s, memory * row.held_s, cores * row.held_s)))
         groups = [pod_gpu]
         for scope, by_key in totals.items():
-            families = [Family(f"kube_vgpu_{scope}_{suffix}", "gauge", f"{text}, per {scope}")
-                        for suffix, text in _ALLOCATED]
-            if scope != "node":
-                families.append(Family(f"kube_vgpu_{scope}_gpu_pods", "gauge", f"pods holding GPUs, per {scope}"))
+            families = _scope_families(scope)
             groups.append(FamilyGroup(families, [scope], [((key,), sums[:len(families)])
                                                           for key, sums in sorted(by_key.items())]))
         groups.append(seconds)
         return groups
+
+    def _node_rows(self, node_states: list[NodeState], pause: Pause) -> list[_NodeRow]:
+        """Each node's idle and fragmented GPUs, a few nodes at a time under the state lock."""
+        state = self.scheduler.state
+        policy = self.scheduler.default_node_policy
+        nodes: list[_NodeRow] = []
+        nodes_per_chunk = ROWS_PER_CHUNK // 4  # free shares and the policy's measure: ~10 us a node
+        for start in range(0, len(node_states), nodes_per_chunk):
+            pause()
+            with state.lock:
+                for node in node_states[start:start + nodes_per_chunk]:
+                    if not node.gpus:
+                        continue
+                    free = free_milli_list(node)
+                    frag = None
+                    if isinstance(policy, FragPolicyBase):
+                        cpu_free, cpu_known = frag_cpu_free_milli(node)
+                        frag = policy.measure(node, cpu_free, cpu_known, free) / MILLI_PER_GPU
+                    nodes.append(_NodeRow(node.name, sum(free) / MILLI_PER_GPU, frag))
+        return nodes
+
+    def render_groups(self, pause: Pause, numbers: dict[float, str]) -> list[FamilyGroup | RenderedGroup]:
+        """groups(), from the text kept since the last scrape where its inputs are unchanged (the same bytes)."""
+        state = self.scheduler.state
+        rules = self._queue_rules()
+        with state.lock:
+            now = state.clock()
+            records = list(state.pods.values())
+            node_states = list(state.nodes.values())
+        old = self._pod_text
+        new: dict[str, _PodText] = {}
+        per_pod_gpu = self.per_pod_gpu
+        gpu_order, gpu_names = sorted_labels(POD_GPU_LABELS)
+        pod_order, pod_names = sorted_labels(POD_LABELS)
+        gpu_parts: list[list[bytes]] = [[] for _ in _POD_GPU_FAMILIES]
+        seconds_parts: list[list[bytes]] = [[] for _ in _SECONDS_FAMILIES]
+        seconds_names = [family.sample_name for family in _SECONDS_FAMILIES]
+        #: scope -> key -> [MiB, cores, vGPUs, pods]
+        totals: dict[str, dict[str, list[int]]] = {"node": {}, "namespace": {}, "cluster_queue": {}}
+        pods_per_chunk = ROWS_PER_CHUNK * 5  # a pod whose text is kept: ~1 us
+        for start in range(0, len(records), pods_per_chunk):
+            pause()
+            counted: list[tuple[_PodText, _PodRow, float | None]] = []
+            with state.lock:
+                for record in records[start:start + pods_per_chunk]:
+                    node = state.nodes.get(record.node_name)
+                    if not record.applied or node is None:
+                        continue  # not counted on a node (its node is not known yet)
+                    queue = (rules.queue_of(record.uid, record.namespace, record.labels) if rules else None) or ""
+                    # a bind time ahead of this clock (skew between replicas) counts as just bound
+                    held_s = (max(0.0, now - record.bound_at_s)
+                              if record.confirmed and record.bound_at_s is not None else None)
+                    text = old.get(record.uid)
+                    if (text is not None and text.record is record and text.usage is record.usage
+                            and text.gpus is node.gpus and text.queue == queue):
+                        counted.append((text, _EMPTY_ROW, held_s))
+                        continue
+                    gpus = node.gpus
+                    held = tuple((str(gpus[u.position].index), gpus[u.position].uuid, u.memory_mib, u.cores, u.vgpus)
+                                 for u in record.usage)
+                    row = _PodRow(record.namespace, record.name, record.uid, node.name, queue, held_s, held)
+                    counted.append((_PodText(record, record.usage, gpus, queue, (), "", (0, 0, 0)), row, held_s))
+            seconds_rows: list[tuple[str, tuple[float, float, float]]] = []
+            for text, row, held_s in counted:
+                if row is not _EMPTY_ROW:  # changed or new: rendered now, outside the lock
+                    text = self._pod_text_of(text, row, per_pod_gpu, gpu_order, gpu_names, pod_order, pod_names,
+                                             numbers)
+                new[text.record.uid] = text
+                for position, lines in enumerate(text.gpu_lines):
+                    gpu_parts[position].append(lines)
+                memory, cores, vgpus = text.totals
+                for scope, key in (("node", text.record.node_name), ("namespace", text.record.namespace),
+                                   ("cluster_queue", text.queue)):
+                    total = totals[scope].get(key)
+                    if total is None:
+                        totals[scope][key] = [memory, cores, vgpus, 1]
+                    else:
+                        total[0] += memory
+                        total[1] += cores
+                        total[2] += vgpus
+                        total[3] += 1
+                if held_s is not None:
+                    seconds_rows.append((text.labels, (vgpus * held_s, memory * held_s, cores * held_s)))
+            for position, name in enumerate(seconds_names):
+                seconds_parts[position].append("".join([f"{name}{row[0]} {go_float(row[1][position], numbers)}\n"
+                                                        for row in seconds_rows]).encode())
+        self._pod_text = new  # pods gone since the last scrape are dropped with the old dict
+        groups: list[FamilyGroup | RenderedGroup] = [RenderedGroup(_POD_GPU_FAMILIES, gpu_parts)]
+        pause()
+        groups.append(self._node_allocated.render([((key,), tuple(sums[:3]))
+                                                   for key, sums in sorted(totals["node"].items())], pause, numbers))
+        for scope in ("namespace", "cluster_queue"):
+            groups.append(FamilyGroup(_scope_families(scope), [scope],
+                                      [((key,), sums) for key, sums in sorted(totals[scope].items())]))
+        groups.append(RenderedGroup(_SECONDS_FAMILIES, seconds_parts))
+        nodes = self._node_rows(node_states, pause)
+        policy = self.scheduler.default_node_policy.name
+        groups.append(self._fragmented.render([((row.name, policy), (row.fragmented_gpus,)) for row in nodes],
+                                              pause, numbers))
+        groups.append(self._idle.render([((row.name,), (row.idle_gpus,)) for row in nodes], pause, numbers))
+        return groups
+
+    def _pod_text_of(self, text: _PodText, row: _PodRow, per_pod_gpu: bool, gpu_order: list[int],
+                     gpu_names: list[str], pod_order: list[int], pod_names: list[str],
+                     numbers: dict[float, str]) -> _PodText:
+        gpu_lines: tuple[bytes, ...] = ()
+        if per_pod_gpu:
+            labels = [label_text(gpu_names, [(row.namespace, row.name, row.uid, row.node, index, uuid,
+                                              row.cluster_queue)[i] for i in gpu_order])
+                      for index, uuid, _, _, _ in row.gpus]
+            gpu_lines = rows_text(_POD_GPU_FAMILIES, labels, [gpu[2:] for gpu in row.gpus], numbers)
+        totals = (sum(gpu[2] for gpu in row.gpus), sum(gpu[3] for gpu in row.gpus), sum(gpu[4] for gpu in row.gpus))
+        pod_labels = label_text(pod_names, [(row.namespace, row.name, row.cluster_queue)[i] for i in pod_order])
+        return _PodText(text.record, text.usage, text.gpus, text.queue, gpu_lines, pod_labels, totals)
+
+
+_EMPTY_ROW = _PodRow("", "", "", "", "", None, ())
