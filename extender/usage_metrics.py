@@ -21,6 +21,7 @@ the counters), and go away with the pod; per namespace, per ClusterQueue and per
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -84,12 +85,15 @@ class _PodText:
     and `node.gpus` (a new list) whenever the node's inventory changes; the queue is looked up every scrape."""
 
     record: PodRecord
+    uid: str
     usage: tuple[GpuUsage, ...]
     gpus: list[GpuState]
     queue: str
     gpu_lines: tuple[bytes, ...]  # its per-pod-and-GPU gauge lines, one piece per family (none when turned off)
-    labels: str  # the GPU-seconds counters' label set: their values change every scrape, so only this is kept
+    #: each GPU-seconds counter's line up to its value (name, labels, space): the values change every scrape
+    counter_prefixes: tuple[str, ...]
     totals: tuple[int, int, int]  # MiB, cores, vGPUs over its GPUs
+    scopes: tuple[str, str, str]  # node, namespace, ClusterQueue: the aggregates it counts in
 
 
 _POD_GPU_FAMILIES = tuple(Family(f"kube_vgpu_pod_{suffix}", "gauge", f"{text}, per pod and GPU")
@@ -128,6 +132,11 @@ class UsageCollector(GroupedCollector):
         self.per_pod_gpu = per_pod_gpu
         #: pod UID -> its text as last rendered (only pods counted at the last scrape)
         self._pod_text: dict[str, _PodText] = {}
+        #: scope ("node", "namespace", "cluster_queue") -> key -> [MiB, cores, vGPUs, pods] over the pods in _pod_text
+        self._scope_sums = _empty_scope_sums()
+        self._render_lock = threading.Lock()
+        #: node name -> (what its _NodeRow was computed from..., the row)
+        self._node_row: dict[str, tuple[object, ...]] = {}
         self._node_allocated = RowTextCache(_scope_families("node"), ["node"])
         self._fragmented = RowTextCache([_FRAGMENTED], ["node", "policy"])
         self._idle = RowTextCache([_IDLE], ["node"])
@@ -228,99 +237,164 @@ class UsageCollector(GroupedCollector):
                     nodes.append(_NodeRow(node.name, sum(free) / MILLI_PER_GPU, frag))
         return nodes
 
+    def _cached_node_rows(self, node_states: list[NodeState], pause: Pause) -> list[_NodeRow]:
+        """_node_rows(), each node's row kept while what it is computed from is unchanged: the node (its version:
+        every change of its GPUs' usage or inventory), its host CPU, and the policy's learned model (its epoch:
+        the scheduler's own cached placements are keyed by the same)."""
+        state = self.scheduler.state
+        policy = self.scheduler.default_node_policy
+        old = self._node_row
+        new: dict[str, tuple[object, ...]] = {}
+        nodes: list[_NodeRow] = []
+        nodes_per_chunk = ROWS_PER_CHUNK * 5  # a kept row is a look-up and a comparison: ~0.5 us
+        for start in range(0, len(node_states), nodes_per_chunk):
+            pause()
+            with state.lock:
+                epoch = policy.epoch()
+                for node in node_states[start:start + nodes_per_chunk]:
+                    if not node.gpus:
+                        continue
+                    key = (node, node.version, node.cpu_milli_total, node.cpu_milli_used, policy, epoch)
+                    kept = old.get(node.name)
+                    if kept is None or kept[:-1] != key:
+                        free = free_milli_list(node)
+                        frag = None
+                        if isinstance(policy, FragPolicyBase):
+                            cpu_free, cpu_known = frag_cpu_free_milli(node)
+                            frag = policy.measure(node, cpu_free, cpu_known, free) / MILLI_PER_GPU
+                        kept = (*key, _NodeRow(node.name, sum(free) / MILLI_PER_GPU, frag))
+                    new[node.name] = kept
+                    nodes.append(kept[-1])  # type: ignore[arg-type]
+        self._node_row = new
+        return nodes
+
     def render_groups(self, pause: Pause, numbers: dict[float, str]) -> list[FamilyGroup | RenderedGroup]:
         """groups(), from the text kept since the last scrape where its inputs are unchanged (the same bytes)."""
+        with self._render_lock:  # the kept texts and sums change in place: one render at a time
+            try:
+                return self._render_groups(pause, numbers)
+            except BaseException:
+                # the sums are kept only together with the texts they add up: start both afresh
+                self._pod_text, self._scope_sums = {}, _empty_scope_sums()
+                raise
+
+    def _count(self, text: _PodText, sign: int) -> None:
+        """Add (1) or take away (-1) a pod's allocation in its node's, namespace's and ClusterQueue's sums."""
+        memory, cores, vgpus = text.totals
+        for sums, key in zip(self._scope_sums.values(), text.scopes, strict=True):
+            total = sums.get(key)
+            if total is None:
+                total = sums[key] = [0, 0, 0, 0]
+            total[0] += sign * memory
+            total[1] += sign * cores
+            total[2] += sign * vgpus
+            total[3] += sign
+            if not total[3]:
+                del sums[key]  # its last pod: the series goes away, as it does in groups()
+
+    def _render_groups(self, pause: Pause, numbers: dict[float, str]) -> list[FamilyGroup | RenderedGroup]:
         state = self.scheduler.state
         rules = self._queue_rules()
         with state.lock:
             now = state.clock()
             records = list(state.pods.values())
             node_states = list(state.nodes.values())
-        old = self._pod_text
-        new: dict[str, _PodText] = {}
+        kept = self._pod_text
         per_pod_gpu = self.per_pod_gpu
-        gpu_order, gpu_names = sorted_labels(POD_GPU_LABELS)
-        pod_order, pod_names = sorted_labels(POD_LABELS)
+        labels = sorted_labels(POD_GPU_LABELS), sorted_labels(POD_LABELS)
         gpu_parts: list[list[bytes]] = [[] for _ in _POD_GPU_FAMILIES]
         seconds_parts: list[list[bytes]] = [[] for _ in _SECONDS_FAMILIES]
-        seconds_names = [family.sample_name for family in _SECONDS_FAMILIES]
-        #: scope -> key -> [MiB, cores, vGPUs, pods]
-        totals: dict[str, dict[str, list[int]]] = {"node": {}, "namespace": {}, "cluster_queue": {}}
+        counted_uids: set[str] = set()
+        nodes_get, kept_get = state.nodes.get, kept.get  # the loop below runs 40,000 times a scrape
         pods_per_chunk = ROWS_PER_CHUNK * 5  # a pod whose text is kept: ~1 us
         for start in range(0, len(records), pods_per_chunk):
             pause()
-            counted: list[tuple[_PodText, _PodRow, float | None]] = []
+            texts: list[_PodText] = []
+            held: list[float | None] = []
+            changed: list[tuple[int, PodRecord, list[GpuState], _PodRow]] = []
             with state.lock:
                 for record in records[start:start + pods_per_chunk]:
-                    node = state.nodes.get(record.node_name)
-                    if not record.applied or node is None:
+                    node = nodes_get(record.node_name)
+                    if node is None or not record.applied:
                         continue  # not counted on a node (its node is not known yet)
                     queue = (rules.queue_of(record.uid, record.namespace, record.labels) if rules else None) or ""
-                    # a bind time ahead of this clock (skew between replicas) counts as just bound
-                    held_s = (max(0.0, now - record.bound_at_s)
-                              if record.confirmed and record.bound_at_s is not None else None)
-                    text = old.get(record.uid)
-                    if (text is not None and text.record is record and text.usage is record.usage
-                            and text.gpus is node.gpus and text.queue == queue):
-                        counted.append((text, _EMPTY_ROW, held_s))
-                        continue
-                    gpus = node.gpus
-                    held = tuple((str(gpus[u.position].index), gpus[u.position].uuid, u.memory_mib, u.cores, u.vgpus)
-                                 for u in record.usage)
-                    row = _PodRow(record.namespace, record.name, record.uid, node.name, queue, held_s, held)
-                    counted.append((_PodText(record, record.usage, gpus, queue, (), "", (0, 0, 0)), row, held_s))
-            seconds_rows: list[tuple[str, tuple[float, float, float]]] = []
-            for text, row, held_s in counted:
-                if row is not _EMPTY_ROW:  # changed or new: rendered now, outside the lock
-                    text = self._pod_text_of(text, row, per_pod_gpu, gpu_order, gpu_names, pod_order, pod_names,
-                                             numbers)
-                new[text.record.uid] = text
-                for position, lines in enumerate(text.gpu_lines):
-                    gpu_parts[position].append(lines)
-                memory, cores, vgpus = text.totals
-                for scope, key in (("node", text.record.node_name), ("namespace", text.record.namespace),
-                                   ("cluster_queue", text.queue)):
-                    total = totals[scope].get(key)
-                    if total is None:
-                        totals[scope][key] = [memory, cores, vgpus, 1]
-                    else:
-                        total[0] += memory
-                        total[1] += cores
-                        total[2] += vgpus
-                        total[3] += 1
-                if held_s is not None:
-                    seconds_rows.append((text.labels, (vgpus * held_s, memory * held_s, cores * held_s)))
-            for position, name in enumerate(seconds_names):
-                seconds_parts[position].append("".join([f"{name}{row[0]} {go_float(row[1][position], numbers)}\n"
-                                                        for row in seconds_rows]).encode())
-        self._pod_text = new  # pods gone since the last scrape are dropped with the old dict
-        groups: list[FamilyGroup | RenderedGroup] = [RenderedGroup(_POD_GPU_FAMILIES, gpu_parts)]
+                    bound_at_s = record.bound_at_s
+                    if bound_at_s is None or not record.confirmed:
+                        held.append(None)
+                    else:  # a bind time ahead of this clock (skew between replicas) counts as just bound
+                        held_s = now - bound_at_s
+                        held.append(held_s if held_s > 0 else 0.0)
+                    text = kept_get(record.uid)
+                    if (text is None or text.record is not record or text.usage is not record.usage
+                            or text.gpus is not node.gpus or text.queue != queue):
+                        gpus = node.gpus
+                        copied = tuple((str(gpus[u.position].index), gpus[u.position].uuid, u.memory_mib, u.cores,
+                                        u.vgpus) for u in record.usage)
+                        changed.append((len(texts), record, gpus, _PodRow(
+                            record.namespace, record.name, record.uid, node.name, queue, None, copied)))
+                    texts.append(text)  # type: ignore[arg-type]  # replaced below when changed
+            for slot, record, gpus, row in changed:  # rendered outside the lock
+                text = texts[slot] = self._pod_text_of(record, gpus, row, per_pod_gpu, labels, numbers)
+                previous = kept.get(text.uid)
+                if previous is not None:
+                    self._count(previous, -1)
+                self._count(text, 1)
+                kept[text.uid] = text
+            counted_uids.update([text.uid for text in texts])
+            if per_pod_gpu:
+                for position, parts in enumerate(gpu_parts):
+                    parts.extend([text.gpu_lines[position] for text in texts])
+            counted = [(text, held_s) for text, held_s in zip(texts, held, strict=True) if held_s is not None]
+            for position, parts in enumerate(seconds_parts):
+                which = _SECONDS_OF[position]
+                lines = [text.counter_prefixes[position] + go_float(text.totals[which] * held_s, numbers)
+                         for text, held_s in counted]
+                if lines:
+                    parts.append(("\n".join(lines) + "\n").encode())
         pause()
-        groups.append(self._node_allocated.render([((key,), tuple(sums[:3]))
-                                                   for key, sums in sorted(totals["node"].items())], pause, numbers))
-        for scope in ("namespace", "cluster_queue"):
-            groups.append(FamilyGroup(_scope_families(scope), [scope],
-                                      [((key,), sums) for key, sums in sorted(totals[scope].items())]))
+        for uid in kept.keys() - counted_uids:  # gone, or no longer counted on a node
+            self._count(kept.pop(uid), -1)
+        groups: list[FamilyGroup | RenderedGroup] = [RenderedGroup(_POD_GPU_FAMILIES, gpu_parts)]
+        groups.extend(self._aggregate_groups(pause, numbers))
         groups.append(RenderedGroup(_SECONDS_FAMILIES, seconds_parts))
-        nodes = self._node_rows(node_states, pause)
+        nodes = self._cached_node_rows(node_states, pause)
         policy = self.scheduler.default_node_policy.name
         groups.append(self._fragmented.render([((row.name, policy), (row.fragmented_gpus,)) for row in nodes],
                                               pause, numbers))
         groups.append(self._idle.render([((row.name,), (row.idle_gpus,)) for row in nodes], pause, numbers))
         return groups
 
-    def _pod_text_of(self, text: _PodText, row: _PodRow, per_pod_gpu: bool, gpu_order: list[int],
-                     gpu_names: list[str], pod_order: list[int], pod_names: list[str],
+    def _aggregate_groups(self, pause: Pause, numbers: dict[float, str]) -> list[FamilyGroup | RenderedGroup]:
+        """The per-node, namespace and ClusterQueue allocation groups, from the sums kept with the pods' texts."""
+        by_scope = self._scope_sums
+        groups: list[FamilyGroup | RenderedGroup] = [self._node_allocated.render(
+            [((key,), tuple(sums[:3])) for key, sums in sorted(by_scope["node"].items())], pause, numbers)]
+        for scope in ("namespace", "cluster_queue"):
+            groups.append(FamilyGroup(_scope_families(scope), [scope],
+                                      [((key,), list(sums)) for key, sums in sorted(by_scope[scope].items())]))
+        return groups
+
+    @staticmethod
+    def _pod_text_of(record: PodRecord, gpus: list[GpuState], row: _PodRow, per_pod_gpu: bool,
+                     labels: tuple[tuple[list[int], list[str]], tuple[list[int], list[str]]],
                      numbers: dict[float, str]) -> _PodText:
+        (gpu_order, gpu_names), (pod_order, pod_names) = labels
         gpu_lines: tuple[bytes, ...] = ()
         if per_pod_gpu:
-            labels = [label_text(gpu_names, [(row.namespace, row.name, row.uid, row.node, index, uuid,
-                                              row.cluster_queue)[i] for i in gpu_order])
-                      for index, uuid, _, _, _ in row.gpus]
-            gpu_lines = rows_text(_POD_GPU_FAMILIES, labels, [gpu[2:] for gpu in row.gpus], numbers)
+            gpu_labels = [label_text(gpu_names, [(row.namespace, row.name, row.uid, row.node, index, uuid,
+                                                  row.cluster_queue)[i] for i in gpu_order])
+                          for index, uuid, _, _, _ in row.gpus]
+            gpu_lines = rows_text(_POD_GPU_FAMILIES, gpu_labels, [gpu[2:] for gpu in row.gpus], numbers)
         totals = (sum(gpu[2] for gpu in row.gpus), sum(gpu[3] for gpu in row.gpus), sum(gpu[4] for gpu in row.gpus))
         pod_labels = label_text(pod_names, [(row.namespace, row.name, row.cluster_queue)[i] for i in pod_order])
-        return _PodText(text.record, text.usage, text.gpus, text.queue, gpu_lines, pod_labels, totals)
+        prefixes = tuple(f"{family.sample_name}{pod_labels} " for family in _SECONDS_FAMILIES)
+        return _PodText(record, record.uid, record.usage, gpus, row.cluster_queue,
+                        gpu_lines, prefixes, totals, (row.node, row.namespace, row.cluster_queue))
 
 
-_EMPTY_ROW = _PodRow("", "", "", "", "", None, ())
+def _empty_scope_sums() -> dict[str, dict[str, list[int]]]:
+    return {"node": {}, "namespace": {}, "cluster_queue": {}}
+
+
+#: which of a pod's totals (MiB, cores, vGPUs) each GPU-seconds counter multiplies: vGPUs, MiB, cores
+_SECONDS_OF = (2, 0, 1)
