@@ -10,6 +10,7 @@ import asyncio
 import functools
 import inspect
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -531,6 +532,100 @@ def state_view_bytes(scheduler: Scheduler, pause: Pause = no_pause) -> Body:
     return out.chunks
 
 
+class StateViewText:
+    """GET /state's body (state_view_bytes' bytes) with each node's and each pod's JSON kept between requests: a
+    dashboard polls it every few seconds, and at 5000 nodes and 40,000 pods building and encoding every view each
+    time was ~0.13 s of CPU. A node's JSON is kept while its version (every change of its GPUs' usage or inventory),
+    host CPU and inventory error are the same; only its heartbeat age, which moves with the clock, is encoded each
+    time. A pod's is kept while its record (a new one for a new assignment) and its confirmed and bound flags are
+    the same. One render at a time (SharedRender runs one; the lock covers any other caller)."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self._lock = threading.Lock()
+        #: node name -> (key..., the JSON before its heartbeat age, the JSON after it)
+        self._nodes: dict[str, tuple[Any, ...]] = {}
+        #: pod UID -> (record, confirmed, bound, its JSON)
+        self._pods: dict[str, tuple[Any, ...]] = {}
+
+    def render(self, pause: Pause = no_pause) -> Body:
+        with self._lock:
+            try:
+                return self._render(pause)
+            except BaseException:
+                self._nodes, self._pods = {}, {}
+                raise
+
+    def _render(self, pause: Pause) -> Body:
+        state = self.scheduler.state
+        out = BytesOut()
+        with state.lock:
+            now = state.clock()
+            synced = state.synced.is_set()
+            nodes = list(state.nodes.values())
+            records = list(state.pods.values())
+        out.write(b'{"synced":' + orjson.dumps(synced) + b',"nodes":[')
+        kept, new = self._nodes, {}
+        per_chunk = ROWS_PER_CHUNK * 5  # a kept node: a look-up, a comparison and its age encoded (~1 us)
+        separator = b""
+        for start in range(0, len(nodes), per_chunk):
+            pause()
+            pieces: list[bytes] = []
+            changed: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+            with state.lock:
+                for node in nodes[start:start + per_chunk]:
+                    key = (node, node.version, node.cpu_milli_total, node.cpu_milli_used,
+                           state.inventory_errors.get(node.name))
+                    entry = kept.get(node.name)
+                    if entry is None or entry[:-2] != key:
+                        changed.append((key, state._node_view(node, now)))
+                        entry = (*key, b"", b"")
+                    new[node.name] = entry
+                    pieces.append(orjson.dumps(state.heartbeat_view(node, now)))
+            for key, view in changed:  # encoded outside the lock
+                name = view.pop("name")
+                view.pop("heartbeatAgeSeconds")
+                new[name] = (*key, b'{"name":' + orjson.dumps(name) + b',"heartbeatAgeSeconds":',
+                             b"," + orjson.dumps(view)[1:])
+            text = b",".join([new[node.name][-2] + age + new[node.name][-1]
+                              for node, age in zip(nodes[start:start + per_chunk], pieces, strict=True)])
+            if text:
+                out.write(separator + text)
+                separator = b","
+        self._nodes = new
+        out.write(b'],"assignments":[')
+        kept_pods, new_pods = self._pods, {}
+        separator = b""
+        for start in range(0, len(records), per_chunk):
+            pause()
+            views: list[tuple[int, Any]] = []
+            encoded: list[bytes] = []
+            with state.lock:
+                for record in records[start:start + per_chunk]:
+                    entry = kept_pods.get(record.uid)
+                    if entry is None or entry[0] is not record or entry[1] != record.confirmed \
+                            or entry[2] != record.bound:
+                        views.append((len(encoded), (record, record.confirmed, record.bound,
+                                                     state._assignment_view(record))))
+                        encoded.append(b"")
+                    else:
+                        encoded.append(entry[3])
+                        new_pods[record.uid] = entry
+            for slot, (record, confirmed, bound, view) in views:
+                encoded[slot] = orjson.dumps(view)
+                new_pods[record.uid] = (record, confirmed, bound, encoded[slot])
+            if encoded:
+                out.write(separator + b",".join(encoded))
+                separator = b","
+        self._pods = new_pods
+        out.write(b"]")
+        with state.lock:
+            extra = {"gangs": gangs_view(self.scheduler.gangs), "nominations": self.scheduler.nominations.view()}
+        out.write(b"," + orjson.dumps(extra)[1:])
+        out.flush()
+        return out.chunks
+
+
 def create_app(scheduler: Scheduler, *, on_startup: Callable[[], None] | None = None,
                metrics_per_pod_gpu: bool = True) -> ExtenderApp:
     metrics = extender_metrics(scheduler, per_pod_gpu=metrics_per_pod_gpu)
@@ -552,7 +647,8 @@ def create_app(scheduler: Scheduler, *, on_startup: Callable[[], None] | None = 
     # rendered in a worker thread (or the metrics listener's), pausing while a verb computes; requests arriving
     # during a render share it
     app.metrics_render = SharedRender(lambda: render_registry(registry, activity.pause))
-    app.state_render = SharedRender(lambda: state_view_bytes(scheduler, activity.pause))
+    state_text = StateViewText(scheduler)
+    app.state_render = SharedRender(lambda: state_text.render(activity.pause))
     add_views(app, scheduler)
     return app
 
@@ -567,7 +663,7 @@ def serve_probes(registry: CollectorRegistry, scheduler: Scheduler, host: str, p
     own."""
     state = scheduler.state
     metrics_render = render if render is not None else SharedRender(lambda: render_registry(registry))
-    state_view = state_render if state_render is not None else SharedRender(lambda: state_view_bytes(scheduler))
+    state_view = state_render if state_render is not None else SharedRender(StateViewText(scheduler).render)
 
     def readyz() -> Reply:
         reason = state.unready_reason()  # the initial sync, then the watches (a dead one: 503)
