@@ -14,6 +14,12 @@ it on the loop) for as long as a scrape lasted. Three things here:
   runs a 0.1 ms slice, so a steady burst of verbs delays a scrape but cannot starve it.
 * `SharedRender`: one render serves every request that arrives while it runs (two Prometheus replicas, several
   dashboards), with the cyclic GC off and a short GIL switch interval meanwhile (`render_settings`).
+* Kept text: a scrape at that size was still ~0.8 s of CPU, taken from the verbs on a 2-core node. Collectors keep
+  what they rendered between scrapes (`GroupedCollector.render_groups`: per node while its version is the same,
+  per pod while its record, usage and queue are, per row by its values: `RowTextCache`) and hand it over as
+  `RenderedGroup`s, so a scrape renders again only what changed since the last one, and formats only the values
+  that move with the clock (the GPU-seconds counters). The bytes are the same as generate_latest's (tested after
+  every kind of change); the price is the text held between scrapes (~100 MB at 5000 nodes and 40,000 pods).
 """
 
 from __future__ import annotations
@@ -394,6 +400,23 @@ class _RenderSettings:
 render_settings = _RenderSettings()
 
 
+def _libc_trim() -> Callable[[], object] | None:
+    try:
+        import ctypes
+
+        trim: Callable[[int], object] = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+    return lambda: trim(0)
+
+
+#: glibc's malloc_trim(0): hands the free pages of the C heap back to the OS. A render's garbage (rows, chunks of
+#: the body) is freed between pages the text kept between scrapes still holds, so without this the process keeps
+#: the peak of every render as well as the kept text (measured at 1000 nodes: 183 -> 165 MiB). ctypes releases the
+#: GIL for the call, so the verbs do not wait for it.
+release_free_memory = _libc_trim() or no_pause
+
+
 @dataclass(slots=True)
 class _Render:
     done: threading.Event = field(default_factory=threading.Event)
@@ -405,7 +428,8 @@ class SharedRender:
     """One render shared by every request that arrives while it runs: they wait for it instead of starting their own
     (two Prometheus replicas, several dashboards polling at once: one render, not one each). Nothing is kept once
     they have it: what the bytes show (learned policy models, GPU-seconds counters, heartbeat ages) moves without the
-    state's change counter, so a later request renders again, and 77 MB is not held between scrapes."""
+    state's change counter, so a later request renders again, and 77 MB is not held between scrapes (the collectors
+    keep the text of what did not change, not the body)."""
 
     def __init__(self, render: Callable[[], Body]) -> None:
         self.render = render
@@ -430,8 +454,10 @@ class SharedRender:
             return job.body
         started = time.monotonic()
         try:
+            release_free_memory()  # what the last render's body left (it has been sent since)
             with render_settings():
                 job.body = self.render()
+            release_free_memory()  # what this render freed
             return job.body
         except BaseException as exc:
             job.error = exc
