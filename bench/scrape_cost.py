@@ -112,6 +112,13 @@ def dashboard_poll(port: int, page_interval_s: float, stop: multiprocessing.sync
     results.put(samples)
 
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far: a scrape's cost in CPU, which on a loaded machine is
+    steadier than the verbs' latency."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def wait_ready(port: int, server: subprocess.Popen[bytes], deadline_s: float = 600.0) -> None:
     deadline = time.monotonic() + deadline_s
     while True:
@@ -198,6 +205,7 @@ def main() -> int:
             connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
             run_pods(connection, names, min(3.0, args.seconds))  # warm the per-shape caches
             collected: dict[str, dict[str, list[float]]] = {}
+            cpu_by_phase: dict[str, list[float]] = {}  # label -> [extender CPU s, wall s]
             polled_by: dict[str, list[tuple[int, float, float]]] = {}
             for phase in [phase for _ in range(args.rounds) for phase in args.phases]:
                 stop = multiprocessing.Event()
@@ -218,11 +226,15 @@ def main() -> int:
                     poller = multiprocessing.Process(target=dashboard_poll, args=(port, 2.0, stop, results))
                 if poller is not None:
                     poller.start()
+                cpu_before_s, wall_before_s = cpu_s(server.pid), time.monotonic()
                 timings = run_pods(connection, names, args.seconds)
                 if poller is not None:
                     stop.set()
                     polled_by.setdefault(label, []).extend(results.get(timeout=300))
                     poller.join(60)
+                used = cpu_by_phase.setdefault(label, [0.0, 0.0])  # a render still running at the end counts too
+                used[0] += cpu_s(server.pid) - cpu_before_s
+                used[1] += time.monotonic() - wall_before_s
                 for verb, samples in timings.items():
                     collected.setdefault(label, {}).setdefault(verb, []).extend(samples)
                 print(f"  {label}: {len(timings['filter'])} pods", flush=True)
@@ -243,7 +255,10 @@ def main() -> int:
                     totals = [sample[2] for sample in fetched]
                     polled = (f"  [{len(fetched)} GETs of {fetched[-1][0] / 1e6:.1f} MB, p50 "
                               f"{percentile(totals, 50) * 1e3:.0f} ms, max {max(totals) * 1e3:.0f} ms]")
-                print(f"{label:22s} {len(timings['filter']):5d}  " + "  ".join(cells) + polled)
+                cpu_used_s, wall_s = cpu_by_phase[label]
+                print(f"{label:22s} {len(timings['filter']):5d}  " + "  ".join(cells) + polled
+                      + f"  [extender CPU {cpu_used_s:.1f} s in {wall_s:.0f} s, "
+                        f"{cpu_used_s / len(timings['filter']) * 1e3:.1f} ms a pod]")
             print(f"extender RSS after the run: {rss_mib(server.pid):.0f} MiB")
         finally:
             server.terminate()

@@ -14,6 +14,12 @@ it on the loop) for as long as a scrape lasted. Three things here:
   runs a 0.1 ms slice, so a steady burst of verbs delays a scrape but cannot starve it.
 * `SharedRender`: one render serves every request that arrives while it runs (two Prometheus replicas, several
   dashboards), with the cyclic GC off and a short GIL switch interval meanwhile (`render_settings`).
+* Kept text: a scrape at that size was still ~0.8 s of CPU, taken from the verbs on a 2-core node. Collectors keep
+  what they rendered between scrapes (`GroupedCollector.render_groups`: per node while its version is the same,
+  per pod while its record, usage and queue are, per row by its values: `RowTextCache`) and hand it over as
+  `RenderedGroup`s, so a scrape renders again only what changed since the last one, and formats only the values
+  that move with the clock (the GPU-seconds counters). The bytes are the same as generate_latest's (tested after
+  every kind of change); the price is the text held between scrapes (~120 MiB of RSS at 5000 nodes and 40,000 pods).
 """
 
 from __future__ import annotations
@@ -117,8 +123,31 @@ def go_float(value: float, cache: dict[float, str]) -> str:
     """floatToGoString, memoised per render: most values repeat (GPU sizes, 0, 100)."""
     text = cache.get(value)
     if text is None:
-        text = cache[value] = floatToGoString(value)
+        if len(cache) >= MAX_NUMBERS:  # the GPU-seconds counters are all different: bound the memo
+            cache.clear()
+        text = cache[value] = go_float_text(value)
     return text
+
+
+def go_float_text(value: float) -> str:
+    """floatToGoString(value) without its checks where repr already is the answer (a finite float that Go would
+    not write with an exponent): the GPU-seconds counters, 120,000 values that differ every scrape."""
+    text = repr(float(value))
+    if "n" in text or text.find(".") > 6:  # inf, nan, or what Go writes with an exponent
+        return str(floatToGoString(value))
+    return text
+
+
+#: go_float's memo is dropped when it holds this many values
+MAX_NUMBERS = 4096
+
+
+def label_text(names: Sequence[str], values: Sequence[str]) -> str:
+    """A row's label set as the text format writes it: `{a="x",b="y"}` ("" without labels). `names` and
+    `values` in the order generate_latest writes them (sorted by name)."""
+    if not names:
+        return ""
+    return "{" + ",".join([f'{name}="{escape_value(value)}"' for name, value in zip(names, values, strict=True)]) + "}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +155,21 @@ class Family:
     name: str  # a counter's without its _total, as prometheus_client's families take it
     kind: str  # "gauge" or "counter"
     documentation: str
+
+    @property
+    def sample_name(self) -> str:
+        return self.name + "_total" if self.kind == "counter" else self.name
+
+    def header(self) -> bytes:
+        """Its HELP and TYPE lines, as generate_latest writes them."""
+        documentation = self.documentation.replace("\\", r"\\").replace("\n", r"\n")
+        return f"# HELP {self.sample_name} {documentation}\n# TYPE {self.sample_name} {self.kind}\n".encode()
+
+
+def sorted_labels(label_names: Sequence[str]) -> tuple[list[int], list[str]]:
+    """(positions of the label values, their names) in the order generate_latest writes them: sorted by name."""
+    order = sorted(range(len(label_names)), key=lambda i: label_names[i])
+    return order, [label_names[i] for i in order]
 
 
 @dataclass(slots=True)
@@ -151,28 +195,90 @@ class FamilyGroup:
                     metric_family.add_metric(list(values), amount)
             yield metric_family
 
-    def render(self, out: TextOut, pause: Pause, numbers: dict[float, str]) -> None:
+    def render(self, out: BytesOut, pause: Pause, numbers: dict[float, str]) -> None:
         """Append the text format, exactly as generate_latest writes metrics()."""
-        # generate_latest writes labels sorted by name
-        order = sorted(range(len(self.label_names)), key=lambda i: self.label_names[i])
-        names = [self.label_names[i] for i in order]
+        order, names = sorted_labels(self.label_names)
         labels: list[str] = []
         for start in range(0, len(self.rows), ROWS_PER_CHUNK):
             pause()
             for values, _ in self.rows[start:start + ROWS_PER_CHUNK]:
-                text = ",".join([f'{name}="{escape_value(values[i])}"' for name, i in zip(names, order, strict=True)])
-                labels.append("{" + text + "}" if text else "")
+                labels.append(label_text(names, [values[i] for i in order]))
         for position, family in enumerate(self.families):
-            name = family.name + "_total" if family.kind == "counter" else family.name
-            documentation = family.documentation.replace("\\", r"\\").replace("\n", r"\n")
-            out.write(f"# HELP {name} {documentation}\n# TYPE {name} {family.kind}\n")
+            name = family.sample_name
+            out.write(family.header())
             for start in range(0, len(self.rows), ROWS_PER_CHUNK):
                 pause()
                 chunk = self.rows[start:start + ROWS_PER_CHUNK]
                 out.write("".join([f"{name}{label} {go_float(amounts[position], numbers)}\n"  # type: ignore[arg-type]
                                     for label, (_, amounts) in zip(labels[start:start + ROWS_PER_CHUNK], chunk,
                                                                    strict=True)
-                                    if amounts[position] is not None]))
+                                    if amounts[position] is not None]).encode())
+
+
+def rows_text(families: Sequence[Family], labels: Sequence[str], amounts: Sequence[Sequence[float | None]],
+              numbers: dict[float, str]) -> tuple[bytes, ...]:
+    """Some rows' sample lines, one piece per family (what FamilyGroup.render writes for these rows, between the
+    headers): `labels` from label_text, `amounts` per row one value per family (None: no sample)."""
+    return tuple("".join([f"{family.sample_name}{label} {go_float(row[position], numbers)}\n"  # type: ignore[arg-type]
+                          for label, row in zip(labels, amounts, strict=True) if row[position] is not None]).encode()
+                 for position, family in enumerate(families))
+
+
+@dataclass(slots=True)
+class RenderedGroup:
+    """Families whose sample lines are already text (cached between scrapes): `parts[i]` are the pieces of family
+    i's lines, in order. render_registry writes each family's header and then its pieces."""
+
+    families: Sequence[Family]
+    parts: list[list[bytes]]
+
+    def render(self, out: BytesOut, pause: Pause, numbers: dict[float, str]) -> None:
+        for family, pieces in zip(self.families, self.parts, strict=True):
+            out.write(family.header())
+            for start in range(0, len(pieces), PIECES_PER_PAUSE):
+                pause()
+                out.write_many(pieces[start:start + PIECES_PER_PAUSE])
+
+
+#: cached pieces written between two calls of pause() (copying bytes: ~0.1 ms of work)
+PIECES_PER_PAUSE = 200
+
+
+class RowTextCache:
+    """One FamilyGroup's sample lines kept between scrapes, keyed by each row's label values and reused while its
+    values are the same: rows whose values rarely change (per node: allocation, idle GPUs, fragmentation) cost a
+    dict look-up and a tuple comparison per scrape instead of formatting. Correct by construction (the key is
+    everything the lines show); rows gone from `rows` are dropped. Safe for concurrent renders: each builds its
+    own dict and swaps it in (entries are immutable)."""
+
+    def __init__(self, families: Sequence[Family], label_names: Sequence[str]) -> None:
+        self.families = families
+        self.label_names = label_names
+        self._order, self._names = sorted_labels(label_names)
+        self._rows: dict[tuple[str, ...], tuple[tuple[float | None, ...], tuple[bytes, ...]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def render(self, rows: Sequence[tuple[tuple[str, ...], tuple[float | None, ...]]], pause: Pause,
+               numbers: dict[float, str]) -> RenderedGroup:
+        old = self._rows
+        new: dict[tuple[str, ...], tuple[tuple[float | None, ...], tuple[bytes, ...]]] = {}
+        parts: list[list[bytes]] = [[] for _ in self.families]
+        order, names = self._order, self._names
+        for number, (values, amounts) in enumerate(rows):
+            if number % (ROWS_PER_CHUNK * 10) == 0:
+                pause()
+            entry = old.get(values)
+            if entry is None or entry[0] != amounts:
+                entry = (amounts, rows_text(self.families, [label_text(names, [values[i] for i in order])],
+                                            [amounts], numbers))
+            new[values] = entry
+            for position, text in enumerate(entry[1]):
+                if text:
+                    parts[position].append(text)
+        self._rows = new
+        return RenderedGroup(self.families, parts)
 
 
 class BytesOut:
@@ -189,30 +295,16 @@ class BytesOut:
         if self._pending_bytes >= CHUNK_BYTES:
             self.flush()
 
-    def flush(self) -> None:
-        if self._pending:
-            self.chunks.append(b"".join(self._pending))
-            self._pending, self._pending_bytes = [], 0
-
-
-class TextOut:
-    """Text appended in pieces, kept as encoded chunks of about CHUNK_BYTES."""
-
-    def __init__(self) -> None:
-        self.chunks: Body = []
-        self._pending: list[str] = []
-        self._pending_chars = 0
-
-    def write(self, text: str) -> None:
-        self._pending.append(text)
-        self._pending_chars += len(text)
-        if self._pending_chars >= CHUNK_BYTES:
+    def write_many(self, pieces: list[bytes]) -> None:
+        self._pending.extend(pieces)
+        self._pending_bytes += sum(map(len, pieces))
+        if self._pending_bytes >= CHUNK_BYTES:
             self.flush()
 
     def flush(self) -> None:
         if self._pending:
-            self.chunks.append("".join(self._pending).encode())
-            self._pending, self._pending_chars = [], 0
+            self.chunks.append(b"".join(self._pending))
+            self._pending, self._pending_bytes = [], 0
 
 
 class GroupedCollector(Collector):
@@ -221,6 +313,11 @@ class GroupedCollector(Collector):
 
     def groups(self, pause: Pause) -> list[FamilyGroup]:
         raise NotImplementedError
+
+    def render_groups(self, pause: Pause, numbers: dict[float, str]) -> Sequence[FamilyGroup | RenderedGroup]:
+        """What render_registry writes: groups() by default; collectors that keep text between scrapes return
+        RenderedGroups (the same bytes as groups() would render: tested against generate_latest)."""
+        return self.groups(pause)
 
     def collect(self) -> Iterator[Metric]:
         for group in self.groups(no_pause):
@@ -243,17 +340,18 @@ def render_registry(registry: CollectorRegistry, pause: Pause = no_pause) -> Bod
     # the registry's collectors in its own order (CollectorRegistry.collect() reads the same private mapping)
     with registry._lock:
         collectors = list(registry._collector_to_names)
-    out = TextOut()
+    out = BytesOut()
     numbers: dict[float, str] = {}
     for collector in collectors:
         pause()
         if not isinstance(collector, GroupedCollector):
-            out.write(generate_latest(_One(collector)).decode())
+            out.write(generate_latest(_One(collector)))
             continue
-        for group in collector.groups(pause):
+        for group in collector.render_groups(pause, numbers):
             group.render(out, pause, numbers)
-            while group.rows:  # freed a chunk at a time: 40,000 rows at once is milliseconds of deallocation
-                del group.rows[-ROWS_PER_CHUNK * 10:]
+            rows = group.rows if isinstance(group, FamilyGroup) else group.parts
+            while rows:  # freed a chunk at a time: 40,000 rows at once is milliseconds of deallocation
+                del rows[-ROWS_PER_CHUNK * 10:]
                 pause()
     out.flush()
     return out.chunks
@@ -302,6 +400,23 @@ class _RenderSettings:
 render_settings = _RenderSettings()
 
 
+def _libc_trim() -> Callable[[], object] | None:
+    try:
+        import ctypes
+
+        trim: Callable[[int], object] = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+    return lambda: trim(0)
+
+
+#: glibc's malloc_trim(0): hands the free pages of the C heap back to the OS. A render's garbage (rows, chunks of
+#: the body) is freed between pages the text kept between scrapes still holds, so without this the process keeps
+#: the peak of every render as well as the kept text (measured at 1000 nodes: 183 -> 165 MiB). ctypes releases the
+#: GIL for the call, so the verbs do not wait for it.
+release_free_memory = _libc_trim() or no_pause
+
+
 @dataclass(slots=True)
 class _Render:
     done: threading.Event = field(default_factory=threading.Event)
@@ -313,7 +428,8 @@ class SharedRender:
     """One render shared by every request that arrives while it runs: they wait for it instead of starting their own
     (two Prometheus replicas, several dashboards polling at once: one render, not one each). Nothing is kept once
     they have it: what the bytes show (learned policy models, GPU-seconds counters, heartbeat ages) moves without the
-    state's change counter, so a later request renders again, and 77 MB is not held between scrapes."""
+    state's change counter, so a later request renders again, and 77 MB is not held between scrapes (the collectors
+    keep the text of what did not change, not the body)."""
 
     def __init__(self, render: Callable[[], Body]) -> None:
         self.render = render
@@ -338,8 +454,10 @@ class SharedRender:
             return job.body
         started = time.monotonic()
         try:
+            release_free_memory()  # what the last render's body left (it has been sent since)
             with render_settings():
                 job.body = self.render()
+            release_free_memory()  # what this render freed
             return job.body
         except BaseException as exc:
             job.error = exc

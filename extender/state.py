@@ -553,11 +553,15 @@ class ClusterState:
                     views = [self._assignment_view(record) for record in objects[start:start + chunk]]
             yield views
 
-    def _node_view(self, node: NodeState, now: float) -> dict[str, Any]:
+    def heartbeat_view(self, node: NodeState, now: float) -> float | None:
+        """/state's heartbeatAgeSeconds."""
         age = self.heartbeat_age_s(node, now)
+        return None if age is None else round(age, 1)
+
+    def _node_view(self, node: NodeState, now: float) -> dict[str, Any]:
         return {
             "name": node.name,
-            "heartbeatAgeSeconds": None if age is None else round(age, 1),
+            "heartbeatAgeSeconds": self.heartbeat_view(node, now),
             "cpuMilliAllocatable": node.cpu_milli_total,
             "cpuMilliRequested": node.cpu_milli_used,
             "inventoryError": self.inventory_errors.get(node.name),

@@ -16,10 +16,10 @@ from prometheus_client.registry import Collector
 
 from kube_vgpu.extender.cli import Extender, build, parse_args
 from kube_vgpu.extender.exposition import (
+    BytesOut,
     Family,
     FamilyGroup,
     SharedRender,
-    TextOut,
     VerbActivity,
     escape_value,
     render_registry,
@@ -53,7 +53,7 @@ def test_label_values_are_escaped_as_prometheus_client_does() -> None:
     group = FamilyGroup([Family("x", "gauge", "help with \\ and\nnewline"), Family("y", "counter", "c")],
                         ["b", "a"], [((value, "w"), (number, None if number % 2 else number * 1e9))
                                      for number, value in enumerate(values)])
-    out = TextOut()
+    out = BytesOut()
     group.render(out, lambda: None, {})
     out.flush()
 
