@@ -125,9 +125,8 @@ class ShapeLearner:
     def seen(self) -> int:
         return self._seen
 
-    def shapes(self, coverage: float | None = None) -> WeightedShapes:
-        """The typical shapes at the learner's coverage (or another one, e.g. 1.0 for every shape seen)."""
-        return typical_from_counts(self._counts, self.coverage if coverage is None else coverage)
+    def shapes(self) -> WeightedShapes:
+        return typical_from_counts(self._counts, self.coverage)
 
 
 def task_shape(request: PlacementRequest) -> TaskShape:
