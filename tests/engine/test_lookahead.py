@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import pytest
 
+from kube_vgpu import protocol
+from kube_vgpu.dev.fixtures import synth_inventory
 from kube_vgpu.dev.simulator.engine import build_node, build_request
 from kube_vgpu.dev.simulator.trace import NodeSpec, Task
 from kube_vgpu.extender.engine.fit import place
 from kube_vgpu.extender.engine.fragmentation import TaskShape
-from kube_vgpu.extender.engine.model import NodeState, Placement
+from kube_vgpu.extender.engine.model import NodeState, Placement, PlacementRequest
 from kube_vgpu.extender.engine.policies import REGISTRY, make_policy
 from kube_vgpu.extender.engine.policies.bfgd import BalancedFGD
 from kube_vgpu.extender.engine.policies.lookahead import LookaheadFGD, lookahead_table, residue_table
+from tests.helpers import pod
 
 
 def share(milli: int) -> Task:
@@ -140,3 +143,27 @@ def test_epoch_changes_only_with_the_learned_model() -> None:
         policy.observe(build_request(share(470)))
     policy.observe(build_request(share(470)))
     assert policy.epoch() == epoch
+
+
+def test_live_nodes_real_units_and_topology() -> None:
+    """On a real node (GPUs in percent, memory asks, NVSwitch links) lafgd places like bfgd's live machinery: a
+    4-GPU pod gets connected GPUs, a memory-only share lands, and the look-ahead term reads real-unit shares."""
+
+    def request(cpu_milli: int, **kwargs: object) -> PlacementRequest:
+        return PlacementRequest(protocol.parse_pod_gpu_request(pod(**kwargs)), cpu_milli=cpu_milli)
+
+    policy = make_policy("lafgd")
+    share_pod = request(4000, memory_mib=20480, cores=25)
+    memory_only = request(2000, memory_mib=8192)
+    quad = request(16000, gpus=4, cores=100)
+    for _ in range(8):
+        for item in (share_pod, memory_only, quad):
+            policy.observe(item)
+    state = NodeState("live", synth_inventory("live", 8, "A100", 81920, "nvswitch"), cpu_milli_total=128000)
+    for item in (share_pod, memory_only, quad):
+        result = place(state, item, policy, policy)
+        assert isinstance(result, Placement), result
+        state.apply_usage(result.usage)
+        state.cpu_milli_used += item.cpu_milli
+    assert isinstance(policy, LookaheadFGD)
+    assert any(policy.table(state))  # learned from real-unit asks
