@@ -150,7 +150,10 @@ class LookaheadFGD(BalancedFGD):
         if not self.lookahead_weight:
             return base
         table = self.table(node)
-        return base + self.lookahead_weight * sum(table[min(max(f, 0), MILLI_PER_GPU)] for f in free)
+        extra = 0.0
+        for f in free:  # free shares are 0..1000 (engine.shares); clamp anything else
+            extra += table[f] if 0 <= f <= MILLI_PER_GPU else table[0 if f < 0 else MILLI_PER_GPU]
+        return base + self.lookahead_weight * extra
 
     def gain(self, frag_before: float, frag_after: float) -> float:
         if self.quantised:
