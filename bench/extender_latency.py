@@ -140,13 +140,16 @@ def summarise(samples_s: list[float]) -> str:
 
 
 def bench_in_process(
-    items: list[dict[str, Any]], names: list[str], iterations: int
+    items: list[dict[str, Any]], names: list[str], iterations: int, policy: str | None = None
 ) -> tuple[dict[str, dict[str, list[float]]], dict[str, tuple[float, float]]]:
     # a snapshot, as `kube-vgpu extender --snapshot` serves it: its heartbeats never expire, however long building
     # 5000 nodes took on a loaded machine (the default 120 s TTL would measure filters failing on stale nodes)
     state = ClusterState(heartbeat_ttl_s=float("inf"))
     cluster = SnapshotCluster(state, [dict(i) for i in items])
-    scheduler = Scheduler(state, cluster)
+    if policy is None:
+        scheduler = Scheduler(state, cluster)
+    else:
+        scheduler = Scheduler(state, cluster, node_policy=policy, gpu_policy=policy)
     try:
         from kube_vgpu.extender.scheduler import equivalence_key  # type: ignore[attr-defined,unused-ignore]
 
@@ -245,12 +248,14 @@ def serve_fake_api(snapshot: Path, port: int) -> None:
 
 
 def bench_http(
-    snapshot: Path, names: list[str], iterations: int, mode: str
+    snapshot: Path, names: list[str], iterations: int, mode: str, policy: str | None = None
 ) -> tuple[dict[str, dict[str, list[float]]], dict[str, tuple[float, float]], float, float]:
     """(steady timings per shape, cold (filter s, prioritize s) per shape, RSS MiB after the run, seconds until the
     extender was ready)."""
     port = 20000 + os.getpid() % 20000
     command = [sys.executable, "-m", "kube_vgpu.cli", "extender", "--port", str(port), "--log-level", "WARNING"]
+    if policy is not None:
+        command += ["--policy", policy, "--gpu-policy", policy]
     api: subprocess.Popen[bytes] | None = None
     api_url = f"http://127.0.0.1:{port + 1}"
     tmp = tempfile.TemporaryDirectory()
@@ -330,13 +335,14 @@ def main() -> int:
     parser.add_argument("--cluster", choices=sorted(CLUSTERS), nargs="+", default=["distinct"])
     parser.add_argument("--modes", choices=("snapshot", "live"), nargs="+", default=["snapshot", "live"])
     parser.add_argument("--skip-in-process", action="store_true", help="HTTP phases only")
+    parser.add_argument("--policy", default=None, help="node and GPU policy (default: the extender's defaults)")
     parser.add_argument("--serve-fake-api", nargs=2, metavar=("SNAPSHOT", "PORT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_fake_api:
         serve_fake_api(Path(args.serve_fake_api[0]), int(args.serve_fake_api[1]))
         return 0
     print(f"# extender latency: {args.iterations} pods per shape; each pod filtered, prioritized, bound; "
-          f"load average {os.getloadavg()[0]:.2f}")
+          f"load average {os.getloadavg()[0]:.2f}; policy {args.policy or 'default'}")
     for cluster_name in args.cluster:
         for nodes in args.nodes:
             started = time.perf_counter()
@@ -346,7 +352,7 @@ def main() -> int:
             print(f"\n## {cluster_name} cluster: {nodes} nodes x 8 GPUs, {pods} assigned pods, built in "
                   f"{time.perf_counter() - started:.1f}s")
             if not args.skip_in_process:
-                in_process, cold = bench_in_process(items, names, args.iterations)
+                in_process, cold = bench_in_process(items, names, args.iterations, args.policy)
                 for shape_name, timings in in_process.items():
                     base = percentile(timings["baseline-parse"], 50)
                     for verb in ("filter", "prioritize"):
@@ -359,7 +365,9 @@ def main() -> int:
                 snapshot.write_bytes(orjson.dumps({"apiVersion": "v1", "kind": "List", "items": items}))
                 del items
                 for mode in args.modes:
-                    http_results, http_cold, rss, ready_s = bench_http(snapshot, names, args.iterations, mode)
+                    http_results, http_cold, rss, ready_s = bench_http(
+                        snapshot, names, args.iterations, mode, args.policy
+                    )
                     where = f"http-{mode}"
                     for shape_name, timings in http_results.items():
                         base50 = percentile(timings["baseline-empty-filter"], 50)

@@ -90,6 +90,11 @@ class FragPolicyBase(Policy):
     def break_tie(self, node: NodeState, tied: list[GpuState], scratch: Scratch) -> GpuState:
         return tied[0]  # lowest index
 
+    def gain(self, frag_before: float, frag_after: float) -> float:
+        """Score (higher is better) of a change of the measure, for nodes and for a sharing pod's GPU: the
+        reference's integer 0..100."""
+        return quantised_gain(frag_before, frag_after)
+
     def choose_gpus(
         self,
         node: NodeState,
@@ -108,9 +113,9 @@ class FragPolicyBase(Policy):
         before = self.measure(node, cpu_free, cpu_known, free)
         s_memory, s_cores, s_vgpus, s_exclusive = scratch.memory_mib, scratch.cores, scratch.vgpus, scratch.exclusive
         # GPUs with the same free share before and after lead to the same node state
-        by_change: dict[tuple[int, int], int] = {}
+        by_change: dict[tuple[int, int], float] = {}
         tied: list[GpuState] = []
-        best_score = -1
+        best_score = -1.0
         for gpu in candidates:
             position = gpu.position
             left = free[position]
@@ -125,7 +130,7 @@ class FragPolicyBase(Policy):
             score = by_change.get((left, taken))
             if score is None:
                 free[position] = taken
-                score = quantised_gain(before, self.measure(node, cpu_after, cpu_known, free))
+                score = self.gain(before, self.measure(node, cpu_after, cpu_known, free))
                 free[position] = left
                 by_change[(left, taken)] = score
             if score > best_score:
@@ -139,7 +144,7 @@ class FragPolicyBase(Policy):
         cpu_after = cpu_free - request.cpu_milli if cpu_known else cpu_free
         before = self.measure(node, cpu_free, cpu_known, free_milli_list(node))
         after = self.measure(node, cpu_after, cpu_known, free_after(node, placement))
-        return float(quantised_gain(before, after))
+        return float(self.gain(before, after))
 
 
 class FGD(FragPolicyBase):

@@ -13,6 +13,7 @@ from kube_vgpu.extender.engine.policies import (
     clustering,
     dotprod,
     fgd,
+    lookahead,
     mutex,
     packing,
     random,
@@ -26,6 +27,7 @@ _POLICIES: tuple[type[Policy], ...] = (
     spread.Spread,
     topology.Topology,
     bfgd.BalancedFGD,
+    lookahead.LookaheadFGD,  # bfgd with a look-ahead over the learned workload (docs/simulator.md)
     mutex.Mutex,  # HAMi's GPU policy of that name
     # the reference policies of the FGD paper's simulator (docs/simulator.md)
     fgd.FGD,
