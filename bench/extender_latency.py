@@ -215,25 +215,11 @@ def serve_fake_api(snapshot: Path, port: int) -> None:
     from tests.extender.fakeapi import FakeApiServer
 
     class BenchApiServer(FakeApiServer):
+        copy_lists = False
+
         def __init__(self) -> None:
             super().__init__()
             self.app.add_api_route("/api/v1/namespaces/{namespace}/pods", self.create_pod, methods=["POST"])
-
-        async def collection(self, plural: str, request: Request) -> Response:
-            query = request.query_params
-            if plural not in self.objects or query.get("watch") in ("true", "1", "True"):
-                return await super().collection(plural, request)
-            limit = int(query.get("limit") or 0)
-            start = int(query.get("continue") or 0)
-            with self.lock:
-                items = list(self.objects[plural].values())
-                version = self.version
-            page = items[start:start + limit] if limit else items[start:]
-            more = bool(limit) and start + limit < len(items)
-            doc = {"kind": "List", "apiVersion": "v1",
-                   "metadata": {"resourceVersion": str(version), **({"continue": str(start + limit)} if more else {})},
-                   "items": page}
-            return Response(orjson.dumps(doc), media_type="application/json")
 
         async def create_pod(self, namespace: str, request: Request) -> Response:
             self.put("pods", orjson.loads(await request.body()))
