@@ -14,6 +14,7 @@ nodes share one).
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -157,15 +158,17 @@ def task_shape(request: PlacementRequest) -> TaskShape:
 
 #: one GPU class's view of the target workload (FragModel._class_view): the probability of the shapes that can never
 #: use its GPUs; the distinct per-GPU asks of the others, descending; those shapes in the model's order as
-#: (milli-CPU, index of their per-GPU ask in the asks, GPU count, probability)
-ClassView = tuple[float, tuple[int, ...], tuple[tuple[int, int, int, float], ...]]
+#: (milli-CPU, index of their per-GPU ask in the asks, GPU count, probability); their distinct milli-CPU asks,
+#: ascending
+ClassView = tuple[float, tuple[int, ...], tuple[tuple[int, int, int, float], ...], tuple[int, ...]]
 
 
 class FragModel:
     """Node fragmentation under one target workload, memoised by node state.
 
     State = (GPU model, free milli-CPU, free milli-GPU per GPU sorted descending); the measure does not depend
-    on GPU order, so sorting lets differently-ordered nodes share a memo entry.
+    on GPU order, so sorting lets differently-ordered nodes share a memo entry, and it depends on the free CPU
+    only through the shapes whose CPU ask it meets, so the memo is keyed by how many distinct CPU asks it meets.
     """
 
     __slots__ = ("_by_class", "_memo", "shapes")
@@ -188,17 +191,21 @@ class FragModel:
                     usable.append((shape.cpu_milli, share, shape.gpu_count, p))
             asks = tuple(sorted({share for _, share, _, _ in usable}, reverse=True))
             where = {share: index for index, share in enumerate(asks)}
-            view = (never, asks, tuple((cpu, where[share], count, p) for cpu, share, count, p in usable))
+            cpus = tuple(sorted({cpu for cpu, _, _, _ in usable}))
+            view = (never, asks, tuple((cpu, where[share], count, p) for cpu, share, count, p in usable), cpus)
             self._by_class[(model, gpu_memory_mib)] = view
         return view
 
     def frag(self, model: str, cpu_free_milli: int, gpu_free_milli: tuple[int, ...], gpu_memory_mib: int = 0) -> float:
         """Fragmented milli-GPU of a node whose GPUs are `model` with `gpu_memory_mib` each (0: unknown, fixed MiB
         asks are then judged by their other fractions); gpu_free_milli must be sorted descending."""
-        key = (model, gpu_memory_mib, cpu_free_milli, gpu_free_milli)
+        view = self._by_class.get((model, gpu_memory_mib)) or self._class_view(model, gpu_memory_mib)
+        # node_frag compares the free CPU with each shape's CPU ask alone: equal for every free CPU that meets the
+        # same asks
+        key = (model, gpu_memory_mib, bisect_right(view[3], cpu_free_milli), gpu_free_milli)
         value = self._memo.get(key)
         if value is None:
-            value = node_frag(self._class_view(model, gpu_memory_mib), cpu_free_milli, gpu_free_milli)
+            value = node_frag(view, cpu_free_milli, gpu_free_milli)
             if len(self._memo) >= MEMO_ENTRIES:
                 self._memo.clear()
             self._memo[key] = value
@@ -217,7 +224,7 @@ def node_frag(class_view: ClassView, cpu_free_milli: int, gpu_free_milli: Sequen
         total += free
     if total == 0:
         return 0.0
-    never, asks, usable = class_view
+    never, asks, usable, _ = class_view
     fitting: list[int] = []  # by ask: GPUs with at least that much free
     small: list[int] = []  # by ask: idle milli-GPU on the other GPUs
     gpus = len(gpu_free_milli)
