@@ -87,6 +87,7 @@ def free_memory_after(gpu: GpuState, container: ContainerGpuRequest, scratch: Sc
 
 def node_fill_after(node: NodeState, placement: Placement) -> float:
     """Fraction (0..1) of the node's GPU memory and cores in use once the placement is applied."""
+    # the node's GPU totals and usage, once per version of the node (keyed by this function)
     totals = node.version_cache.get(node_fill_after)
     if totals is None:
         total_memory = total_cores = used_memory = used_cores = 0

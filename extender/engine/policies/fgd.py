@@ -83,12 +83,15 @@ class FragPolicyBase(Policy):
 
     def node_measure(self, node: NodeState, cpu_free: int, cpu_known: bool) -> float:
         """measure() of the node's own free GPU shares (memoised for this version of the node: every request
-        shape placed on it measures it before)."""
-        key = (self, self._epoch, cpu_free, cpu_known)
+        shape placed on it measures it before). One entry per policy, for the latest epoch and free CPU, so a node
+        that does not change holds no more as the epochs go by."""
         cache = node.version_cache
-        value: float | None = cache.get(key)
-        if value is None:
-            value = cache[key] = self.measure(node, cpu_free, cpu_known, free_milli_list(node))
+        epoch = self.epoch()  # what every cached result of the policy is keyed by
+        entry: tuple[int, int, bool, float] | None = cache.get(self)
+        if entry is not None and entry[0] == epoch and entry[1] == cpu_free and entry[2] == cpu_known:
+            return entry[3]
+        value = self.measure(node, cpu_free, cpu_known, free_milli_list(node))
+        cache[self] = (epoch, cpu_free, cpu_known, value)
         return value
 
     def choose_whole(
