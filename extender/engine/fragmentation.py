@@ -14,6 +14,7 @@ nodes share one).
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from kube_vgpu.extender.engine.shares import MILLI_PER_GPU, ask_share_milli, fre
 if TYPE_CHECKING:
     from kube_vgpu.extender.engine.model import NodeState, PlacementRequest
 
-__all__ = ["MILLI_PER_GPU", "FragModel", "ShapeLearner", "TaskShape", "WeightedShapes", "task_shape"]
+__all__ = ["MILLI_PER_GPU", "ClassView", "FragModel", "ShapeLearner", "TaskShape", "WeightedShapes", "task_shape"]
 
 #: the reference keeps the most frequent shapes until they cover this share of tasks
 DEFAULT_COVERAGE = 0.95
@@ -155,22 +156,29 @@ def task_shape(request: PlacementRequest) -> TaskShape:
     return TaskShape(request.cpu_milli, compute_milli, count, request.gpu_spec, memory_mib, memory_milli)
 
 
+#: one GPU class's view of the target workload (FragModel._class_view): the probability of the shapes that can never
+#: use its GPUs; the distinct per-GPU asks of the others, descending; those shapes in the model's order as
+#: (milli-CPU, index of their per-GPU ask in the asks, GPU count, probability); their distinct milli-CPU asks,
+#: ascending
+ClassView = tuple[float, tuple[int, ...], tuple[tuple[int, int, int, float], ...], tuple[int, ...]]
+
+
 class FragModel:
     """Node fragmentation under one target workload, memoised by node state.
 
     State = (GPU model, free milli-CPU, free milli-GPU per GPU sorted descending); the measure does not depend
-    on GPU order, so sorting lets differently-ordered nodes share a memo entry.
+    on GPU order, so sorting lets differently-ordered nodes share a memo entry, and it depends on the free CPU
+    only through the shapes whose CPU ask it meets, so the memo is keyed by how many distinct CPU asks it meets.
     """
 
     __slots__ = ("_by_class", "_memo", "shapes")
 
     def __init__(self, shapes: WeightedShapes) -> None:
         self.shapes = shapes
-        self._by_class: dict[tuple[str, int], tuple[float, tuple[tuple[int, int, int, float], ...]]] = {}
+        self._by_class: dict[tuple[str, int], ClassView] = {}
         self._memo: dict[tuple[str, int, int, tuple[int, ...]], float] = {}
 
-    def _class_view(self, model: str, gpu_memory_mib: int) -> tuple[float, tuple[tuple[int, int, int, float], ...]]:
-        """(probability of shapes that can never use this class's GPUs, the others as (cpu, milli, count, p))."""
+    def _class_view(self, model: str, gpu_memory_mib: int) -> ClassView:
         view = self._by_class.get((model, gpu_memory_mib))
         if view is None:
             never = 0.0
@@ -181,46 +189,59 @@ class FragModel:
                     never += p
                 else:
                     usable.append((shape.cpu_milli, share, shape.gpu_count, p))
-            view = (never, tuple(usable))
+            asks = tuple(sorted({share for _, share, _, _ in usable}, reverse=True))
+            where = {share: index for index, share in enumerate(asks)}
+            cpus = tuple(sorted({cpu for cpu, _, _, _ in usable}))
+            view = (never, asks, tuple((cpu, where[share], count, p) for cpu, share, count, p in usable), cpus)
             self._by_class[(model, gpu_memory_mib)] = view
         return view
 
     def frag(self, model: str, cpu_free_milli: int, gpu_free_milli: tuple[int, ...], gpu_memory_mib: int = 0) -> float:
         """Fragmented milli-GPU of a node whose GPUs are `model` with `gpu_memory_mib` each (0: unknown, fixed MiB
         asks are then judged by their other fractions); gpu_free_milli must be sorted descending."""
-        key = (model, gpu_memory_mib, cpu_free_milli, gpu_free_milli)
+        view = self._by_class.get((model, gpu_memory_mib)) or self._class_view(model, gpu_memory_mib)
+        # node_frag compares the free CPU with each shape's CPU ask alone: equal for every free CPU that meets the
+        # same asks
+        key = (model, gpu_memory_mib, bisect_right(view[3], cpu_free_milli), gpu_free_milli)
         value = self._memo.get(key)
         if value is None:
-            value = node_frag(self._class_view(model, gpu_memory_mib), cpu_free_milli, gpu_free_milli)
+            value = node_frag(view, cpu_free_milli, gpu_free_milli)
             if len(self._memo) >= MEMO_ENTRIES:
                 self._memo.clear()
             self._memo[key] = value
         return value
 
 
-def node_frag(
-    model_view: tuple[float, Sequence[tuple[int, int, int, float]]], cpu_free_milli: int, gpu_free_milli: Sequence[int]
-) -> float:
-    """The measure itself for one node (see the module docstring); gpu_free_milli sorted descending."""
+def node_frag(class_view: ClassView, cpu_free_milli: int, gpu_free_milli: Sequence[int]) -> float:
+    """The measure itself for one node (see the module docstring); gpu_free_milli sorted descending.
+
+    Per shape m: all idle capacity when the CPU is short or fewer than m's count of GPUs have m's ask free, else
+    the idle capacity of the GPUs below m's ask, weighted by p_m and summed in the model's order. The GPU counts
+    and idle capacities are integers, worked out once per distinct ask: the GPUs with the ask free are a prefix of
+    the sorted free list."""
     total = 0
     for free in gpu_free_milli:
         total += free
     if total == 0:
         return 0.0
-    never, usable = model_view
+    never, asks, usable, _ = class_view
+    fitting: list[int] = []  # by ask: GPUs with at least that much free
+    small: list[int] = []  # by ask: idle milli-GPU on the other GPUs
+    gpus = len(gpu_free_milli)
+    position = 0
+    above = 0  # free milli-GPU of the first `position` GPUs
+    for ask in asks:
+        while position < gpus and gpu_free_milli[position] >= ask:
+            above += gpu_free_milli[position]
+            position += 1
+        fitting.append(position)
+        small.append(total - above)
     frag = never * total
-    for cpu, milli, count, p in usable:
-        if cpu_free_milli < cpu:
+    for cpu, ask, count, p in usable:
+        if cpu_free_milli < cpu or fitting[ask] < count:
             frag += p * total
-            continue
-        fitting = 0
-        small = 0
-        for free in gpu_free_milli:
-            if free >= milli:
-                fitting += 1
-            else:
-                small += free
-        frag += p * (total if fitting < count else small)
+        else:
+            frag += p * small[ask]
     return frag
 
 

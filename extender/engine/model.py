@@ -296,6 +296,7 @@ class NodeState:
         "name",
         "pod_kinds",
         "version",
+        "version_cache",
     )
 
     def __init__(
@@ -320,6 +321,8 @@ class NodeState:
         # policy's model changes, the scheduler re-places these a few nodes at a time)
         self.fit_cache: dict[Any, Any] = {}
         self.free_milli_cache: tuple[int, ...] | None = None  # engine.shares free share per GPU (policies._milli)
+        #: values policies derive from this version of the node (keyed by what else they depend on); dropped by touch()
+        self.version_cache: dict[Any, Any] = {}
         #: the extender's node-equivalence key of this version (scheduler.equivalence_key; None: not computed yet)
         self.equivalence_key: Any = None
         #: where touch() records this node's name (the cluster state's change journal; None: nowhere, e.g. a copy)
@@ -407,6 +410,7 @@ class NodeState:
         twin.pod_kinds = dict(self.pod_kinds)
         twin.fit_cache = {}
         twin.free_milli_cache = None
+        twin.version_cache = {}
         twin.equivalence_key = None
         twin.journal = None  # what-if changes are nobody's news
         return twin
@@ -417,6 +421,8 @@ class NodeState:
         if self.fit_cache:
             self.fit_cache = {}
         self.free_milli_cache = None
+        if self.version_cache:
+            self.version_cache = {}
         self.equivalence_key = None
         if self.journal is not None:
             self.journal.append(self.name)

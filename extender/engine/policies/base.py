@@ -87,12 +87,18 @@ def free_memory_after(gpu: GpuState, container: ContainerGpuRequest, scratch: Sc
 
 def node_fill_after(node: NodeState, placement: Placement) -> float:
     """Fraction (0..1) of the node's GPU memory and cores in use once the placement is applied."""
-    total_memory = total_cores = used_memory = used_cores = 0
-    for gpu in node.gpus:
-        total_memory += gpu.memory_mib
-        total_cores += gpu.cores
-        used_memory += gpu.used_memory_mib
-        used_cores += gpu.used_cores
+    # the node's GPU totals and usage, once per version of the node (keyed by this function)
+    totals = node.version_cache.get(node_fill_after)
+    if totals is None:
+        total_memory = total_cores = used_memory = used_cores = 0
+        for gpu in node.gpus:
+            total_memory += gpu.memory_mib
+            total_cores += gpu.cores
+            used_memory += gpu.used_memory_mib
+            used_cores += gpu.used_cores
+        totals = node.version_cache[node_fill_after] = (total_memory, total_cores, used_memory, used_cores)
+    else:
+        total_memory, total_cores, used_memory, used_cores = totals
     for usage in placement.usage:
         if usage.position >= len(node.gpus):
             continue  # a MIG device (node.devices): not part of the GPUs' totals

@@ -81,6 +81,19 @@ class FragPolicyBase(Policy):
         """The node's fragmentation (milli-GPU) with this free CPU and free milli-GPU per GPU."""
         return self.node_frag(node, cpu_free, free)
 
+    def node_measure(self, node: NodeState, cpu_free: int, cpu_known: bool) -> float:
+        """measure() of the node's own free GPU shares (memoised for this version of the node: every request
+        shape placed on it measures it before). One entry per policy, for the latest epoch and free CPU, so a node
+        that does not change holds no more as the epochs go by."""
+        cache = node.version_cache
+        epoch = self.epoch()  # what every cached result of the policy is keyed by
+        entry: tuple[int, int, bool, float] | None = cache.get(self)
+        if entry is not None and entry[0] == epoch and entry[1] == cpu_free and entry[2] == cpu_known:
+            return entry[3]
+        value = self.measure(node, cpu_free, cpu_known, free_milli_list(node))
+        cache[self] = (epoch, cpu_free, cpu_known, value)
+        return value
+
     def choose_whole(
         self, node: NodeState, container: ContainerGpuRequest, candidates: Sequence[GpuState], scratch: Scratch
     ) -> Sequence[GpuState]:
@@ -110,7 +123,12 @@ class FragPolicyBase(Policy):
         free = free_with_scratch(node, scratch)
         cpu_free, cpu_known = frag_cpu_free_milli(node)
         cpu_after = cpu_free - request.cpu_milli if cpu_known else cpu_free
-        before = self.measure(node, cpu_free, cpu_known, free)
+        # nothing of this pod on the node's GPUs yet (its first container): the node's own measure
+        before = (
+            self.measure(node, cpu_free, cpu_known, free)
+            if any(scratch.vgpus)
+            else self.node_measure(node, cpu_free, cpu_known)
+        )
         s_memory, s_cores, s_vgpus, s_exclusive = scratch.memory_mib, scratch.cores, scratch.vgpus, scratch.exclusive
         # GPUs with the same free share before and after lead to the same node state
         by_change: dict[tuple[int, int], float] = {}
@@ -142,7 +160,7 @@ class FragPolicyBase(Policy):
     def score(self, node: NodeState, request: PlacementRequest, placement: Placement) -> float:
         cpu_free, cpu_known = frag_cpu_free_milli(node)
         cpu_after = cpu_free - request.cpu_milli if cpu_known else cpu_free
-        before = self.measure(node, cpu_free, cpu_known, free_milli_list(node))
+        before = self.node_measure(node, cpu_free, cpu_known)
         after = self.measure(node, cpu_after, cpu_known, free_after(node, placement))
         return float(self.gain(before, after))
 

@@ -9,6 +9,7 @@ NVLink-pair and PCIe-tree nodes (tests/engine/test_topology.py).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from kube_vgpu.extender.engine.model import GpuState
@@ -59,9 +60,14 @@ def best_connected_set(matrix: list[list[int]], candidates: Sequence[int], count
     return best
 
 
+_gpu_index = attrgetter("index")
+
+
 def least_damaging_gpu(node: NodeState, candidates: Sequence[GpuState], scratch: Scratch) -> GpuState:
     """The candidate whose loss least breaks up well-connected idle GPUs (weakest best link to the other idle
     GPUs, then least total link, then lowest index)."""
+    if not node.has_links:  # every link is 0: the damage is the index alone
+        return min(candidates, key=_gpu_index)
     matrix = node.link_matrix
     idle_positions = [g.position for g in node.gpus if g.schedulable and g.idle and not scratch.vgpus[g.position]]
 
