@@ -36,6 +36,7 @@ import http.client
 import multiprocessing
 import multiprocessing.synchronize
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -53,17 +54,23 @@ ROOT = Path(__file__).resolve().parent.parent
 JSON_HEADERS = {"Content-Type": "application/json"}
 
 
-def with_bind_times(items: list[dict[str, Any]], hours_ago: float = 1.0) -> list[dict[str, Any]]:
-    """Give every bound pod a bind time, as the extender's bind writes it: the GPU-seconds counters need one."""
-    text = protocol.format_bind_time(dt.datetime.now(dt.UTC) - dt.timedelta(hours=hours_ago))
+def with_bind_times(items: list[dict[str, Any]], max_hours_ago: float = 24.0, seed: int = 7) -> list[dict[str, Any]]:
+    """Give every bound pod a bind time, as the extender's bind writes it: the GPU-seconds counters need one. Each
+    its own (up to max_hours_ago), as in a live cluster: the counters' values then all differ, as they do there."""
+    rng = random.Random(seed)
+    now = dt.datetime.now(dt.UTC)
     for item in items:
         if item["kind"] == "Pod" and item["spec"].get("nodeName"):
-            item["metadata"].setdefault("annotations", {})[protocol.POD_BIND_TIME_ANNOTATION] = text
+            bound = now - dt.timedelta(seconds=rng.uniform(60.0, max_hours_ago * 3600.0))
+            item["metadata"].setdefault("annotations", {})[protocol.POD_BIND_TIME_ANNOTATION] = \
+                protocol.format_bind_time(bound)
     return items
 
 
-def fetch(port: int, path: str, timeout_s: float = 120.0) -> tuple[int, float, float]:
-    """GET path -> (bytes, seconds to the first byte of the reply, seconds to the last)."""
+def fetch(port: int, path: str, timeout_s: float = 120.0) -> tuple[int, float, float, float]:
+    """GET path -> (bytes, seconds to the first byte of the reply, seconds to the last, when it started on the
+    monotonic clock, which is the same in every process)."""
+    began = time.monotonic()
     started = time.perf_counter()
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
     try:
@@ -73,7 +80,7 @@ def fetch(port: int, path: str, timeout_s: float = 120.0) -> tuple[int, float, f
         size = len(reply.read())
         if reply.status != 200:
             raise RuntimeError(f"GET {path}: {reply.status}")
-        return size, first_s, time.perf_counter() - started
+        return size, first_s, time.perf_counter() - started, began
     finally:
         connection.close()
 
@@ -107,16 +114,16 @@ def dashboard_poll(port: int, page_interval_s: float, stop: multiprocessing.sync
         before, started = upstream.fetches, time.monotonic()
         asyncio.run(upstream.view())
         if upstream.fetches > before:
-            samples.append((0, 0.0, time.monotonic() - started))
+            samples.append((0, 0.0, time.monotonic() - started, started))
         stop.wait(page_interval_s)
     results.put(samples)
 
 
-def cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) a process has used so far: a scrape's cost in CPU, which on a loaded machine is
-    steadier than the verbs' latency."""
+def cpu_s(pid: int) -> tuple[float, float]:
+    """CPU seconds (user, system) a process has used so far: a scrape's cost in CPU, which on a loaded machine is
+    steadier than the verbs' latency (system time: its sockets, and the page faults of memory handed back)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / os.sysconf("SC_CLK_TCK"), int(fields[12]) / os.sysconf("SC_CLK_TCK")
 
 
 def wait_ready(port: int, server: subprocess.Popen[bytes], deadline_s: float = 600.0) -> None:
@@ -134,9 +141,12 @@ def wait_ready(port: int, server: subprocess.Popen[bytes], deadline_s: float = 6
         time.sleep(0.5)
 
 
-def run_pods(connection: http.client.HTTPConnection, names: list[str], seconds: float) -> dict[str, list[float]]:
-    """filter + prioritize + bind one pod after another for `seconds`; the verbs' round trips in seconds."""
+def run_pods(connection: http.client.HTTPConnection, names: list[str], seconds: float,
+             starts: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
+    """filter + prioritize + bind one pod after another for `seconds`; the verbs' round trips in seconds (and, into
+    `starts`, when each began on the monotonic clock)."""
     timings: dict[str, list[float]] = {"filter": [], "prioritize": []}
+    began = starts if starts is not None else {"filter": [], "prioritize": []}
     shape = shapes()["1-gpu-fractional"]
     end = time.monotonic() + seconds
 
@@ -146,9 +156,11 @@ def run_pods(connection: http.client.HTTPConnection, names: list[str], seconds: 
 
     while time.monotonic() < end:
         pod = make_pod(**shape)
+        began["filter"].append(time.monotonic())
         started = time.perf_counter()
         passed = post("/filter", orjson.dumps({"Pod": pod, "NodeNames": names}))["NodeNames"]
         timings["filter"].append(time.perf_counter() - started)
+        began["prioritize"].append(time.monotonic())
         started = time.perf_counter()
         scores = post("/prioritize", orjson.dumps({"Pod": pod, "NodeNames": passed}))
         timings["prioritize"].append(time.perf_counter() - started)
@@ -158,6 +170,31 @@ def run_pods(connection: http.client.HTTPConnection, names: list[str], seconds: 
             post("/bind", orjson.dumps({"PodName": meta["name"], "PodNamespace": "default", "PodUID": meta["uid"],
                                         "Node": best}))
     return timings
+
+
+def print_tails(timeline: list[dict[str, Any]]) -> None:
+    """Where the slow verbs are: for each polled phase, filter's p99 over the verbs that ran while a poll was
+    being answered and over the others, and how many of the phase's slowest 1% fall in each."""
+    print("\nfilter during polls vs not (a poll's window: from its GET to the end of its reply)")
+    by_label: dict[str, list[dict[str, Any]]] = {}
+    for entry in timeline:
+        by_label.setdefault(entry["phase"], []).append(entry)
+    for label, entries in by_label.items():
+        inside: list[float] = []
+        outside: list[float] = []
+        for entry in entries:
+            windows = sorted((began, began + total_s) for began, total_s in entry["requests"])
+            for began, seconds in entry["verbs"]["filter"]:
+                during = any(start <= began + seconds and began <= end for start, end in windows)
+                (inside if during else outside).append(seconds)
+        every = sorted(inside + outside)
+        if not every or not inside:
+            continue
+        slow_s = every[int(len(every) * 0.99)]
+        print(f"  {label:22s} during: {len(inside):5d} verbs, p50 {percentile(inside, 50) * 1e3:5.2f} p99 "
+              f"{percentile(inside, 99) * 1e3:6.2f} ms, {sum(s >= slow_s for s in inside)} of the slowest 1%; "
+              f"outside: {len(outside):5d}, p50 {percentile(outside, 50) * 1e3:5.2f} p99 "
+              f"{percentile(outside, 99) * 1e3:6.2f} ms, {sum(s >= slow_s for s in outside)} of them")
 
 
 def main() -> int:
@@ -175,6 +212,9 @@ def main() -> int:
     parser.add_argument("--extender-arg", action="append", default=[],
                         help="extra argument for `kube-vgpu extender` (repeatable), e.g. "
                              "--extender-arg=--metrics-per-pod-gpu=off")
+    parser.add_argument("--timeline", default="",
+                        help="write every verb's start and seconds and every poll's start and seconds, per phase "
+                             "and round, to this JSON file")
     args = parser.parse_args()
 
     started = time.perf_counter()
@@ -199,14 +239,15 @@ def main() -> int:
             wait_ready(metrics_port, server)
             for path, target in (("/metrics", metrics_port), ("/state", port)):
                 fetch(target, path)  # warm: first-time imports and caches
-                size, first_s, total_s = fetch(target, path)
+                size, first_s, total_s, _ = fetch(target, path)
                 print(f"GET {path:8s} alone: {size / 1e6:6.1f} MB, first byte {first_s * 1e3:7.0f} ms, "
                       f"whole reply {total_s * 1e3:7.0f} ms")
             connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
             run_pods(connection, names, min(3.0, args.seconds))  # warm the per-shape caches
             collected: dict[str, dict[str, list[float]]] = {}
-            cpu_by_phase: dict[str, list[float]] = {}  # label -> [extender CPU s, wall s]
-            polled_by: dict[str, list[tuple[int, float, float]]] = {}
+            cpu_by_phase: dict[str, list[float]] = {}  # label -> [extender user CPU s, system CPU s, wall s]
+            polled_by: dict[str, list[tuple[int, float, float, float]]] = {}
+            timeline: list[dict[str, Any]] = []
             for phase in [phase for _ in range(args.rounds) for phase in args.phases]:
                 stop = multiprocessing.Event()
                 results: Any = multiprocessing.Queue()
@@ -227,14 +268,22 @@ def main() -> int:
                 if poller is not None:
                     poller.start()
                 cpu_before_s, wall_before_s = cpu_s(server.pid), time.monotonic()
-                timings = run_pods(connection, names, args.seconds)
+                starts: dict[str, list[float]] = {"filter": [], "prioritize": []}
+                timings = run_pods(connection, names, args.seconds, starts)
+                answered: list[tuple[int, float, float, float]] = []
                 if poller is not None:
                     stop.set()
-                    polled_by.setdefault(label, []).extend(results.get(timeout=300))
+                    answered = results.get(timeout=300)
+                    polled_by.setdefault(label, []).extend(answered)
                     poller.join(60)
-                used = cpu_by_phase.setdefault(label, [0.0, 0.0])  # a render still running at the end counts too
-                used[0] += cpu_s(server.pid) - cpu_before_s
-                used[1] += time.monotonic() - wall_before_s
+                timeline.append({"phase": label, "verbs": {verb: list(zip(starts[verb], timings[verb], strict=True))
+                                                           for verb in timings},
+                                 "requests": [(began, total_s) for _, _, total_s, began in answered]})
+                used = cpu_by_phase.setdefault(label, [0.0, 0.0, 0.0])  # a render still running at the end counts too
+                user_s, system_s = cpu_s(server.pid)
+                used[0] += user_s - cpu_before_s[0]
+                used[1] += system_s - cpu_before_s[1]
+                used[2] += time.monotonic() - wall_before_s
                 for verb, samples in timings.items():
                     collected.setdefault(label, {}).setdefault(verb, []).extend(samples)
                 print(f"  {label}: {len(timings['filter'])} pods", flush=True)
@@ -255,11 +304,15 @@ def main() -> int:
                     totals = [sample[2] for sample in fetched]
                     polled = (f"  [{len(fetched)} GETs of {fetched[-1][0] / 1e6:.1f} MB, p50 "
                               f"{percentile(totals, 50) * 1e3:.0f} ms, max {max(totals) * 1e3:.0f} ms]")
-                cpu_used_s, wall_s = cpu_by_phase[label]
+                user_s, system_s, wall_s = cpu_by_phase[label]
+                cpu_used_s = user_s + system_s
                 print(f"{label:22s} {len(timings['filter']):5d}  " + "  ".join(cells) + polled
-                      + f"  [extender CPU {cpu_used_s:.1f} s in {wall_s:.0f} s, "
+                      + f"  [extender CPU {cpu_used_s:.1f} s (system {system_s:.1f}) in {wall_s:.0f} s, "
                         f"{cpu_used_s / len(timings['filter']) * 1e3:.1f} ms a pod]")
             print(f"extender RSS after the run: {rss_mib(server.pid):.0f} MiB")
+            print_tails(timeline)
+            if args.timeline:
+                Path(args.timeline).write_bytes(orjson.dumps(timeline))
         finally:
             server.terminate()
             server.wait(30)

@@ -28,6 +28,7 @@ from starlette.types import Receive, Scope, Send
 
 from kube_vgpu.extender.engine.model import NodeState
 from kube_vgpu.extender.exposition import (
+    BATCH_PIECES,
     ROWS_PER_CHUNK,
     Body,
     BytesOut,
@@ -38,6 +39,7 @@ from kube_vgpu.extender.exposition import (
     RenderedGroup,
     SharedRender,
     VerbActivity,
+    body_length,
     label_text,
     no_pause,
     render_registry,
@@ -67,15 +69,19 @@ class PayloadTooLarge(BadRequest):
     status = 413
 
 
-def _chunked(body: Body, media_type: str) -> Response:
-    """A rendered body sent chunk by chunk (never joined: see kube_vgpu.extender.exposition), with its length."""
+def _chunked(body: Body, length: int, media_type: str) -> Response:
+    """A rendered body sent a batch of pieces at a time (never joined whole: see kube_vgpu.extender.exposition)."""
 
     async def chunks() -> AsyncIterator[bytes]:
-        for chunk in body:
-            yield chunk
+        for start in range(0, len(body), BATCH_PIECES):
+            yield b"".join(body[start:start + BATCH_PIECES])
 
-    length = str(sum(len(chunk) for chunk in body))
-    return StreamingResponse(chunks(), media_type=media_type, headers={"Content-Length": length})
+    return StreamingResponse(chunks(), media_type=media_type, headers={"Content-Length": str(length)})
+
+
+def _with_length(render: SharedRender) -> tuple[Body, int]:
+    body = render.get()
+    return body, body_length(body)  # in the worker thread, not on the verbs' event loop
 
 
 def _json(data: Any, status_code: int = 200) -> Response:
@@ -169,7 +175,9 @@ class GpuCollector(GroupedCollector):
                 texts[slot] = _NodeText(node, version, rows_text(self.FAMILIES, labels,
                                                                  [amounts for _, amounts in rows], numbers))
         parts: list[list[bytes]] = [[] for _ in self.FAMILIES]
-        for text in texts:
+        for number, text in enumerate(texts):
+            if number % nodes_per_chunk == 0:
+                pause()
             new[text.node.name] = text
             for position, lines in enumerate(text.families):
                 parts[position].append(lines)
@@ -493,11 +501,11 @@ def add_views(app: ExtenderApp, scheduler: Scheduler) -> None:
     # both rendered in a worker thread, not on the event loop the verbs run on, pausing while a verb computes
     @app.get("/metrics")
     async def metrics() -> Response:
-        return _chunked(await run_in_threadpool(app.metrics_render.get), CONTENT_TYPE_LATEST)
+        return _chunked(*await run_in_threadpool(_with_length, app.metrics_render), CONTENT_TYPE_LATEST)
 
     @app.get("/state")
     async def state_view() -> Response:
-        return _chunked(await run_in_threadpool(app.state_render.get), "application/json")
+        return _chunked(*await run_in_threadpool(_with_length, app.state_render), "application/json")
 
     @app.get("/quota")
     async def quota_view() -> Response:
@@ -532,8 +540,7 @@ def state_view_bytes(scheduler: Scheduler, pause: Pause = no_pause) -> Body:
     with state.lock:
         extra = {"gangs": gangs_view(scheduler.gangs), "nominations": scheduler.nominations.view()}
     out.write(b"," + orjson.dumps(extra)[1:])
-    out.flush()
-    return out.chunks
+    return out.pieces
 
 
 class StateViewText:
@@ -629,8 +636,7 @@ class StateViewText:
         with state.lock:
             extra = {"gangs": gangs_view(self.scheduler.gangs), "nominations": self.scheduler.nominations.view()}
         out.write(b"," + orjson.dumps(extra)[1:])
-        out.flush()
-        return out.chunks
+        return out.pieces
 
 
 def create_app(scheduler: Scheduler, *, on_startup: Callable[[], None] | None = None,
@@ -653,9 +659,9 @@ def create_app(scheduler: Scheduler, *, on_startup: Callable[[], None] | None = 
     registry = metrics.registry
     # rendered in a worker thread (or the metrics listener's), pausing while a verb computes; requests arriving
     # during a render share it
-    app.metrics_render = SharedRender(lambda: render_registry(registry, activity.pause))
+    app.metrics_render = SharedRender(lambda: activity.run(lambda: render_registry(registry, activity.pause)))
     state_text = StateViewText(scheduler)
-    app.state_render = SharedRender(lambda: state_text.render(activity.pause))
+    app.state_render = SharedRender(lambda: activity.run(lambda: state_text.render(activity.pause)))
     add_views(app, scheduler)
     return app
 

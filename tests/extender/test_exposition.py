@@ -9,10 +9,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import hypothesis.strategies as st
 import orjson
+from hypothesis import given
 from prometheus_client import generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from kube_vgpu.extender.cli import Extender, build, parse_args
 from kube_vgpu.extender.exposition import (
@@ -22,6 +25,7 @@ from kube_vgpu.extender.exposition import (
     SharedRender,
     VerbActivity,
     escape_value,
+    go_whole,
     render_registry,
     render_settings,
 )
@@ -55,13 +59,12 @@ def test_label_values_are_escaped_as_prometheus_client_does() -> None:
                                      for number, value in enumerate(values)])
     out = BytesOut()
     group.render(out, lambda: None, {})
-    out.flush()
 
     class One(Collector):
         def collect(self) -> Iterator[Metric]:
             return group.metrics()
 
-    assert b"".join(out.chunks) == generate_latest(One())
+    assert b"".join(out.pieces) == generate_latest(One())
 
 
 def test_per_pod_gpu_gauges_off_keeps_the_counters_and_aggregates(tmp_path: Path) -> None:
@@ -157,6 +160,68 @@ def test_background_work_pauses_while_a_verb_computes() -> None:
     assert time.monotonic() - started < 0.04
 
 
+@given(st.one_of(st.integers(0, 10**7), st.integers(0, 10**19)))
+def test_whole_numbers_are_written_as_generate_latest_writes_them(number: int) -> None:
+    assert go_whole(number) == floatToGoString(number)
+
+
+def test_a_verb_and_a_render_step_never_run_at_once() -> None:
+    """The turn: a render holds it for each step between two pauses and the event loop while a verb computes, so a
+    verb that arrives during a step waits for the step's end, and a step never starts while a verb computes."""
+    activity = VerbActivity(max_pause_s=0.02, quiet_s=0.0, slice_s=0.0, turn_wait_s=5.0)
+    running: list[str] = []  # who runs now ("verb", "step"): never both
+    overlaps: list[list[str]] = []
+    steps_done = 0
+
+    def mark(who: str) -> None:
+        running.append(who)
+        if len(set(running)) > 1:
+            overlaps.append(list(running))
+
+    def render() -> None:
+        nonlocal steps_done
+        for _ in range(200):
+            mark("step")
+            time.sleep(0.001)  # a step of 1 ms (sleeping keeps the GIL free: only the turn keeps them apart)
+            running.remove("step")
+            steps_done += 1
+            activity.pause()
+
+    renderer = threading.Thread(target=lambda: activity.run(render))
+    renderer.start()
+    waits_s = []
+    for _ in range(50):
+        started = time.monotonic()
+        activity.started()  # waits for the step in progress
+        waits_s.append(time.monotonic() - started)
+        mark("verb")
+        time.sleep(0.002)
+        running.remove("verb")
+        activity.finished()
+        time.sleep(0.001)  # the gap between two verbs, where the render advances
+    renderer.join(30)
+    assert not renderer.is_alive() and steps_done == 200
+    assert overlaps == []
+    assert max(waits_s) < 0.5  # one step at a time (1 ms, plus the OS on a loaded machine), never the whole render
+
+
+def test_a_render_step_that_blocks_delays_a_verb_by_at_most_turn_wait_s() -> None:
+    activity = VerbActivity(turn_wait_s=0.05)
+    release = threading.Event()
+    renderer = threading.Thread(target=lambda: activity.run(lambda: release.wait(10)))
+    renderer.start()
+    time.sleep(0.05)  # the render holds the turn and blocks (a lock, the OS)
+    started = time.monotonic()
+    activity.started()
+    assert 0.04 < time.monotonic() - started < 2  # the verb goes ahead without the turn
+    activity.finished()  # and does not give back a turn it does not hold
+    release.set()
+    renderer.join(10)
+    activity.started()  # the turn is free again
+    activity.finished()
+    assert activity.run(lambda: 7) == 7
+
+
 def test_gc_is_off_during_renders_and_back_after_the_last() -> None:
     assert gc.isenabled()
     with render_settings():
@@ -165,6 +230,27 @@ def test_gc_is_off_during_renders_and_back_after_the_last() -> None:
             assert not gc.isenabled()
         assert not gc.isenabled()
     assert gc.isenabled()
+
+
+def test_probe_listener_writes_a_body_of_many_pieces_whole_to_a_slow_reader() -> None:
+    """More pieces than one sendmsg takes, and sends that stop within a piece (a reader slower than the writer)."""
+    import http.client
+
+    pieces = [bytes([65 + number % 26]) * (number % 5000) for number in range(5000)]  # ~12 MB, some pieces empty
+    server = serve_probes("127.0.0.1", 0, {"/metrics": lambda: (200, "text/plain", pieces)})
+    try:
+        connection = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=30)
+        connection.request("GET", "/metrics")
+        reply = connection.getresponse()
+        assert reply.getheader("Content-Length") == str(sum(map(len, pieces)))
+        received = []
+        while block := reply.read(65536):
+            received.append(block)
+            time.sleep(0.0005)  # the server's sends fill the socket's buffer and return short
+        assert b"".join(received) == b"".join(pieces)
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_probe_listener_writes_a_chunked_body_whole() -> None:
