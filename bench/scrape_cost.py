@@ -6,7 +6,7 @@ The cluster is bench/extender_latency.py's: N nodes x 8 A100-80GB, 8 bound 1-GPU
 pods at 5000 nodes), each carrying a bind time so the per-pod GPU-seconds counters are exported as in a live
 cluster. Each phase runs the same loop for --seconds: a 1-GPU fractional pod filtered over every node, prioritized
 over the nodes that passed, bound to the best one (so per-node caches are invalidated as in production). The
-phases run --rounds times, interleaved, and each is summarised over its rounds. Phases:
+phases run --rounds times, interleaved (every other round in reverse), and each is summarised over its rounds. Phases:
 
   * baseline: nothing else;
   * metrics-every-Ns: GET /metrics on the metrics listener every --scrape-interval-s (a 15-30 s Prometheus interval
@@ -23,7 +23,7 @@ kube-scheduler's scheduling cycle is: a stall of the server delays one request, 
 meets one and max how long it lasts); each endpoint's reply size and time (alone, before
 the phases; that is the extender's generation time plus the transfer over loopback).
 
-    PYTHONPATH=. python bench/scrape_cost.py                      # 5000 nodes, 3 rounds of 8 s per phase
+    PYTHONPATH=. python bench/scrape_cost.py                      # 5000 nodes, 4 rounds of 8 s per phase
     PYTHONPATH=. python bench/scrape_cost.py --nodes 500 --seconds 3 --rounds 1
     PYTHONPATH=. python bench/scrape_cost.py --rounds 10 --seconds 30 --scrape-interval-s 15   # the long version
 """
@@ -201,9 +201,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, default=5000)
     parser.add_argument("--seconds", type=float, default=8.0, help="length of each phase in each round")
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="the phases run this many times, interleaved, and are summarised over all rounds (on a "
-                             "shared machine the load drifts: interleaving spreads the drift over every phase)")
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="the phases run this many times, interleaved (every other round reversed), and are "
+                             "summarised over all rounds (the load and the cluster's fill drift through a run: "
+                             "interleaving spreads the drift over every phase); an even number cancels a steady drift")
     parser.add_argument("--scrape-interval-s", type=float, default=2.0)
     parser.add_argument("--state-interval-s", type=float, default=1.0)
     parser.add_argument("--phases", nargs="+",
@@ -248,7 +249,11 @@ def main() -> int:
             cpu_by_phase: dict[str, list[float]] = {}  # label -> [extender user CPU s, system CPU s, wall s]
             polled_by: dict[str, list[tuple[int, float, float, float]]] = {}
             timeline: list[dict[str, Any]] = []
-            for phase in [phase for _ in range(args.rounds) for phase in args.phases]:
+            # every other round in the reverse order (ABBA): the cluster fills as the run binds pods, so the verbs
+            # slow down through the run, and a phase that always came second would take that drift as its own
+            order = [phase for number in range(args.rounds)
+                     for phase in (args.phases if number % 2 == 0 else args.phases[::-1])]
+            for phase in order:
                 stop = multiprocessing.Event()
                 results: Any = multiprocessing.Queue()
                 poller = None

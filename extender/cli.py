@@ -312,7 +312,8 @@ def run(args: argparse.Namespace) -> int:
 
         serve_probes(extender.app.state.registry, extender.scheduler, args.metrics_host, args.metrics_port,
                      render=extender.app.metrics_render,  # shared with the verbs' port, pausing for the verbs
-                     state_render=extender.app.state_render)
+                     state_render=extender.app.state_render,
+                     send_pause=extender.app.activity.pause)  # the bodies go out between verbs
         log.info("metrics and probes on %s:%d", args.metrics_host, args.metrics_port)
     # Binds finish their API call in worker threads while the event loop answers filter and prioritize. With the
     # default 5 ms switch interval a thread whose reply has arrived waits up to 5 ms for the GIL, and binds to one

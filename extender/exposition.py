@@ -11,7 +11,8 @@ it on the loop) for as long as a scrape lasted. Three things here:
   what generate_latest writes for the same families (tested), several times faster.
 * `VerbActivity`: the verbs mark themselves in flight, and the rendering (in the metrics listener's thread or a
   worker thread) stops at the next `pause()` until none is and none ended in the last 2 ms; after waiting 5 ms it
-  runs a 0.1 ms slice, so a steady burst of verbs delays a scrape but cannot starve it.
+  runs a 0.1 ms slice, so a steady burst of verbs delays a scrape but cannot starve it. A render's steps (the work
+  between two pauses, ~0.1-0.2 ms) and the verbs take turns (a lock), so a verb never shares the GIL with one.
 * `SharedRender`: one render serves every request that arrives while it runs (two Prometheus replicas, several
   dashboards), with the cyclic GC off and a short GIL switch interval meanwhile (`render_settings`).
 * Kept text: a scrape at that size was still ~0.8 s of CPU, taken from the verbs on a 2-core node. Collectors keep
@@ -20,6 +21,7 @@ it on the loop) for as long as a scrape lasted. Three things here:
   `RenderedGroup`s, so a scrape renders again only what changed since the last one, and formats only the values
   that move with the clock (the GPU-seconds counters). The bytes are the same as generate_latest's (tested after
   every kind of change); the price is the text held between scrapes (~120 MiB of RSS at 5000 nodes and 40,000 pods).
+  The body is those very bytes, in order (`Body`), sent a batch at a time with sendmsg: nothing is copied into it.
 """
 
 from __future__ import annotations
@@ -474,23 +476,6 @@ class _RenderSettings:
 render_settings = _RenderSettings()
 
 
-def _libc_trim() -> Callable[[], object] | None:
-    try:
-        import ctypes
-
-        trim: Callable[[int], object] = ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return None
-    return lambda: trim(0)
-
-
-#: glibc's malloc_trim(0): hands the free pages of the C heap back to the OS. A render's garbage (rows, chunks of
-#: the body) is freed between pages the text kept between scrapes still holds, so without this the process keeps
-#: the peak of every render as well as the kept text (measured at 1000 nodes: 183 -> 165 MiB). ctypes releases the
-#: GIL for the call, so the verbs do not wait for it.
-release_free_memory = _libc_trim() or no_pause
-
-
 @dataclass(slots=True)
 class _Render:
     done: threading.Event = field(default_factory=threading.Event)
@@ -528,10 +513,8 @@ class SharedRender:
             return job.body
         started = time.monotonic()
         try:
-            release_free_memory()  # what the last render's body left (it has been sent since)
             with render_settings():
                 job.body = self.render()
-            release_free_memory()  # what this render freed
             return job.body
         except BaseException as exc:
             job.error = exc

@@ -667,13 +667,14 @@ def create_app(scheduler: Scheduler, *, on_startup: Callable[[], None] | None = 
 
 
 def serve_probes(registry: CollectorRegistry, scheduler: Scheduler, host: str, port: int, *,
-                 render: SharedRender | None = None, state_render: SharedRender | None = None) -> ProbeServer:
+                 render: SharedRender | None = None, state_render: SharedRender | None = None,
+                 send_pause: Pause | None = None) -> ProbeServer:
     """/metrics, /healthz, /readyz and the read-only views /state and /quota on their own listener (a thread), so
     the extender's verbs can stay on loopback beside kube-scheduler while Prometheus, the kubelet's probes and the
     dashboard (kube_vgpu.extender.dashboard, through a Service) reach these from outside the Pod. The listener
     bounds its connections, threads and waits (kube_vgpu.probes). `render` and `state_render`: the app's shared
     /metrics and /state renders (pausing for the verbs, shared with the verbs' port); by default, ones of their
-    own."""
+    own. `send_pause`: called between batches of a big body being sent (the app's VerbActivity.pause)."""
     state = scheduler.state
     metrics_render = render if render is not None else SharedRender(lambda: render_registry(registry))
     state_view = state_render if state_render is not None else SharedRender(StateViewText(scheduler).render)
@@ -695,4 +696,4 @@ def serve_probes(registry: CollectorRegistry, scheduler: Scheduler, host: str, p
         "/state": lambda: (200, "application/json", state_view.get()),
         "/quota": quota,
     }
-    return serve_probe_routes(host, port, routes)
+    return serve_probe_routes(host, port, routes, send_pause=send_pause)

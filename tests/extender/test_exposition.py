@@ -253,6 +253,27 @@ def test_probe_listener_writes_a_body_of_many_pieces_whole_to_a_slow_reader() ->
         server.server_close()
 
 
+def test_probe_listener_pauses_before_each_batch_of_a_big_body() -> None:
+    """The extender's listener sends /metrics between verbs: its pause hook runs before each batch of pieces."""
+    import http.client
+
+    pauses: list[int] = []
+    pieces = [b"x" * 10] * 2500  # three batches
+    server = serve_probes("127.0.0.1", 0, {"/metrics": lambda: (200, "text/plain", pieces),
+                                            "/healthz": lambda: (200, "text/plain", b"ok")},
+                          send_pause=lambda: pauses.append(1))
+    try:
+        for path, body, batches in (("/metrics", b"x" * 25000, 3), ("/healthz", b"ok", 0)):
+            connection = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=30)
+            connection.request("GET", path)
+            assert connection.getresponse().read() == body
+            assert len(pauses) == batches
+            pauses.clear()
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_probe_listener_writes_a_chunked_body_whole() -> None:
     import http.client
 
