@@ -28,7 +28,6 @@ from starlette.types import Receive, Scope, Send
 
 from kube_vgpu.extender.engine.model import NodeState
 from kube_vgpu.extender.exposition import (
-    BATCH_PIECES,
     ROWS_PER_CHUNK,
     Body,
     BytesOut,
@@ -39,7 +38,6 @@ from kube_vgpu.extender.exposition import (
     RenderedGroup,
     SharedRender,
     VerbActivity,
-    body_length,
     label_text,
     no_pause,
     render_registry,
@@ -51,7 +49,7 @@ from kube_vgpu.extender.scheduler import BindError, Scheduler
 from kube_vgpu.extender.state import ClusterState
 from kube_vgpu.extender.usage_metrics import UsageCollector
 from kube_vgpu.kubeapi import InvalidObject, check_pod
-from kube_vgpu.probes import ProbeServer, Reply, Route
+from kube_vgpu.probes import BATCH_PIECES, ProbeServer, Reply, Route, body_length
 from kube_vgpu.probes import serve_probes as serve_probe_routes
 from kube_vgpu.protocol import InvalidGpuRequest
 
