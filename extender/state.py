@@ -166,6 +166,11 @@ class ClusterState:
         #: bumps the epoch.
         self.journal: list[str] = []
         self.journal_epoch = 0
+        #: node name -> a number that changes whenever a pod record on that node is added, removed, counted,
+        #: uncounted or changes what /metrics shows of it (confirmation, labels, bind time): the metrics keep each
+        #: node's pods' text while it and the node's version are the same
+        self.pod_marks: dict[str, int] = {}
+        self._pod_mark_count = 0
 
     # --- nodes ----------------------------------------------------------------------------------
     def upsert_node(self, obj: Mapping[str, Any]) -> None:
@@ -249,6 +254,7 @@ class ClusterState:
                 node.set_inventory(None)
                 for uid in self.pods_by_node.get(name, ()):
                     self.pods[uid].applied = False  # counted again once the node's GPUs are known
+                self.mark_pods(name)
             except Exception:  # never let one node stop the others from syncing
                 log.exception("node %s: could not be made unusable either; dropping it", name)
                 self.nodes.pop(name, None)
@@ -271,7 +277,13 @@ class ClusterState:
             # pods keep their records: if the node comes back (re-registration) they are counted again
             for uid in self.pods_by_node.get(name, ()):
                 self.pods[uid].applied = False
+            self.mark_pods(name)
             self.generation += 1
+
+    def mark_pods(self, node_name: str) -> None:
+        """A pod record on this node changed (caller holds `lock`): see pod_marks."""
+        self._pod_mark_count += 1
+        self.pod_marks[node_name] = self._pod_mark_count
 
     def trim_journal(self) -> None:
         """Keep the change journal bounded: past JOURNAL_LIMIT entries it starts over (in place) in a new epoch, and
@@ -310,11 +322,14 @@ class ClusterState:
                     record.bound = True
                 return
             if record is not None and record.assignment_text == text:
+                labels = pod_labels_at_bind(metadata)
+                bound_at_s = record.bound_at_s if record.bound_at_s is not None else bind_time_of(annotations)
+                if not record.confirmed or labels != record.labels or bound_at_s != record.bound_at_s:
+                    self.mark_pods(record.node_name)  # what /metrics shows of it changes (not on status updates)
                 record.confirmed = True
                 record.bound = bool(node_name)
-                record.labels = pod_labels_at_bind(metadata)
-                if record.bound_at_s is None:
-                    record.bound_at_s = bind_time_of(annotations)
+                record.labels = labels
+                record.bound_at_s = bound_at_s
                 return
             try:
                 assignment = protocol.decode_assignment(text)
@@ -509,6 +524,7 @@ class ClusterState:
         record.usage = usage
         node.apply_usage(usage, 1)
         record.applied = True
+        self.mark_pods(record.node_name)
 
     def _remove(self, uid: str) -> None:
         self.trim_journal()
@@ -518,6 +534,7 @@ class ClusterState:
         if node is not None and record.applied:
             node.apply_usage(record.usage, -1)
         record.applied = False
+        self.mark_pods(record.node_name)
         for listener in self.usage_listeners:
             listener(record, -1)
         self.generation += 1

@@ -9,7 +9,9 @@ by our bind, carried by the Binding), read at scrape time:
     kube_vgpu_pod_gpu_core_percent_seconds_total = cores (%)   x (now - bind time)   (100 %-seconds = 1 GPU-second)
 
 each in whole units, rounded down: still monotonic (a pod's value only grows), short of the exact product by less
-than one unit, and three times cheaper to write for 40,000 pods every scrape than a float's shortest digits.
+than one unit, and written as integers (`29491200`, where prometheus_client would write `2.94912e+07`: the same
+number for any parser), so that a scrape fills 120,000 values at 40,000 pods into kept templates with one `%` per
+few nodes instead of formatting each in Python.
 
 A counter is per pod, not per namespace or queue, on purpose: a pod's value depends only on its annotations, so
 an extender restart (or the other replica taking over) continues every series where it was, and a pod that ends
@@ -26,6 +28,8 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from itertools import chain, repeat
+from operator import mul, sub
 from typing import TYPE_CHECKING
 
 from kube_vgpu.extender.engine.policies._milli import frag_cpu_free_milli, free_milli_list
@@ -39,7 +43,6 @@ from kube_vgpu.extender.exposition import (
     Pause,
     RenderedGroup,
     RowTextCache,
-    go_whole,
     label_text,
     no_pause,
     rows_text,
@@ -50,7 +53,7 @@ if TYPE_CHECKING:
     from kube_vgpu.extender.engine.model import GpuState, GpuUsage, NodeState
     from kube_vgpu.extender.preemption.rules import QueueRules
     from kube_vgpu.extender.scheduler import Scheduler
-    from kube_vgpu.extender.state import PodRecord
+    from kube_vgpu.extender.state import ClusterState, PodRecord
 
 POD_GPU_LABELS = ["namespace", "pod", "pod_uid", "node", "gpu", "uuid", "cluster_queue"]
 POD_LABELS = ["namespace", "pod", "cluster_queue"]
@@ -93,11 +96,59 @@ class _PodText:
     gpus: list[GpuState]
     queue: str
     gpu_lines: tuple[bytes, ...]  # its per-pod-and-GPU gauge lines, one piece per family (none when turned off)
-    #: the GPU-seconds counters' label set and a space: their values change every scrape, so only this is kept
-    #: (one string for the three: ~300 bytes a pod less than a prefix each, at ~0.1 us a line)
-    labels: str
+    #: the GPU-seconds counters' line after their name: `{labels} %d` and a newline (`%` in a label doubled), the
+    #: value filled in every scrape (one for the three: ~300 bytes a pod less than a line each)
+    counter_tail: bytes
     totals: tuple[int, int, int]  # MiB, cores, vGPUs over its GPUs
     scopes: tuple[str, str, str]  # node, namespace, ClusterQueue: the aggregates it counts in
+
+
+@dataclass(frozen=True, slots=True)
+class _NodeText:
+    """A node's counted pods' text as rendered for one scrape, valid while the node object, its GPU list, its
+    version, the state's pod mark for it (ClusterState.pod_marks: any change of a pod record on it) and, with a
+    quota gate, its pods' queues are the ones it was rendered from."""
+
+    node: NodeState
+    gpus: list[GpuState]
+    version: int
+    mark: int
+    pods: tuple[_PodText, ...]  # by UID
+    queues: tuple[str, ...]  # the pods' ClusterQueues ("" outside any)
+    #: per family: the pods' per-pod-and-GPU gauge lines, their own pieces (not joined: the pods keep them, and a
+    #: copy per node would hold them twice: ~40 MiB at 40,000 pods); empty when turned off
+    gpu_lines: tuple[tuple[bytes, ...], ...]
+    #: per family: a `name{labels} %d` line for each pod whose GPU use is accounted (confirmed, with a bind time):
+    #: the values move with the clock, so each scrape fills them in, with the amount the counter multiplies (per
+    #: family, per such pod) and the bind time
+    counter_lines: tuple[bytes, ...]
+    counter_amounts: tuple[tuple[int, ...], ...]
+    bound_at_s: tuple[float, ...]
+
+
+#: nodes copied under the state lock between two calls of pause() (~8 pods a node: ~50-100 us); five times as many
+#: whose text is kept are checked in one step
+NODES_PER_CHUNK = 25
+#: nodes whose pods' counters are formatted in one step (~80 pods, three lines each)
+COUNTER_NODES_PER_STEP = 10
+
+
+def _counted_pods(state: ClusterState, node: NodeState) -> list[PodRecord]:
+    """The pods counted on a node (caller holds the state lock), by UID: the order /metrics writes them in."""
+    pods = state.pods
+    records = [pods[uid] for uid in state.pods_by_node.get(node.name, ())]
+    records = [record for record in records if record.applied]
+    records.sort(key=_uid_of)
+    return records
+
+
+def _uid_of(record: PodRecord) -> str:
+    return record.uid
+
+
+def _queues(rules: QueueRules, pods: tuple[_PodText, ...]) -> tuple[str, ...]:
+    """The pods' ClusterQueues as of now (a quota gate's config or admissions may have moved them)."""
+    return tuple([rules.queue_of(text.uid, text.record.namespace, text.record.labels) or "" for text in pods])
 
 
 _POD_GPU_FAMILIES = tuple(Family(f"kube_vgpu_pod_{suffix}", "gauge", f"{text}, per pod and GPU")
@@ -127,16 +178,21 @@ class UsageCollector(GroupedCollector):
     """`per_pod_gpu`: export the per-pod-and-GPU allocation gauges (a third of /metrics at 5000 nodes; the per-pod
     counters and the per-node, namespace and ClusterQueue gauges are always exported).
 
-    /metrics (render_groups) keeps text between scrapes: each pod's gauge lines and counter labels (_PodText), and
-    the per-node lines by their values (RowTextCache); only the counters' values are formatted every scrape.
-    groups() (collect(), and the reference the tests compare it with) renders everything afresh."""
+    /metrics (render_groups) keeps text between scrapes, node by node (_NodeText: its pods' gauge lines and their
+    counters' lines with the values left out, kept while the node's version and the state's pod mark for it are
+    the same), and the per-node lines by their values (RowTextCache); only the counters' values are filled in every
+    scrape. A scrape of 5000 nodes and 40,000 pods that changed nothing is then ~5000 look-ups and 120,000 integers
+    written by C code (bench/render_cost.py: 83-92 ms of CPU, 209 before, when every pod was looked at).
+    groups() (collect(), and the reference the tests compare it with) renders everything afresh, in the same order
+    (nodes as the state holds them, each node's pods by UID)."""
 
     def __init__(self, scheduler: Scheduler, *, per_pod_gpu: bool = True) -> None:
         self.scheduler = scheduler
         self.per_pod_gpu = per_pod_gpu
-        #: pod UID -> its text as last rendered (only pods counted at the last scrape)
-        self._pod_text: dict[str, _PodText] = {}
-        #: scope ("node", "namespace", "cluster_queue") -> key -> [MiB, cores, vGPUs, pods] over the pods in _pod_text
+        #: node name -> its pods' text as last rendered (only nodes present at the last scrape)
+        self._node_text: dict[str, _NodeText] = {}
+        #: scope ("node", "namespace", "cluster_queue") -> key -> [MiB, cores, vGPUs, pods] over the pods in
+        #: _node_text
         self._scope_sums = _empty_scope_sums()
         #: scope -> its keys in _scope_sums, sorted (dropped whenever a key is added or removed)
         self._sorted_keys: dict[str, list[str]] = {}
@@ -155,33 +211,33 @@ class UsageCollector(GroupedCollector):
         return None
 
     def copy_out(self, pause: Pause = no_pause) -> tuple[list[_PodRow], list[_NodeRow]]:
-        """What the metrics need, as plain rows, under the state lock. Only this runs under the lock: building the
-        samples is most of a scrape's cost (measured at 5000 nodes, 20000 pods: ~0.5 s), and filter waits for it.
-        Copied a chunk at a time, the lock released and `pause` called between chunks: at 40,000 pods the copy
-        alone is ~0.2 s, which filter would otherwise wait for in one piece. A pod bound or gone between two chunks
-        shows in the next scrape."""
+        """What the metrics need, as plain rows, under the state lock: node by node in the state's order, each
+        node's counted pods by UID (the order render_groups writes them in). Only this runs under the lock:
+        building the samples is most of a scrape's cost, and filter waits for it. Copied a few nodes at a time, the
+        lock released and `pause` called between them. A pod bound or gone between two chunks shows in the next
+        scrape."""
         state = self.scheduler.state
         rules = self._queue_rules()
         pods: list[_PodRow] = []
         with state.lock:
             now = state.clock()
-            records = list(state.pods.values())
             node_states = list(state.nodes.values())
-        for start in range(0, len(records), ROWS_PER_CHUNK):
+        for start in range(0, len(node_states), NODES_PER_CHUNK):
             pause()
             with state.lock:
-                for record in records[start:start + ROWS_PER_CHUNK]:
-                    node = state.nodes.get(record.node_name)
-                    if not record.applied or node is None:
-                        continue  # not counted on a node (its node is not known yet)
-                    queue = (rules.queue_of(record.uid, record.namespace, record.labels) if rules else None) or ""
+                for node in node_states[start:start + NODES_PER_CHUNK]:
+                    if state.nodes.get(node.name) is not node:
+                        continue  # deleted (or replaced) since the list was taken
                     gpus = node.gpus
-                    held = tuple((str(gpus[u.position].index), gpus[u.position].uuid, u.memory_mib, u.cores, u.vgpus)
-                                 for u in record.usage)
-                    # a bind time ahead of this clock (skew between replicas) counts as just bound
-                    held_s = (max(0.0, now - record.bound_at_s)
-                              if record.confirmed and record.bound_at_s is not None else None)
-                    pods.append(_PodRow(record.namespace, record.name, record.uid, node.name, queue, held_s, held))
+                    for record in _counted_pods(state, node):
+                        queue = (rules.queue_of(record.uid, record.namespace, record.labels) if rules else None) or ""
+                        held = tuple((str(gpus[u.position].index), gpus[u.position].uuid, u.memory_mib, u.cores,
+                                      u.vgpus) for u in record.usage)
+                        # a bind time ahead of this clock (skew between replicas) counts as just bound
+                        held_s = (max(0.0, now - record.bound_at_s)
+                                  if record.confirmed and record.bound_at_s is not None else None)
+                        pods.append(_PodRow(record.namespace, record.name, record.uid, node.name, queue, held_s,
+                                            held))
         return pods, self._node_rows(node_states, pause)
 
     def groups(self, pause: Pause) -> list[FamilyGroup]:
@@ -282,13 +338,13 @@ class UsageCollector(GroupedCollector):
         return nodes
 
     def render_groups(self, pause: Pause, numbers: dict[float, str]) -> list[FamilyGroup | RenderedGroup]:
-        """groups(), from the text kept since the last scrape where its inputs are unchanged (the same bytes)."""
+        """groups(), from the text kept since the last scrape where its inputs are unchanged (the same samples)."""
         with self._render_lock:  # the kept texts and sums change in place: one render at a time
             try:
                 return self._render_groups(pause, numbers)
             except BaseException:
                 # the sums are kept only together with the texts they add up: start both afresh
-                self._pod_text, self._scope_sums = {}, _empty_scope_sums()
+                self._node_text, self._scope_sums = {}, _empty_scope_sums()
                 self._sorted_keys.clear()
                 raise
 
@@ -309,68 +365,31 @@ class UsageCollector(GroupedCollector):
                 self._sorted_keys.clear()
 
     def _render_groups(self, pause: Pause, numbers: dict[float, str]) -> list[FamilyGroup | RenderedGroup]:
+        """Node by node: a node whose text is kept costs a look-up and four comparisons (with a quota gate, also
+        its pods' queues), and its pods' counters are formatted with the others', a batch of nodes at a time, by
+        one `%` of a kept template over their values (computed by map(): no Python code per pod)."""
         state = self.scheduler.state
-        rules = self._queue_rules()
         with state.lock:
             now = state.clock()
-            records = list(state.pods.values())
             node_states = list(state.nodes.values())
-        kept = self._pod_text
-        per_pod_gpu = self.per_pod_gpu
-        labels = sorted_labels(POD_GPU_LABELS), sorted_labels(POD_LABELS)
+        texts = self._node_texts(node_states, pause, numbers)
         gpu_parts: list[list[bytes]] = [[] for _ in _POD_GPU_FAMILIES]
         seconds_parts: list[list[bytes]] = [[] for _ in _SECONDS_FAMILIES]
-        counted_uids: set[str] = set()
-        nodes_get, kept_get = state.nodes.get, kept.get  # the loop below runs 40,000 times a scrape
-        # a pod whose text is kept: ~1 us, and its three counter lines formatted: ~2-4 us
-        pods_per_chunk = ROWS_PER_CHUNK
-        for start in range(0, len(records), pods_per_chunk):
+        for start in range(0, len(texts), COUNTER_NODES_PER_STEP):
             pause()
-            texts: list[_PodText] = []
-            held: list[float | None] = []
-            changed: list[tuple[int, PodRecord, list[GpuState], _PodRow]] = []
-            with state.lock:
-                for record in records[start:start + pods_per_chunk]:
-                    node = nodes_get(record.node_name)
-                    if node is None or not record.applied:
-                        continue  # not counted on a node (its node is not known yet)
-                    queue = (rules.queue_of(record.uid, record.namespace, record.labels) if rules else None) or ""
-                    bound_at_s = record.bound_at_s
-                    if bound_at_s is None or not record.confirmed:
-                        held.append(None)
-                    else:  # a bind time ahead of this clock (skew between replicas) counts as just bound
-                        held_s = now - bound_at_s
-                        held.append(held_s if held_s > 0 else 0.0)
-                    text = kept_get(record.uid)
-                    if (text is None or text.record is not record or text.usage is not record.usage
-                            or text.gpus is not node.gpus or text.queue != queue):
-                        gpus = node.gpus
-                        copied = tuple((str(gpus[u.position].index), gpus[u.position].uuid, u.memory_mib, u.cores,
-                                        u.vgpus) for u in record.usage)
-                        changed.append((len(texts), record, gpus, _PodRow(
-                            record.namespace, record.name, record.uid, node.name, queue, None, copied)))
-                    texts.append(text)  # type: ignore[arg-type]  # replaced below when changed
-            for done, (slot, record, gpus, row) in enumerate(changed):  # rendered outside the lock
-                if done % 4 == 3:
-                    pause()  # ~20 us a pod
-                text = texts[slot] = self._pod_text_of(record, gpus, row, per_pod_gpu, labels, numbers)
-                previous = kept.get(text.uid)
-                if previous is not None:
-                    self._count(previous, -1)
-                self._count(text, 1)
-                kept[text.uid] = text
-            counted_uids.update([text.uid for text in texts])
-            if per_pod_gpu:
+            batch = texts[start:start + COUNTER_NODES_PER_STEP]
+            if self.per_pod_gpu:
                 for position, parts in enumerate(gpu_parts):
-                    parts.extend([text.gpu_lines[position] for text in texts])
-            counted = [(text, held_s) for text, held_s in zip(texts, held, strict=True) if held_s is not None]
+                    parts.extend(chain.from_iterable([text.gpu_lines[position] for text in batch]))
+            bound_at_s = list(chain.from_iterable([text.bound_at_s for text in batch]))
+            if not bound_at_s:
+                continue
+            # a bind time ahead of this clock (skew between replicas) counts as just bound
+            held_s = list(map(max, map(sub, repeat(now, len(bound_at_s)), bound_at_s), repeat(0.0)))
             for position, parts in enumerate(seconds_parts):
-                which, name = _SECONDS_OF[position], _SECONDS_FAMILIES[position].sample_name
-                lines = [f"{name}{text.labels}{go_whole(int(text.totals[which] * held_s))}"
-                         for text, held_s in counted]
-                if lines:
-                    parts.append(("\n".join(lines) + "\n").encode())
-        self._drop_uncounted(counted_uids, pause)
+                template = b"".join([text.counter_lines[position] for text in batch])
+                amounts = chain.from_iterable([text.counter_amounts[position] for text in batch])
+                parts.append(template % tuple(map(int, map(mul, amounts, held_s))))
         groups: list[FamilyGroup | RenderedGroup] = [RenderedGroup(_POD_GPU_FAMILIES, gpu_parts)]
         groups.extend(self._aggregate_groups(pause, numbers))
         groups.append(RenderedGroup(_SECONDS_FAMILIES, seconds_parts))
@@ -381,15 +400,94 @@ class UsageCollector(GroupedCollector):
         groups.append(self._idle.render((((row.name,), (row.idle_gpus,)) for row in nodes), pause, numbers))
         return groups
 
-    def _drop_uncounted(self, counted_uids: set[str], pause: Pause) -> None:
-        """Forget the pods gone (or no longer counted on a node) since the last scrape, a chunk at a time."""
-        kept = self._pod_text
-        uids = list(kept)
-        for start in range(0, len(uids), ROWS_PER_CHUNK * 10):
+    def _node_texts(self, node_states: list[NodeState], pause: Pause, numbers: dict[float, str]) -> list[_NodeText]:
+        """Every node's pods' text, kept where still valid, rendered again where not; the sums follow."""
+        state = self.scheduler.state
+        rules = self._queue_rules()
+        old = self._node_text
+        new: dict[str, _NodeText] = {}
+        marks = state.pod_marks
+        texts: list[_NodeText] = []
+        position = 0
+        while position < len(node_states):
             pause()
-            for uid in uids[start:start + ROWS_PER_CHUNK * 10]:
-                if uid not in counted_uids:
-                    self._count(kept.pop(uid), -1)
+            # under the lock at a time: 125 kept nodes (~0.5 us each) or up to 4 whose pods are copied (~10 us a
+            # node), rendered outside it
+            changed: list[tuple[int, NodeState, int, int, list[tuple[PodRecord, str, float | None]]]] = []
+            with state.lock:
+                for node in node_states[position:position + NODES_PER_CHUNK * 5]:
+                    position += 1
+                    if state.nodes.get(node.name) is not node:
+                        continue  # deleted (or replaced) since the list was taken
+                    text = old.get(node.name)
+                    mark = marks.get(node.name, 0)
+                    if (text is not None and text.node is node and text.gpus is node.gpus
+                            and text.version == node.version and text.mark == mark
+                            and (rules is None or text.queues == _queues(rules, text.pods))):
+                        texts.append(text)
+                        new[node.name] = text
+                        continue
+                    pods = [(record,
+                             (rules.queue_of(record.uid, record.namespace, record.labels) if rules else None) or "",
+                             record.bound_at_s if record.confirmed else None)
+                            for record in _counted_pods(state, node)]
+                    changed.append((len(texts), node, node.version, mark, pods))
+                    texts.append(text)  # type: ignore[arg-type]  # replaced below
+                    if len(changed) == 4:
+                        break
+            for slot, node, version, mark, pods in changed:  # rendered outside the lock
+                pause()  # ~20 us a pod
+                text = texts[slot] = self._node_text_of(node, version, mark, pods, old.get(node.name), numbers)
+                new[node.name] = text
+        names = list(old)
+        for start in range(0, len(names), NODES_PER_CHUNK * 10):
+            pause()
+            for name in names[start:start + NODES_PER_CHUNK * 10]:
+                if name not in new:  # its node is gone: so are its pods from the sums
+                    for pod in old[name].pods:
+                        self._count(pod, -1)
+        self._node_text = new
+        return texts
+
+    def _node_text_of(self, node: NodeState, version: int, mark: int,
+                      pods: list[tuple[PodRecord, str, float | None]], previous: _NodeText | None,
+                      numbers: dict[float, str]) -> _NodeText:
+        """A node's pods' text; a pod's own text is reused from `previous` while its record, usage, GPUs and queue
+        are the same. The node's, namespaces' and ClusterQueues' sums follow the pods that came and went."""
+        kept = {text.uid: text for text in previous.pods} if previous is not None and previous.node is node else {}
+        gpus = node.gpus
+        labels = sorted_labels(POD_GPU_LABELS), sorted_labels(POD_LABELS)
+        texts: list[_PodText] = []
+        for record, queue, _ in pods:
+            text = kept.get(record.uid)
+            if (text is None or text.record is not record or text.usage is not record.usage or text.gpus is not gpus
+                    or text.queue != queue):
+                copied = tuple((str(gpus[u.position].index), gpus[u.position].uuid, u.memory_mib, u.cores, u.vgpus)
+                               for u in record.usage)
+                row = _PodRow(record.namespace, record.name, record.uid, node.name, queue, None, copied)
+                text = self._pod_text_of(record, gpus, row, self.per_pod_gpu, labels, numbers)
+            texts.append(text)
+        # the new pods first, then the old ones taken away: a key's sums never pass through 0 on the way (which
+        # would drop it and sort the keys again)
+        before = {id(text) for text in previous.pods} if previous is not None else set()
+        after = {id(text) for text in texts}
+        for text in texts:
+            if id(text) not in before:
+                self._count(text, 1)
+        if previous is not None:
+            for text in previous.pods:
+                if id(text) not in after:
+                    self._count(text, -1)
+        accounted = [(text, bound_at_s) for text, (_, _, bound_at_s) in zip(texts, pods, strict=True)
+                     if bound_at_s is not None]
+        tails = [b"", *[text.counter_tail for text, _ in accounted]]
+        counter_lines = tuple(family.sample_name.encode().join(tails) if accounted else b""
+                              for family in _SECONDS_FAMILIES)
+        counter_amounts = tuple(tuple(text.totals[which] for text, _ in accounted) for which in _SECONDS_OF)
+        gpu_lines = tuple(tuple([text.gpu_lines[position] for text in texts if text.gpu_lines[position]])
+                          if self.per_pod_gpu else () for position in range(len(_POD_GPU_FAMILIES)))
+        return _NodeText(node, gpus, version, mark, tuple(texts), tuple(text.queue for text in texts), gpu_lines,
+                         counter_lines, counter_amounts, tuple(bound_at_s for _, bound_at_s in accounted))
 
     def _aggregate_groups(self, pause: Pause, numbers: dict[float, str]) -> list[FamilyGroup | RenderedGroup]:
         """The per-node, namespace and ClusterQueue allocation groups, from the sums kept with the pods' texts."""
@@ -425,7 +523,8 @@ class UsageCollector(GroupedCollector):
         totals = (sum(gpu[2] for gpu in row.gpus), sum(gpu[3] for gpu in row.gpus), sum(gpu[4] for gpu in row.gpus))
         pod_labels = label_text(pod_names, [(row.namespace, row.name, row.cluster_queue)[i] for i in pod_order])
         return _PodText(record, record.uid, record.usage, gpus, row.cluster_queue,
-                        gpu_lines, pod_labels + " ", totals, (row.node, row.namespace, row.cluster_queue))
+                        gpu_lines, (pod_labels.replace("%", "%%") + " %d\n").encode(), totals,
+                        (row.node, row.namespace, row.cluster_queue))
 
 
 def _empty_scope_sums() -> dict[str, dict[str, list[int]]]:

@@ -9,13 +9,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import hypothesis.strategies as st
 import orjson
-from hypothesis import given
 from prometheus_client import generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
 
 from kube_vgpu.extender.cli import Extender, build, parse_args
 from kube_vgpu.extender.exposition import (
@@ -25,7 +22,6 @@ from kube_vgpu.extender.exposition import (
     SharedRender,
     VerbActivity,
     escape_value,
-    go_whole,
     render_registry,
     render_settings,
 )
@@ -33,6 +29,7 @@ from kube_vgpu.extender.gangs import gangs_view
 from kube_vgpu.extender.server import state_view_bytes
 from kube_vgpu.probes import serve_probes
 from tests.extender.test_usage_metrics import EXAMPLES, T0, snapshot
+from tests.helpers import assert_same_exposition
 
 
 def extender(tmp_path: Path, *extra: str) -> Extender:
@@ -43,7 +40,7 @@ def extender(tmp_path: Path, *extra: str) -> Extender:
 def test_the_text_is_what_generate_latest_writes(tmp_path: Path) -> None:
     registry = extender(tmp_path).app.state.registry
     rendered = b"".join(render_registry(registry))
-    assert rendered == generate_latest(registry)
+    assert_same_exposition(rendered, generate_latest(registry))
     # every family is there: per GPU, per pod and GPU, per node / namespace / queue, the counters, the verbs'
     for name in (b"kube_vgpu_gpu_memory_allocated_mib{", b"kube_vgpu_pod_vgpus_allocated{",
                  b"kube_vgpu_namespace_gpu_pods{", b"kube_vgpu_pod_vgpu_seconds_total{",
@@ -74,7 +71,7 @@ def test_per_pod_gpu_gauges_off_keeps_the_counters_and_aggregates(tmp_path: Path
     assert b"kube_vgpu_pod_vgpu_seconds_total{" in text  # accounting survives restarts from these: always on
     assert b"kube_vgpu_namespace_vgpus_allocated{" in text
     assert b"kube_vgpu_cluster_queue_gpu_memory_allocated_mib{" in text
-    assert text == generate_latest(registry)
+    assert_same_exposition(text, generate_latest(registry))
 
 
 def test_each_request_renders_the_current_state(tmp_path: Path) -> None:
@@ -158,11 +155,6 @@ def test_background_work_pauses_while_a_verb_computes() -> None:
     started = time.monotonic()
     activity.pause()  # quiet for longer than quiet_s: no wait
     assert time.monotonic() - started < 0.04
-
-
-@given(st.one_of(st.integers(0, 10**7), st.integers(0, 10**19)))
-def test_whole_numbers_are_written_as_generate_latest_writes_them(number: int) -> None:
-    assert go_whole(number) == floatToGoString(number)
 
 
 def test_a_verb_and_a_render_step_never_run_at_once() -> None:

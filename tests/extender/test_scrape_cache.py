@@ -5,6 +5,7 @@ rendered again."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 from collections.abc import Callable
 from pathlib import Path
@@ -16,12 +17,13 @@ from hypothesis import HealthCheck, given, settings
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kube_vgpu import protocol
+from kube_vgpu.dev.fixtures import synth_uuid
 from kube_vgpu.extender.cli import Extender, build, parse_args
 from kube_vgpu.extender.exposition import render_registry
 from kube_vgpu.extender.server import GpuCollector, StateViewText, state_view_bytes
 from kube_vgpu.extender.usage_metrics import UsageCollector
 from tests.extender.test_usage_metrics import BOUND_AT, EXAMPLES, T0, bound_pod, snapshot
-from tests.helpers import gpu_node, pod
+from tests.helpers import assert_same_exposition, gpu_node, pod
 
 
 class Clock:
@@ -41,7 +43,7 @@ def extender(tmp_path: Path, clock: Callable[[], float], *extra: str) -> Extende
 def scrape(registry: CollectorRegistry) -> bytes:
     """The cached render, checked against generate_latest for the same state and time."""
     rendered = b"".join(render_registry(registry))
-    assert rendered == generate_latest(registry)
+    assert_same_exposition(rendered, generate_latest(registry))
     return rendered
 
 
@@ -59,7 +61,7 @@ def test_every_kind_of_change_shows_in_the_next_scrape(tmp_path: Path, monkeypat
     clock.now_s += 30  # the GPU-seconds counters move with the clock alone
     text = scrape(registry)
     assert b'kube_vgpu_pod_vgpu_seconds_total{cluster_queue="ai-training-queue",namespace="research",' \
-           b'pod="trainer"} 260.0' in text
+           b'pod="trainer"} 260\n' in text
 
     state.upsert_pod(bound_pod("new", "inference", "a100-1", [(0, 4096, 10)], queue="inference-queue"))
     text = scrape(registry)  # a pod bound
@@ -105,6 +107,31 @@ def test_every_kind_of_change_shows_in_the_next_scrape(tmp_path: Path, monkeypat
     text = scrape(registry)
     assert b'pod="batch"' in text and b'gpu="7",model="NVIDIA-A100-SXM4-80GB",node="a100-1"' not in text
     assert scrape(registry) == text
+
+
+def test_a_pod_record_changed_in_place_shows_in_the_next_scrape(tmp_path: Path) -> None:
+    """The state updates a pod's record in place when its annotation is seen again (a reservation confirmed, a
+    bind time read later, labels): the node's kept text is rendered again (ClusterState.pod_marks)."""
+    clock = Clock()
+    built = extender(tmp_path, clock)
+    registry = built.app.state.registry
+    scrape(registry)
+    counter = b'kube_vgpu_pod_vgpu_seconds_total{cluster_queue="",namespace="research",pod="p1"}'
+    reserve = ("reserve", 1, "research", 0, [(2, 1024, 10)])
+    apply(built, clock, reserve)
+    text = scrape(registry)
+    assert b'pod="p1"' in text and counter not in text  # counted, not accounted: not confirmed yet
+    record = built.state.pods["uid-research-p1"]
+    apply(built, clock, ("bind", 1, "research", 0, [(2, 1024, 10)], None, True))
+    assert built.state.pods["uid-research-p1"] is record and record.confirmed  # the same record, confirmed
+    assert counter + b" 100\n" in scrape(registry)
+
+    apply(built, clock, ("bind", 2, "inference", 1, [(0, 1024, 10)], None, False))
+    untimed = scrape(registry)
+    assert b'pod="p2"' in untimed and b'namespace="inference",pod="p2"} ' not in untimed  # no bind time yet
+    apply(built, clock, ("bind", 2, "inference", 1, [(0, 1024, 10)], None, True))
+    assert b'kube_vgpu_pod_vgpu_seconds_total{cluster_queue="",namespace="inference",pod="p2"} 100\n' in \
+        scrape(registry)
 
 
 def test_a_learned_model_changes_the_fragmentation_rows(tmp_path: Path) -> None:
@@ -156,6 +183,10 @@ change = st.one_of(
                                  st.sampled_from([10, 25, 100])), min_size=1, max_size=3, unique_by=lambda s: s[0]),
               st.sampled_from(_QUEUES), st.booleans()),
     st.tuples(st.just("delete-pod"), st.integers(0, 5), st.sampled_from(_NAMESPACES)),
+    # a bind's reservation, counted before its annotation is seen (a later "bind" of the same shares confirms it)
+    st.tuples(st.just("reserve"), st.integers(0, 5), st.sampled_from(_NAMESPACES), st.integers(0, 2),
+              st.lists(st.tuples(st.integers(0, 3), st.sampled_from([1024, 8192, 40960]),
+                                 st.sampled_from([10, 25, 100])), min_size=1, max_size=3, unique_by=lambda s: s[0])),
     st.tuples(st.just("node"), st.integers(0, 2), st.integers(0, 8)),
     st.tuples(st.just("delete-node"), st.integers(0, 2)),
     st.tuples(st.just("clock"), st.floats(0, 1e6, allow_nan=False)),
@@ -170,6 +201,13 @@ def apply(built: Extender, clock: Clock, step: tuple[Any, ...]) -> None:
         _, number, namespace, node, shares, queue, timed = step
         state.upsert_pod(bound_pod(f"p{number}", namespace, f"a100-{node}", list(shares), queue=queue,
                                    bound_at=BOUND_AT if timed else None))
+    elif kind == "reserve":
+        _, number, namespace, node, shares = step
+        devices = tuple(protocol.DeviceShare(synth_uuid(f"a100-{node}", index), memory, cores)
+                        for index, memory, cores in shares)
+        assignment = protocol.PodAssignment(f"a100-{node}", (protocol.ContainerAssignment("main", devices),))
+        with contextlib.suppress(ValueError):  # already bound: a reservation never replaces it
+            state.reserve(f"uid-{namespace}-p{number}", namespace, f"p{number}", assignment)
     elif kind == "delete-pod":
         state.delete_pod(f"uid-{step[2]}-p{step[1]}")
     elif kind == "node":
