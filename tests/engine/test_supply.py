@@ -66,6 +66,24 @@ def test_supply_residue_by_hand(
         assert available == pytest.approx(availability)
 
 
+@pytest.mark.parametrize(
+    ("passes", "short", "hole_100"),
+    [
+        (0, {}, 0.0),  # every ask available: lafgd's R
+        # with every ask available the chains end on the rare 100s (a 400 leaves 600: 100 + 100 + ...): short
+        (1, {100: pytest.approx(0.00633, abs=1e-5)}, pytest.approx(99.37, abs=0.01)),
+        # routed around the 100s, the 600 holes take 300 + 300: the 300s are short, the 100s are not
+        (2, {300: 0.03125}, 0.0),
+    ],
+)
+def test_passes(passes: int, short: dict[int, object], hole_100: object) -> None:
+    probabilities = {600: 0.3, 400: 0.3, 300: 0.01, 100: 0.01, 1000: 0.38}
+    table, available = supply_residue(probabilities, passes=passes)
+    assert {ask: a for ask, a in available.items() if a < 1} == short
+    assert table[100] == hole_100
+    assert table[400] == table[600] == 0.0  # a 400 or a 600 fills them, never short
+
+
 def test_no_scarce_ask_is_lafgds_residue() -> None:
     shapes = ((TaskShape(1000, 470, 1), 0.5), (TaskShape(1000, 320, 1), 0.3), (TaskShape(1000, 1000, 2), 0.2))
     assert ask_probabilities(shapes, "T4", 0) == {470: 0.5, 320: 0.3, 1000: 0.2}
