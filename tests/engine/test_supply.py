@@ -66,22 +66,21 @@ def test_supply_residue_by_hand(
         assert available == pytest.approx(availability)
 
 
-@pytest.mark.parametrize(
-    ("passes", "short", "hole_100"),
-    [
-        (0, {}, 0.0),  # every ask available: lafgd's R
-        # with every ask available the chains end on the rare 100s (a 400 leaves 600: 100 + 100 + ...): short
-        (1, {100: pytest.approx(0.00633, abs=1e-5)}, pytest.approx(99.37, abs=0.01)),
-        # routed around the 100s, the 600 holes take 300 + 300: the 300s are short, the 100s are not
-        (2, {300: 0.03125}, 0.0),
-    ],
-)
-def test_passes(passes: int, short: dict[int, object], hole_100: object) -> None:
-    probabilities = {600: 0.3, 400: 0.3, 300: 0.01, 100: 0.01, 1000: 0.38}
-    table, available = supply_residue(probabilities, passes=passes)
-    assert {ask: a for ask, a in available.items() if a < 1} == short
-    assert table[100] == hole_100
-    assert table[400] == table[600] == 0.0  # a 400 or a 600 fills them, never short
+def test_two_rare_fillers_of_one_hole_both_come_out_short() -> None:
+    # the 190 an 810 leaves wants a 160 (30 left): the 160s are short (a = 0.1); the hole then turns to the 110s
+    # (80 left), short too; availability never rises again, so the iteration settles with both short
+    table, available = supply_residue({810: 0.4, 160: 0.02, 110: 0.02, 1000: 0.56})
+    assert available == pytest.approx({110: 0.1, 160: 0.1, 810: 1.0, 1000: 1.0})
+    assert table[190] == pytest.approx(0.1 * 30 + 0.9 * 190)  # waiting for a 160 beats waiting for a 110
+    assert table[80] == 80.0
+
+
+def test_a_hole_several_fillers_close_alike_demands_none() -> None:
+    # a 600 leaves 400 (a 400, 300 + 100 or 4 x 100 close it), a 400 leaves 600: no filler is indispensable, so
+    # none is short however rare, and E is lafgd's R
+    table, available = supply_residue({600: 0.3, 400: 0.3, 300: 0.01, 100: 0.01, 1000: 0.38})
+    assert set(available.values()) == {1.0}
+    assert table[100] == table[400] == table[600] == 0.0
 
 
 def test_no_scarce_ask_is_lafgds_residue() -> None:

@@ -17,20 +17,21 @@ safgd changes both, from what a live scheduler knows (the learned workload; noth
       E(0) = 0,   E(h) = min(h, min over asks s <= h of  a_s E(h - s) + (1 - a_s) h)
 
   a_s = min(1, p_s / demand_s): the learned share p_s of tasks asking s against the demand for s, i.e. the
-  holes that wait for it. Every sharing ask a opens a hole 1000 - a on a fresh GPU about half the time (in a
-  pair one task opens the GPU, the other fills it), and that hole asks, along its chain of best fillers, for
-  each ask on the chain: demand_s = 1/2 sum_a p_a [s on the chain of 1000 - a]. Two passes (PASSES): the
-  first takes every ask as available (then E is lafgd's R) and finds the asks the chains over-demand; the
-  second routes the holes around those and recomputes the demand; E is taken under the second availability.
-  (Iterating further does not converge on openb: with every ask available the chains end on the rare small
-  asks, 160, 220, 230, 370, which all come out short; routed around them, only the 160s stay short; and so on,
-  period two. Under the first pass's availability safgd gains half as much, docs/simulator.md.) On openb
-  default the 160s come out at a = 0.1 and every other ask at 1: E(190) = 174, E(210) = 194, E(180) = 164,
-  and R elsewhere (E(530) = 60: a 470 next; E(770) = 0: a 550 and a 220).
+  holes that cannot do without it. Every sharing ask a opens a hole 1000 - a on a fresh GPU about half the time
+  (in a pair one task opens the GPU, the other fills it); that hole demands its best filler when that filler is
+  the only best one, and so on down the chain: demand_s = 1/2 sum_a p_a [s on the chain of 1000 - a]. A hole
+  that several fillers close equally well demands none of them (any will do). Starting from every a_s = 1 (E is
+  then lafgd's R), a and E are recomputed until they settle, a only falling (an ask found short stays short when
+  its holes turn to another filler, which may then come out short too: two rare fillers of one hole). On openb
+  default the 160s come out at a = 0.1 and every other ask at 1: E(190) = 174, E(210) = 194, E(180) = 164, and
+  R elsewhere (E(530) = 60: a 470 next; E(770) = 0: a 550 and a 220); gpushare40 adds the 370s (a = 0.92),
+  gpuspec20, where 110s and 480s are typical, has 110, 160 and 480 short.
 * **Weight.** The term is added with weight SUPPLY_LOOKAHEAD_WEIGHT = 10 (lafgd: 1), so that a permanent hole
   outweighs FGD's price for opening a fresh GPU. Chosen on the development traces only (default, gpushare40,
-  gpuspec20, seeds 42-43; residual of FGD closed, mean of the three): weight 2 +15.5 %, 5 +16.6 %, 10 +17.5 %,
-  20 +17.6 % (lafgd +13.9 %); lafgd's own R at weight 10 loses (+12.1 %): the two changes work together.
+  gpuspec20, seeds 42-43; residual of FGD closed, mean of the three): weight 5 +17.8 %, 10 +18.7 %, 20 +17.9 %
+  (lafgd +13.9 %; with an earlier availability model 2 +15.5 %, 5 +16.6 %, 10 +17.5 %, 20 +17.6 %); lafgd's own
+  R at weight 10 loses (+12.1 %): the two changes work together. OPENING_SHARE = 1/2 is a model, not a fit, but
+  it matters: every ask opening a hole (1) gives +15.3 %.
 
 Everything else is lafgd's, hence bfgd's (learned shapes, CPU balance, integer node score with the fill
 tie-break, live units and topology): a node costs one table lookup per GPU more than bfgd, as lafgd; the tables
@@ -49,8 +50,8 @@ from kube_vgpu.extender.engine.shares import MILLI_PER_GPU
 SUPPLY_LOOKAHEAD_WEIGHT = 10.0
 #: share of sharing tasks that open a fresh GPU (the rest fill one): one of each pair
 OPENING_SHARE = 0.5
-#: availability passes (see the module docstring): the second routes the holes around the asks the first found short
-PASSES = 2
+#: rounds of the availability iteration at most (it falls monotonically and stops after a few on openb)
+MAX_ROUNDS = 50
 
 
 def ask_probabilities(shapes: WeightedShapes, model: str, gpu_memory_mib: int) -> dict[int, float]:
@@ -68,42 +69,54 @@ def ask_probabilities(shapes: WeightedShapes, model: str, gpu_memory_mib: int) -
 
 
 def _residue_under(asks: Sequence[int], available: dict[int, float]) -> tuple[list[float], list[int]]:
-    """(E(h), the best next filler of h or 0) for h = 0..1000 under this availability of each ask."""
+    """(E(h), the filler hole h cannot do without) for h = 0..1000 under this availability of each ask: the
+    second is the one best next filler, 0 when nothing fills h or several fillers are equally good."""
     expected = [0.0] * (MILLI_PER_GPU + 1)
-    best_filler = [0] * (MILLI_PER_GPU + 1)  # 0: nothing fills the hole
+    needed = [0] * (MILLI_PER_GPU + 1)
     for h in range(1, MILLI_PER_GPU + 1):
         best = float(h)
         filler = 0
-        for ask in asks:  # ascending: equal values go to the smaller ask
+        tied = False
+        for ask in asks:
             if ask > h:
                 break
             a = available[ask]
             value = a * expected[h - ask] + (1.0 - a) * h
             if value < best - 1e-9:
-                best, filler = value, ask
+                best, filler, tied = value, ask, False
+            elif filler and value <= best + 1e-9:
+                tied = True
         expected[h] = best
-        best_filler[h] = filler
-    return expected, best_filler
+        needed[h] = 0 if tied else filler
+    return expected, needed
 
 
 def supply_residue(
-    probabilities: dict[int, float], opening_share: float = OPENING_SHARE, passes: int = PASSES
+    probabilities: dict[int, float], opening_share: float = OPENING_SHARE, max_rounds: int = MAX_ROUNDS
 ) -> tuple[tuple[float, ...], dict[int, float]]:
     """(E(h) for h = 0..1000, availability by ask) for these ask probabilities (see the module docstring)."""
     asks = sorted(probabilities)
     available = dict.fromkeys(asks, 1.0)
-    for _ in range(passes):
-        _, best_filler = _residue_under(asks, available)
+    expected, needed = _residue_under(asks, available)
+    for _ in range(max_rounds):
         demand = dict.fromkeys(asks, 0.0)
         for opener, p in probabilities.items():
             if opener >= MILLI_PER_GPU:
                 continue  # a whole GPU leaves no hole
             hole = MILLI_PER_GPU - opener
-            while hole > 0 and best_filler[hole]:
-                demand[best_filler[hole]] += p * opening_share
-                hole -= best_filler[hole]
-        available = {ask: min(1.0, probabilities[ask] / demand[ask]) if demand[ask] > 0 else 1.0 for ask in asks}
-    return tuple(_residue_under(asks, available)[0]), available
+            while hole > 0 and needed[hole]:
+                demand[needed[hole]] += p * opening_share
+                hole -= needed[hole]
+        # availability only falls: an ask found short stays short when the holes turn to another filler
+        updated = {
+            ask: min(available[ask], probabilities[ask] / demand[ask]) if demand[ask] > 0 else available[ask]
+            for ask in asks
+        }
+        if all(abs(updated[ask] - available[ask]) < 1e-9 for ask in asks):
+            break
+        available = updated
+        expected, needed = _residue_under(asks, available)
+    return tuple(expected), available
 
 
 def supply_table(shapes: WeightedShapes, model: str, gpu_memory_mib: int) -> tuple[float, ...]:
