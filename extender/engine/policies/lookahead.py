@@ -138,12 +138,14 @@ class LookaheadFGD(BalancedFGD):
         key = (node.gpu_model, node.gpu_memory_mib)
         table = self._tables.get(key)
         if table is None:
-            if self.mode == "residue":
-                table = residue_table(shapes, *key)
-            else:
-                table = lookahead_table(shapes, *key, conditioned=self.mode == "conditioned")
-            self._tables[key] = table
+            table = self._tables[key] = self.build_table(shapes, *key)
         return table
+
+    def build_table(self, shapes: WeightedShapes, model: str, gpu_memory_mib: int) -> tuple[float, ...]:
+        """The term's table for one GPU class under these shapes (a subclass may price holes otherwise)."""
+        if self.mode == "residue":
+            return residue_table(shapes, model, gpu_memory_mib)
+        return lookahead_table(shapes, model, gpu_memory_mib, conditioned=self.mode == "conditioned")
 
     def measure(self, node: NodeState, cpu_free: int, cpu_known: bool, free: Sequence[int]) -> float:
         base = super().measure(node, cpu_free, cpu_known, free)

@@ -18,6 +18,7 @@ from kube_vgpu.extender.engine.policies import (
     packing,
     random,
     spread,
+    supply,
     topology,
 )
 from kube_vgpu.extender.engine.policies.base import Policy
@@ -28,6 +29,7 @@ _POLICIES: tuple[type[Policy], ...] = (
     topology.Topology,
     bfgd.BalancedFGD,
     lookahead.LookaheadFGD,  # bfgd with a look-ahead over the learned workload (docs/simulator.md)
+    supply.SupplyLookaheadFGD,  # lafgd with a supply-aware residue (docs/simulator.md)
     mutex.Mutex,  # HAMi's GPU policy of that name
     # the reference policies of the FGD paper's simulator (docs/simulator.md)
     fgd.FGD,
