@@ -67,6 +67,9 @@ def with_bind_times(items: list[dict[str, Any]], max_hours_ago: float = 24.0, se
     return items
 
 
+_READ_BUFFER = memoryview(bytearray(1 << 20))
+
+
 def fetch(port: int, path: str, timeout_s: float = 120.0) -> tuple[int, float, float, float]:
     """GET path -> (bytes, seconds to the first byte of the reply, seconds to the last, when it started on the
     monotonic clock, which is the same in every process)."""
@@ -77,7 +80,12 @@ def fetch(port: int, path: str, timeout_s: float = 120.0) -> tuple[int, float, f
         connection.request("GET", path)
         reply = connection.getresponse()
         first_s = time.perf_counter() - started
-        size = len(reply.read())
+        # into one reused buffer: a fresh 95 MB bytes object per poll cost this process (on the same 2 cores as the
+        # extender and the client) the page faults of 95 MB every scrape, which a Prometheus elsewhere does not
+        # charge the extender's machine
+        size = 0
+        while count := reply.readinto(_READ_BUFFER):
+            size += count
         if reply.status != 200:
             raise RuntimeError(f"GET {path}: {reply.status}")
         return size, first_s, time.perf_counter() - started, began

@@ -10,7 +10,7 @@ it on the loop) for as long as a scrape lasted. Three things here:
   are rendered straight to text, each row's label string built once for all of them. The text is byte for byte
   what generate_latest writes for the same families (tested), several times faster.
 * `VerbActivity`: the verbs mark themselves in flight, and the rendering (in the metrics listener's thread or a
-  worker thread) stops at the next `pause()` until none is and none ended in the last 2 ms; after waiting 5 ms it
+  worker thread) stops at the next `pause()` until none is and none ended in the last 0.5 ms; after waiting 5 ms it
   runs a 0.1 ms slice, so a steady burst of verbs delays a scrape but cannot starve it. A render's steps (the work
   between two pauses, ~0.1-0.2 ms) and the verbs take turns (a lock), so a verb never shares the GIL with one.
 * `SharedRender`: one render serves every request that arrives while it runs (two Prometheus replicas, several
@@ -74,14 +74,17 @@ class VerbActivity:
     Both sides take the turn with a timeout, so a step that blocks (a lock, the OS) can delay a verb by at most
     `turn_wait_s`, and a render cannot starve."""
 
-    def __init__(self, max_pause_s: float = 0.005, quiet_s: float = 0.002, slice_s: float = 0.0001,
+    def __init__(self, max_pause_s: float = 0.005, quiet_s: float = 0.0005, slice_s: float = 0.0001,
                  turn_wait_s: float = 0.002) -> None:
         self.in_flight = 0
         self.last_finished_s = -math.inf
         self.max_pause_s = max_pause_s
         #: kube-scheduler sends filter, prioritize and bind back to back, and a request being read (several socket
         #: reads for 5000 node names) is not yet in flight: each time the event loop comes back for the GIL while a
-        #: render holds it costs a verb up to the 0.5 ms switch interval
+        #: render holds it costs a verb up to the switch interval (0.1 ms while rendering). Not longer: with 2 ms,
+        #: a scheduler busy back to back left a render only its 0.1 ms slices, so a 0.15 s render took 7-9 s (27 s
+        #: at worst, past Prometheus' default 10 s scrape timeout) and half of all verbs met one of its steps; with
+        #: 0.5 ms it runs in the gaps between them, 1.3-1.4 s a scrape, and fewer verbs meet it (bench/scrape_cost.py)
         self.quiet_s = quiet_s
         self.slice_s = slice_s
         self.turn_wait_s = turn_wait_s
