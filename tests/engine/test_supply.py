@@ -10,11 +10,10 @@ from kube_vgpu.extender.engine.fit import place
 from kube_vgpu.extender.engine.fragmentation import TaskShape
 from kube_vgpu.extender.engine.model import Placement
 from kube_vgpu.extender.engine.policies import REGISTRY, make_policy
-from kube_vgpu.extender.engine.policies.lookahead import LookaheadFGD, residue_table
+from kube_vgpu.extender.engine.policies.lookahead import LookaheadFGD, ask_probabilities, residue_table
 from kube_vgpu.extender.engine.policies.supply import (
     SUPPLY_LOOKAHEAD_WEIGHT,
     SupplyLookaheadFGD,
-    ask_probabilities,
     supply_residue,
     supply_table,
 )

@@ -46,16 +46,24 @@ if TYPE_CHECKING:
 DEFAULT_LOOKAHEAD_WEIGHT = 1.0
 
 
-def residue_table(shapes: WeightedShapes, model: str, gpu_memory_mib: int) -> tuple[float, ...]:
-    """R(h): what stays free of a GPU with h free after the best completion by the shapes' per-GPU asks (any
-    number of each): h minus the largest sum of asks that is at most h."""
-    asks: set[int] = set()
-    for shape, _ in shapes:
+def ask_probabilities(shapes: WeightedShapes, model: str, gpu_memory_mib: int) -> dict[int, float]:
+    """Learned probability of each per-GPU ask (milli, at most 1000) on GPUs of this class."""
+    probabilities: dict[int, float] = {}
+    for shape, p in shapes:
         if not shape.gpu_count or not shape.accessible(model):
             continue
         share = shape.share_on(gpu_memory_mib)
-        if share is not None and share > 0:
-            asks.add(min(share, MILLI_PER_GPU))
+        if share is None or share <= 0:
+            continue
+        share = min(share, MILLI_PER_GPU)
+        probabilities[share] = probabilities.get(share, 0.0) + p
+    return probabilities
+
+
+def residue_table(shapes: WeightedShapes, model: str, gpu_memory_mib: int) -> tuple[float, ...]:
+    """R(h): what stays free of a GPU with h free after the best completion by the shapes' per-GPU asks (any
+    number of each): h minus the largest sum of asks that is at most h."""
+    asks = set(ask_probabilities(shapes, model, gpu_memory_mib))
     reachable = [False] * (MILLI_PER_GPU + 1)
     reachable[0] = True
     for h in range(1, MILLI_PER_GPU + 1):
@@ -75,16 +83,7 @@ def lookahead_table(
     """D(h) for h = 0..1000 (see the module docstring) on GPUs of this class. conditioned: the hole is filled by
     a random shape among those that fit it (V'(h) = E[V'(h - s) | s <= h]), returned as V'(h) minus FGD's
     per-GPU term (1 - fits(h)) h, so that adding it to FGD's measure replaces that term by V'."""
-    by_share: dict[int, float] = {}
-    for shape, p in shapes:
-        if not shape.gpu_count or not shape.accessible(model):
-            continue
-        share = shape.share_on(gpu_memory_mib)
-        if share is None or share <= 0:
-            continue
-        share = min(share, MILLI_PER_GPU)
-        by_share[share] = by_share.get(share, 0.0) + p
-    asks = sorted(by_share.items())
+    asks = sorted(ask_probabilities(shapes, model, gpu_memory_mib).items())
     value = [0.0] * (MILLI_PER_GPU + 1)  # V
     deeper = [0.0] * (MILLI_PER_GPU + 1)  # D
     for h in range(1, MILLI_PER_GPU + 1):

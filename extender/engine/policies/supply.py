@@ -43,7 +43,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kube_vgpu.extender.engine.fragmentation import WeightedShapes
-from kube_vgpu.extender.engine.policies.lookahead import LookaheadFGD
+from kube_vgpu.extender.engine.policies.lookahead import LookaheadFGD, ask_probabilities
 from kube_vgpu.extender.engine.shares import MILLI_PER_GPU
 
 #: the term's weight against FGD's (milli-GPU) measure (see the module docstring)
@@ -52,20 +52,6 @@ SUPPLY_LOOKAHEAD_WEIGHT = 10.0
 OPENING_SHARE = 0.5
 #: rounds of the availability iteration at most (it falls monotonically and stops after a few on openb)
 MAX_ROUNDS = 50
-
-
-def ask_probabilities(shapes: WeightedShapes, model: str, gpu_memory_mib: int) -> dict[int, float]:
-    """Learned probability of each per-GPU ask (milli, at most 1000) on GPUs of this class."""
-    probabilities: dict[int, float] = {}
-    for shape, p in shapes:
-        if not shape.gpu_count or not shape.accessible(model):
-            continue
-        share = shape.share_on(gpu_memory_mib)
-        if share is None or share <= 0:
-            continue
-        share = min(share, MILLI_PER_GPU)
-        probabilities[share] = probabilities.get(share, 0.0) + p
-    return probabilities
 
 
 def _residue_under(asks: Sequence[int], available: dict[int, float]) -> tuple[list[float], list[int]]:
