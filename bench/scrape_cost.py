@@ -190,11 +190,14 @@ def print_tails(timeline: list[dict[str, Any]]) -> None:
     for label, entries in by_label.items():
         inside: list[float] = []
         outside: list[float] = []
+        rendering: list[float] = []  # a verb that met a reply before its first byte: the render
         for entry in entries:
-            windows = sorted((began, began + total_s) for began, total_s in entry["requests"])
+            windows = sorted((began, began + first_s, began + total_s) for began, total_s, first_s in entry["requests"])
             for began, seconds in entry["verbs"]["filter"]:
-                during = any(start <= began + seconds and began <= end for start, end in windows)
+                during = any(start <= began + seconds and began <= end for start, _, end in windows)
                 (inside if during else outside).append(seconds)
+                if any(start <= began + seconds and began <= first for start, first, _ in windows):
+                    rendering.append(seconds)
         every = sorted(inside + outside)
         if not every or not inside:
             continue
@@ -203,6 +206,10 @@ def print_tails(timeline: list[dict[str, Any]]) -> None:
               f"{percentile(inside, 99) * 1e3:6.2f} ms, {sum(s >= slow_s for s in inside)} of the slowest 1%; "
               f"outside: {len(outside):5d}, p50 {percentile(outside, 50) * 1e3:5.2f} p99 "
               f"{percentile(outside, 99) * 1e3:6.2f} ms, {sum(s >= slow_s for s in outside)} of them")
+        if rendering:
+            print(f"  {'':22s} of those during, before the reply's first byte (the render): {len(rendering)} verbs, "
+                  f"p50 {percentile(rendering, 50) * 1e3:5.2f} p99 {percentile(rendering, 99) * 1e3:6.2f} ms, "
+                  f"{sum(s >= slow_s for s in rendering)} of the slowest 1%")
 
 
 def main() -> int:
@@ -291,7 +298,7 @@ def main() -> int:
                     poller.join(60)
                 timeline.append({"phase": label, "verbs": {verb: list(zip(starts[verb], timings[verb], strict=True))
                                                            for verb in timings},
-                                 "requests": [(began, total_s) for _, _, total_s, began in answered]})
+                                 "requests": [(began, total_s, first_s) for _, first_s, total_s, began in answered]})
                 used = cpu_by_phase.setdefault(label, [0.0, 0.0, 0.0])  # a render still running at the end counts too
                 user_s, system_s = cpu_s(server.pid)
                 used[0] += user_s - cpu_before_s[0]
