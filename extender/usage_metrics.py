@@ -114,7 +114,6 @@ class _NodeText:
     version: int
     mark: int
     pods: tuple[_PodText, ...]  # by UID
-    queues: tuple[str, ...]  # the pods' ClusterQueues ("" outside any)
     #: per family: the pods' per-pod-and-GPU gauge lines, their own pieces (not joined: the pods keep them, and a
     #: copy per node would hold them twice: ~40 MiB at 40,000 pods); empty when turned off
     gpu_lines: tuple[tuple[bytes, ...], ...]
@@ -146,9 +145,14 @@ def _uid_of(record: PodRecord) -> str:
     return record.uid
 
 
-def _queues(rules: QueueRules, pods: tuple[_PodText, ...]) -> tuple[str, ...]:
-    """The pods' ClusterQueues as of now (a quota gate's config or admissions may have moved them)."""
-    return tuple([rules.queue_of(text.uid, text.record.namespace, text.record.labels) or "" for text in pods])
+def _queue_of(rules: QueueRules | None, record: PodRecord) -> str:
+    """A pod's ClusterQueue as of now ("" outside any, or without a quota gate)."""
+    return (rules.queue_of(record.uid, record.namespace, record.labels) if rules else None) or ""
+
+
+def _queues_moved(rules: QueueRules, pods: tuple[_PodText, ...]) -> bool:
+    """Whether a quota gate's config or admissions moved any of these pods to another ClusterQueue."""
+    return any(_queue_of(rules, text.record) != text.queue for text in pods)
 
 
 _POD_GPU_FAMILIES = tuple(Family(f"kube_vgpu_pod_{suffix}", "gauge", f"{text}, per pod and GPU")
@@ -230,7 +234,7 @@ class UsageCollector(GroupedCollector):
                         continue  # deleted (or replaced) since the list was taken
                     gpus = node.gpus
                     for record in _counted_pods(state, node):
-                        queue = (rules.queue_of(record.uid, record.namespace, record.labels) if rules else None) or ""
+                        queue = _queue_of(rules, record)
                         held = tuple((str(gpus[u.position].index), gpus[u.position].uuid, u.memory_mib, u.cores,
                                       u.vgpus) for u in record.usage)
                         # a bind time ahead of this clock (skew between replicas) counts as just bound
@@ -423,13 +427,11 @@ class UsageCollector(GroupedCollector):
                     mark = marks.get(node.name, 0)
                     if (text is not None and text.node is node and text.gpus is node.gpus
                             and text.version == node.version and text.mark == mark
-                            and (rules is None or text.queues == _queues(rules, text.pods))):
+                            and (rules is None or not _queues_moved(rules, text.pods))):
                         texts.append(text)
                         new[node.name] = text
                         continue
-                    pods = [(record,
-                             (rules.queue_of(record.uid, record.namespace, record.labels) if rules else None) or "",
-                             record.bound_at_s if record.confirmed else None)
+                    pods = [(record, _queue_of(rules, record), record.bound_at_s if record.confirmed else None)
                             for record in _counted_pods(state, node)]
                     changed.append((len(texts), node, node.version, mark, pods))
                     texts.append(text)  # type: ignore[arg-type]  # replaced below
@@ -486,8 +488,8 @@ class UsageCollector(GroupedCollector):
         counter_amounts = tuple(tuple(text.totals[which] for text, _ in accounted) for which in _SECONDS_OF)
         gpu_lines = tuple(tuple([text.gpu_lines[position] for text in texts if text.gpu_lines[position]])
                           if self.per_pod_gpu else () for position in range(len(_POD_GPU_FAMILIES)))
-        return _NodeText(node, gpus, version, mark, tuple(texts), tuple(text.queue for text in texts), gpu_lines,
-                         counter_lines, counter_amounts, tuple(bound_at_s for _, bound_at_s in accounted))
+        return _NodeText(node, gpus, version, mark, tuple(texts), gpu_lines, counter_lines, counter_amounts,
+                         tuple(bound_at_s for _, bound_at_s in accounted))
 
     def _aggregate_groups(self, pause: Pause, numbers: dict[float, str]) -> list[FamilyGroup | RenderedGroup]:
         """The per-node, namespace and ClusterQueue allocation groups, from the sums kept with the pods' texts."""
