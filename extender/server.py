@@ -427,10 +427,10 @@ class Verbs:
         try:
             # kube-scheduler adds nothing for a node missing from the list, exactly as for a 0: those are left out (in
             # a burst onto an empty cluster that is nearly every node, and the reply shrinks from 500 entries to a few)
-            scores = self.scheduler.nonzero_scores(pod, names)
+            hosts, scores = self.scheduler.scaled_scores(pod, names)
         except InvalidGpuRequest:
             return []
-        return [{"Host": name, "Score": score} for name, score in scores]
+        return [{"Host": host, "Score": score} for host, score in zip(hosts, scores, strict=True)]
 
     @staticmethod
     def _binding_args(doc: Any) -> tuple[str, str, str, str]:

@@ -345,7 +345,7 @@ class ClusterState:
                 self._remove(uid)
             record = PodRecord(
                 uid=uid,
-                namespace=metadata.get("namespace", ""),
+                namespace=sys.intern(str(metadata.get("namespace") or "")),  # one copy per namespace, not per pod
                 name=metadata.get("name", ""),
                 node_name=assignment.node,
                 assignment=assignment,

@@ -156,7 +156,7 @@ def task_shape(request: PlacementRequest) -> TaskShape:
     return TaskShape(request.cpu_milli, compute_milli, count, request.gpu_spec, memory_mib, memory_milli)
 
 
-#: one GPU class's view of the target workload (FragModel._class_view): the probability of the shapes that can never
+#: one GPU class's view of the target workload (FragModel.class_view): the probability of the shapes that can never
 #: use its GPUs; the distinct per-GPU asks of the others, descending; those shapes in the model's order as
 #: (milli-CPU, index of their per-GPU ask in the asks, GPU count, probability); their distinct milli-CPU asks,
 #: ascending
@@ -178,7 +178,8 @@ class FragModel:
         self._by_class: dict[tuple[str, int], ClassView] = {}
         self._memo: dict[tuple[str, int, int, tuple[int, ...]], float] = {}
 
-    def _class_view(self, model: str, gpu_memory_mib: int) -> ClassView:
+    def class_view(self, model: str, gpu_memory_mib: int) -> ClassView:
+        """The workload as GPUs of this class see it (ClassView; policies.batch sums the measure from it)."""
         view = self._by_class.get((model, gpu_memory_mib))
         if view is None:
             never = 0.0
@@ -199,7 +200,7 @@ class FragModel:
     def frag(self, model: str, cpu_free_milli: int, gpu_free_milli: tuple[int, ...], gpu_memory_mib: int = 0) -> float:
         """Fragmented milli-GPU of a node whose GPUs are `model` with `gpu_memory_mib` each (0: unknown, fixed MiB
         asks are then judged by their other fractions); gpu_free_milli must be sorted descending."""
-        view = self._by_class.get((model, gpu_memory_mib)) or self._class_view(model, gpu_memory_mib)
+        view = self._by_class.get((model, gpu_memory_mib)) or self.class_view(model, gpu_memory_mib)
         # node_frag compares the free CPU with each shape's CPU ask alone: equal for every free CPU that meets the
         # same asks
         key = (model, gpu_memory_mib, bisect_right(view[3], cpu_free_milli), gpu_free_milli)

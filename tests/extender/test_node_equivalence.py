@@ -1,7 +1,8 @@
 """Sharing work between nodes (issue 19, live cost) changes no decision: a scheduler that places each request shape
 once per node-equivalence class and answers from each shape's kept answer gives exactly the filter outcome and the
 scores of one that judges every node on its own, on randomized clusters where many nodes share a state, through
-binds, pod deletions, heartbeats (fresh and expired) and the learned model's refreshes (bfgd's epochs)."""
+binds, pod deletions, heartbeats (fresh and expired) and the learned model's refreshes (bfgd's epochs); and so does
+one that places each shape's new classes with bfgd's batch placement (policies.batch)."""
 
 from __future__ import annotations
 
@@ -92,10 +93,12 @@ def cpu_only_pod(name: str, node_name: str, cpu: str) -> dict[str, Any]:
 class Twin:
     """One extender: its state, snapshot and scheduler."""
 
-    def __init__(self, clock: Clock, items: list[dict[str, Any]], share_results: bool) -> None:
+    def __init__(self, clock: Clock, items: list[dict[str, Any]], share_results: bool, batch: bool = False) -> None:
         self.state = ClusterState(heartbeat_ttl_s=TTL_S, clock=clock)
         self.cluster = SnapshotCluster(self.state, [dict(item) for item in items])
-        self.scheduler = Scheduler(self.state, self.cluster, share_results=share_results)
+        # batch: a request shape's new classes go to bfgd's batch placement (policies.batch) however few they are
+        self.scheduler = Scheduler(self.state, self.cluster, share_results=share_results,
+                                   batch_min_nodes=1 if batch else 1 << 30)
 
     def schedule(self, pending: dict[str, Any], names: list[str]) -> tuple[Any, ...]:
         outcome = self.scheduler.filter(pending, names)
@@ -118,7 +121,8 @@ def test_shared_results_decide_exactly_as_every_node_on_its_own(
     items: list[dict[str, Any]] = []
     for name, (hardware, running) in zip(names, nodes, strict=True):
         items.extend(node_items(name, hardware, running, START_S))
-    shared, alone = Twin(clock, items, True), Twin(clock, items, False)
+    twins = shared, batched, alone = Twin(clock, items, True), Twin(clock, items, True, batch=True), Twin(
+        clock, items, False)
     bound: list[str] = []
     for step, operation in enumerate(operations):
         kind = operation[0]
@@ -131,6 +135,7 @@ def test_shared_results_decide_exactly_as_every_node_on_its_own(
             asked = names[step % len(names):] + names[:step % len(names)]
             decided = shared.schedule(pending, asked)
             assert decided == alone.schedule(pending, asked), f"step {step}: {operation}"
+            assert decided == batched.schedule(pending, asked), f"step {step}: {operation} (batch placement)"
             if decided[-1] is not None:
                 bound.append(pending["metadata"]["uid"])
         elif kind == "heartbeat" and operation[1] < len(names):
@@ -139,18 +144,18 @@ def test_shared_results_decide_exactly_as_every_node_on_its_own(
             gpus, topology, cpu_milli = HARDWARE[hardware]
             fresh = gpu_node(name, gpus=gpus, topology=topology, cpu_milli=cpu_milli,
                              heartbeat=heartbeat_at(clock.now - operation[2]))
-            for twin in (shared, alone):
+            for twin in twins:
                 twin.state.upsert_node(fresh)
         elif kind == "time":
             clock.now += operation[1]
         elif kind == "cpu" and operation[1] < len(names):
             # a pod without GPUs lands on the node: its GPUs stay as they were, its free CPU (which bfgd reads) drops
             cpu_pod = cpu_only_pod(f"c{step}", names[operation[1]], operation[2])
-            for twin in (shared, alone):
+            for twin in twins:
                 twin.state.upsert_pod(cpu_pod)
         elif kind == "delete" and bound:
             uid = bound.pop(operation[1] % len(bound))
-            for twin in (shared, alone):
+            for twin in twins:
                 twin.state.delete_pod(uid)
 
 
@@ -205,3 +210,89 @@ def test_nodes_whose_gpus_match_but_whose_free_cpu_differs_are_not_equivalent() 
         pending = pod(f"p{step}", gpus=1, memory_mib=8192, cores=20)
         pending["spec"]["containers"][0]["resources"]["requests"]["cpu"] = "2"
         assert shared.schedule(pending, names) == alone.schedule(pending, names)
+
+
+def test_a_new_shape_on_many_distinct_nodes_is_placed_in_one_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first pod of a request shape on BATCH_MIN_NODES or more distinct node states goes to bfgd's batch
+    placement once; fit.place runs only where the batch leaves a node (here: the nodes it does not fit); the next
+    pod of the shape answers from the kept results, and a verb that walks every node (a quota gate) looks for a
+    batch again only once enough nodes changed."""
+    from kube_vgpu.extender import scheduler as scheduler_module
+    from kube_vgpu.extender.engine.policies.bfgd import BalancedFGD
+
+    count = scheduler_module.BATCH_MIN_NODES + 8
+    names = [f"n{i}" for i in range(count)]
+    items: list[dict[str, Any]] = []
+    for index, name in enumerate(names):
+        items.extend(node_items(name, index % 2, [3] if index % 5 == 0 else [], START_S))  # every 5th: 1 GPU held
+    clock = Clock()
+    twin = Twin(clock, items, True, batch=False)
+    twin.scheduler.batch_min_nodes = scheduler_module.BATCH_MIN_NODES
+    for index, name in enumerate(names):  # free CPU differs on every node: all states distinct
+        twin.state.upsert_pod(cpu_only_pod(f"c{index}", name, f"{index + 1}"))
+    assert len({equivalence_key(twin.state.nodes[name]) for name in names}) == count
+    placed: list[str] = []
+    batches: list[int] = []
+    real_place, real_batch = scheduler_module.place, BalancedFGD.place_batch
+
+    def counting_place(node: Any, *args: Any, **kwargs: Any) -> Any:
+        placed.append(node.name)
+        return real_place(node, *args, **kwargs)
+
+    def counting_batch(self: BalancedFGD, nodes: Any, request: Any) -> Any:
+        batches.append(len(nodes))
+        return real_batch(self, nodes, request)
+
+    monkeypatch.setattr(scheduler_module, "place", counting_place)
+    monkeypatch.setattr(BalancedFGD, "place_batch", counting_batch)
+    whole = pod(gpus=2, cores=100)  # two idle GPUs: the 2-GPU nodes with one held do not fit
+    outcome = twin.scheduler.filter(whole, names)
+    unfit = [name for index, name in enumerate(names) if index % 2 == 0 and index % 5 == 0]
+    assert batches == [count]
+    assert sorted(placed) == sorted(unfit)  # fit.place only for their reasons
+    assert sorted(outcome.failed) == sorted(unfit) and len(outcome.passed) == count - len(unfit)
+    twin.scheduler.filter(pod(gpus=2, cores=100), names)
+    assert batches == [count]  # the shape's answer
+    # with a gate every verb walks every node (no kept answer): a batch only once enough nodes changed since
+    twin.scheduler.gates = [OpenGate()]
+    shape = {"gpus": 1, "memory_mib": 4096, "cores": 10}
+    placed.clear()
+    assert twin.scheduler.filter(pod(**shape), names).passed == names
+    assert batches == [count, count] and not placed
+    for index in range(5):
+        twin.state.upsert_pod(cpu_only_pod(f"d{index}", names[index], "50"))
+    assert twin.scheduler.filter(pod(**shape), names).passed == names
+    assert batches == [count, count] and sorted(placed) == sorted(names[:5])  # too few for a batch
+    for index, name in enumerate(names):
+        twin.state.upsert_pod(cpu_only_pod(f"e{index}", name, "70"))
+    placed.clear()
+    assert twin.scheduler.filter(pod(**shape), names).passed == names
+    assert batches == [count, count, count] and not placed
+
+
+class OpenGate:
+    """A gate that refuses nothing (Gate's hooks as no-ops)."""
+
+    def check(self, pod: Any, request: Any, node: Any) -> str | None:
+        return None
+
+    def reserve(self, pod: Any, request: Any, node: Any, uid: str) -> str | None:
+        return None
+
+    def observe_filter(self, pod: Any, request: Any, passed: list[str]) -> None:
+        return None
+
+    def collector(self) -> None:
+        return None
+
+    def snapshot(self, gangs: Any = None) -> None:
+        return None
+
+    def queue_rules(self) -> None:
+        return None
+
+    def start(self) -> None:
+        return None
+
+    def stop(self) -> None:
+        return None

@@ -77,6 +77,12 @@ class Policy:
     def score(self, node: NodeState, request: PlacementRequest, placement: Placement) -> float:
         return 0.0
 
+    def place_batch(self, nodes: Sequence[NodeState], request: PlacementRequest) -> list[Placement | None] | None:
+        """Optional: fit.place(node, request, self, self) of many nodes at once, exactly (policies.batch), with None
+        for each node it leaves to fit.place; None when the policy offers no batch placement (the default). The
+        scheduler uses it for a request shape's first pods, where every node is placed."""
+        return None
+
 
 # --- helpers shared by policies ---------------------------------------------------------------------
 

@@ -41,7 +41,7 @@ from kube_vgpu.extender.engine.policies.fgd import quantised_gain, sigmoid
 from kube_vgpu.extender.engine.shares import MILLI_PER_GPU
 
 if TYPE_CHECKING:
-    from kube_vgpu.extender.engine.model import NodeState
+    from kube_vgpu.extender.engine.model import NodeState, Placement, PlacementRequest
 
 DEFAULT_LOOKAHEAD_WEIGHT = 1.0
 
@@ -155,6 +155,9 @@ class LookaheadFGD(BalancedFGD):
         for f in free:  # free shares are 0..1000 (engine.shares); clamp anything else
             extra += table[f] if 0 <= f <= MILLI_PER_GPU else table[0 if f < 0 else MILLI_PER_GPU]
         return base + self.lookahead_weight * extra
+
+    def place_batch(self, nodes: Sequence[NodeState], request: PlacementRequest) -> list[Placement | None] | None:
+        return None  # policies.batch sums bfgd's measure, not this one's look-ahead term: fit.place on every node
 
     def gain(self, frag_before: float, frag_after: float) -> float:
         if self.quantised:

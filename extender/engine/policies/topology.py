@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from kube_vgpu.extender.engine.model import NodeState, Placement, PlacementRequest
     from kube_vgpu.protocol import ContainerGpuRequest
 
-_BEST_LINK_SCORE = 118  # NVLink (100) + 18 lanes (H100)
+BEST_LINK_SCORE = 118  # NVLink (100) + 18 lanes (H100)
 
 
 def set_quality(matrix: list[list[int]], positions: Sequence[int]) -> tuple[int, int]:
@@ -104,7 +104,7 @@ def connectivity(node: NodeState, placement: Placement) -> float | None:
     for container in placement.containers:
         if len(container.devices) > 1 and not container.request.mig:  # MIG devices have no link matrix
             weakest, _ = set_quality(node.link_matrix, [d[0] for d in container.devices])
-            quality = max(quality or 0.0, weakest / _BEST_LINK_SCORE)
+            quality = max(quality or 0.0, weakest / BEST_LINK_SCORE)
     return quality
 
 

@@ -1,0 +1,162 @@
+"""policies.batch: placing one request on many nodes at once over arrays gives exactly fit.place's placements and
+scores (bfgd, the extender's default), on random nodes in every state the array rules read; and what they leave to
+fit.place is only what the module says."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+
+from kube_vgpu import protocol
+from kube_vgpu.dev.fixtures import TOPOLOGIES, synth_inventory
+from kube_vgpu.extender.engine.fit import place
+from kube_vgpu.extender.engine.model import FitFailure, GpuUsage, NodeState, PlacementRequest
+from kube_vgpu.extender.engine.policies import REGISTRY, make_policy
+from kube_vgpu.extender.engine.policies.base import Policy
+from kube_vgpu.extender.engine.policies.batch import batch_container, node_group, quantised_gains
+from kube_vgpu.extender.engine.policies.bfgd import BalancedFGD
+from kube_vgpu.extender.engine.policies.fgd import quantised_gain
+from tests.helpers import pod
+
+#: hardware built once per (GPUs, memory, topology): synth_inventory runs the device plugin's discovery
+_INVENTORIES: dict[tuple[int, int, str], protocol.NodeInventory] = {}
+
+
+def random_node(rng: random.Random, name: str) -> NodeState:
+    gpus = rng.choice((1, 2, 4, 8, 8, 8))
+    memory_mib = rng.choice((81920, 40960, 16384))
+    topology = rng.choice(TOPOLOGIES)
+    inventory = _INVENTORIES.get((gpus, memory_mib, topology))
+    if inventory is None:
+        inventory = _INVENTORIES[(gpus, memory_mib, topology)] = synth_inventory(
+            "n", gpus, "A100", memory_mib, topology)
+    cpu_total = rng.choice((0, 64000, 128000))
+    node = NodeState(name, inventory, cpu_milli_total=cpu_total)
+    node.cpu_milli_used = rng.randrange(0, cpu_total + 1, 1000) if cpu_total else 0
+    for gpu in node.gpus:
+        roll = rng.random()
+        if roll < 0.25:
+            continue  # idle
+        if roll < 0.3:
+            usage = GpuUsage(gpu.position, gpu.memory_mib, gpu.cores, 1, True)  # held whole
+        else:
+            vgpus = rng.randint(1, 4)
+            usage = GpuUsage(gpu.position, rng.randrange(0, gpu.memory_mib + 1, 1024), rng.randrange(0, 101, 5),
+                             vgpus, False)
+        node.apply_usage((usage,))
+        if rng.random() < 0.05:
+            gpu.healthy = False
+        if rng.random() < 0.05:
+            gpu.max_vgpus = gpu.used_vgpus  # out of slots
+    if rng.random() < 0.05 and len(node.gpus) > 1:
+        node.gpus[-1].memory_mib //= 2  # mixed hardware: left to fit.place
+    node.touch()
+    return node
+
+
+def random_request(rng: random.Random) -> PlacementRequest:
+    memory = rng.choice(("mib", "percent", "none"))
+    kwargs: dict[str, int | None] = {
+        "gpus": rng.choice((1, 1, 1, 2, 3, 4)),
+        "cores": rng.choice((None, 0, 5, 10, 25, 50, 100)),
+        "memory_mib": rng.randrange(1024, 40961, 1024) if memory == "mib" else None,
+        "memory_percent": rng.choice((10, 25, 50)) if memory == "percent" else None,
+    }
+    return PlacementRequest(protocol.parse_pod_gpu_request(pod(**kwargs)), cpu_milli=rng.randrange(0, 32001, 500))
+
+
+def learned_policy(rng: random.Random, name: str = "bfgd", **options: object) -> Policy:
+    policy = make_policy(name, **options)
+    for _ in range(rng.choice((0, 3, 40))):  # nothing learned, one refresh, several
+        policy.observe(random_request(rng))
+    return policy
+
+
+def check(policy: Policy, nodes: list[NodeState], request: PlacementRequest) -> int:
+    """Batch results equal fit.place's wherever given; returns how many were given."""
+    got = policy.place_batch(nodes, request)
+    assert got is not None
+    assert len(got) == len(nodes)
+    given = 0
+    for node, result in zip(nodes, got, strict=True):
+        expected = place(node, request, policy, policy)
+        if result is None:
+            covered = batch_container(request) is not None and node_group(node) is not None
+            assert not covered or isinstance(expected, FitFailure), (node.name, expected)
+            continue
+        given += 1
+        assert result == expected, (node.name, request, result, expected)
+    return given
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("reference_ties", [False, True])
+def test_batch_places_exactly_as_fit_place(seed: int, reference_ties: bool) -> None:
+    rng = random.Random(seed)
+    nodes = [random_node(rng, f"node-{i}") for i in range(60)]
+    policy = learned_policy(rng, reference_ties=reference_ties)
+    given = 0
+    for _ in range(25):
+        given += check(policy, nodes, random_request(rng))
+    assert given > 200  # the array rules cover most nodes, not a few
+
+
+def test_nodes_in_equal_states_and_ties() -> None:
+    """Idle and half-used alike nodes tie on every GPU: the tie-breaks (a split GPU first, least damaging idle GPU
+    on linked nodes, lowest index without links) are fit.place's."""
+    rng = random.Random(5)
+    policy = learned_policy(rng)
+    nodes = []
+    for number, topology in enumerate(TOPOLOGIES * 3):
+        node = NodeState(f"n{number}", synth_inventory("n", 8, "A100", 81920, topology), cpu_milli_total=64000)
+        for position in range(number % 4):  # 0-3 GPUs split alike
+            node.apply_usage((GpuUsage(position * 2, 8192, 20, 1, False),))
+        node.touch()
+        nodes.append(node)
+    for shape in ({"gpus": 1, "memory_mib": 8192, "cores": 20}, {"gpus": 1, "cores": 100},
+                  {"gpus": 2, "memory_mib": 4096, "cores": 10}, {"gpus": 4, "cores": 100}):
+        request = PlacementRequest(protocol.parse_pod_gpu_request(pod(**shape)), cpu_milli=4000)
+        assert check(policy, nodes, request) == len(nodes)
+
+
+def test_what_is_left_to_fit_place() -> None:
+    rng = random.Random(3)
+    policy = learned_policy(rng)
+    nodes = [random_node(rng, f"n{i}") for i in range(10)]
+    with_init = PlacementRequest(protocol.parse_pod_gpu_request(pod(gpus=1, memory_mib=1024, init_gpus=1)))
+    assert batch_container(with_init) is None
+    assert policy.place_batch(nodes, with_init) == [None] * len(nodes)
+    selected = pod(gpus=1, memory_mib=1024, annotations={protocol.ANNOTATION_NUMA_BIND: "true"})
+    assert batch_container(PlacementRequest(protocol.parse_pod_gpu_request(selected))) is None
+    full = NodeState("full", synth_inventory("full", 2, "A100", 81920, "pcie"), cpu_milli_total=64000)
+    for gpu in full.gpus:
+        full.apply_usage((GpuUsage(gpu.position, gpu.memory_mib, gpu.cores, 1, True),))
+    full.touch()
+    request = PlacementRequest(protocol.parse_pod_gpu_request(pod(gpus=1, memory_mib=1024, cores=10)))
+    assert policy.place_batch([full], request) == [None]  # does not fit: fit.place says why
+    assert isinstance(place(full, request, policy, policy), FitFailure)
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_every_policy_batches_exactly_or_not_at_all(name: str) -> None:
+    """A policy that inherits bfgd's batch placement but measures otherwise (lafgd, safgd) must not offer it."""
+    rng = random.Random(11)
+    policy = learned_policy(rng, name)
+    nodes = [random_node(rng, f"n{i}") for i in range(30)]
+    for _ in range(6):
+        request = random_request(rng)
+        if policy.place_batch(nodes, request) is None:
+            continue
+        check(policy, nodes, request)
+    assert (policy.place_batch(nodes, random_request(rng)) is not None) == (type(policy) is BalancedFGD)
+
+
+def test_quantised_gains_at_the_steps_are_math_exps() -> None:
+    """Differences that put 100 * sigmoid right at an integer step are recomputed with math.exp."""
+    steps = [1000 * math.log(k / (100 - k)) for k in range(1, 100)]  # sigmoid(x) * 100 == k
+    differences = np.array([d + e for d in steps for e in (-1e-12, 0.0, 1e-12)] + [0.0, 5000.0, -5000.0])
+    gains = quantised_gains(differences, np.zeros_like(differences))
+    assert gains.tolist() == [quantised_gain(float(d), 0.0) for d in differences]
