@@ -69,7 +69,7 @@ COPY webhook/ webhook/
 COPY deviceplugin/ deviceplugin/
 COPY manifests/ manifests/
 # the dependencies (grpcio, cryptography, orjson, ...) come as manylinux wheels: exactly the locked versions,
-# hash-checked, then the wheel itself without resolving anything else. Behind a TLS-intercepting proxy, hand pip the
+# hash-checked, then the wheel itself without resolving anything else; numpy's own test suite (~17 MB) is dropped. Behind a TLS-intercepting proxy, hand pip the
 # proxy's CA bundle as a build secret (--secret id=pip-ca,src=/etc/ssl/certs/ca-certificates.crt); it is not kept.
 RUN --mount=type=secret,id=pip-ca \
     if [ -s /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi \
@@ -77,6 +77,7 @@ RUN --mount=type=secret,id=pip-ca \
  && /opt/kube-vgpu/venv/bin/pip wheel --no-deps --wheel-dir /wheels . \
  && /opt/kube-vgpu/venv/bin/pip install --only-binary=:all: --require-hashes -r requirements.lock \
  && /opt/kube-vgpu/venv/bin/pip install --no-deps /wheels/kube_vgpu-*.whl \
+ && find /opt/kube-vgpu/venv/lib -path '*/site-packages/numpy/*' -type d -name tests -prune -exec rm -rf {} + \
  && /opt/kube-vgpu/venv/bin/python -m pip uninstall -q -y pip setuptools \
  && /opt/kube-vgpu/venv/bin/kube-vgpu --help > /dev/null
 

@@ -53,8 +53,9 @@ IMAGE = "localhost/kube-vgpu:image-test"
 USER = 65532
 #: the final image (the Debian base is ~135 MB, python:3.11-slim ~125 MB; the venv ~230 MB, kubernetes 126 MB of it)
 SIZE_CEILING_MB = 450
-#: what the image adds on top of its base: the venv and the limiter
-ADDED_CEILING_MB = 260
+#: what the image adds on top of its base: the venv and the limiter (285 MB since numpy, which bfgd's batch placement
+#: needs, came in with its OpenBLAS; its test suite is dropped in the build)
+ADDED_CEILING_MB = 300
 #: the builder's storage beyond which old builds' layers are pruned before building
 STORAGE_CEILING_BYTES = 4 * 1024**3
 #: one word, as `kube-vgpu limiter install` requires (it names the node's version directory and label)
