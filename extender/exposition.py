@@ -42,6 +42,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from kube_vgpu.extender.gcpolicy import freeze_burst_survivors
+
 Pause = Callable[[], None]
 T = TypeVar("T")
 #: a rendered body as its pieces in order, never joined: joining (or encoding) 75 MB at once holds the GIL for tens
@@ -452,6 +454,7 @@ class _RenderSettings:
                 if self._holders == 0:
                     sys.setswitchinterval(self._switch_interval_s)
                     if self._was_enabled:
+                        freeze_burst_survivors()  # else the next collection scans the render's kept text
                         gc.enable()
 
 

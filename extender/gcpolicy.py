@@ -13,6 +13,11 @@ objects are still freed by reference counting (those full collections found no g
 garbage among them would stay, so every `sweep_every`-th full collection unfreezes instead, and the next one scans
 everything once (a pause as long as before this, that rarely: hours apart in a cluster binding a few pods a
 second).
+
+A /metrics render runs with the collector off (exposition.render_settings) and keeps tens of thousands of containers
+alive for the next scrape; the first collections after it scanned them all (46 ms, then a 46 ms full collection, at
+5000 nodes: two verbs waiting). `freeze_burst_survivors` freezes them as the render ends (then the longest
+collection in the 50 pods after a render: 0.7 ms).
 """
 
 from __future__ import annotations
@@ -58,3 +63,12 @@ def freeze_survivors() -> SurvivorFreezer:
             _installed = SurvivorFreezer()
             gc.callbacks.append(_installed)
         return _installed
+
+
+def freeze_burst_survivors() -> None:
+    """Freeze what a burst of allocations made with the collector off left alive (a /metrics render: the kept text
+    of 5000 nodes, tens of thousands of containers), so the first collection after it does not scan all of them
+    while a verb waits; as after a full collection, they are still freed by reference counting, and cyclic garbage
+    among them goes at the next sweep. Only where the survivor freezer runs (the serving extender)."""
+    if _installed is not None:
+        gc.freeze()
