@@ -31,7 +31,13 @@ import numpy as np
 import numpy.typing as npt
 
 from kube_vgpu.extender.engine.model import ContainerPlacement, GpuUsage, Placement
-from kube_vgpu.extender.engine.policies.topology import BEST_LINK_SCORE, best_connected_set, set_quality
+from kube_vgpu.extender.engine.policies.base import Scratch
+from kube_vgpu.extender.engine.policies.topology import (
+    BEST_LINK_SCORE,
+    best_connected_set,
+    least_damaging_gpu,
+    set_quality,
+)
 from kube_vgpu.extender.engine.shares import MILLI_PER_GPU
 
 if TYPE_CHECKING:
@@ -260,7 +266,7 @@ def _place_group(  # noqa: C901 - one vectorised pass, in fit.place's order
             for row in np.nonzero(ties & ~has_shared)[0].tolist():
                 node = nodes[row]
                 if node.has_links:  # else the lowest index, already picked
-                    picked[row] = _least_damaging(node, int(tied_bits[row]), width)
+                    picked[row] = _least_damaging(node, int(tied_bits[row]))
         gains = np.take_along_axis(each, picked[:, None], axis=1)[:, 0]
         shapes = [(position,) for position in range(width)]
         for row, position in enumerate(picked.tolist()):
@@ -284,7 +290,7 @@ def _place_group(  # noqa: C901 - one vectorised pass, in fit.place's order
                 elif link < 0:
                     found = (tuple(candidates[: container.count]), 0, 0.0)
                 elif container.count == 1:
-                    found = ((_least_damaging(node, bits, width),), 0, 0.0)
+                    found = ((_least_damaging(node, bits),), 0, 0.0)
                 else:
                     positions = tuple(best_connected_set(node.link_matrix, candidates, container.count))
                     found = (positions, 0, set_quality(node.link_matrix, positions)[0] / BEST_LINK_SCORE)
@@ -309,9 +315,7 @@ def _place_group(  # noqa: C901 - one vectorised pass, in fit.place's order
             memory_sum = used_memory.sum(axis=1) + need_memory * container.count
             cores_sum = used_cores.sum(axis=1) + taken_cores * container.count
             fill = 0.5 * memory_sum / total_memory + 0.5 * cores_sum / max(cores * width, 1)
-            scores = scores + 0.5 * fill  # bfgd.FILL_TIE_BREAK
-        else:
-            scores = scores + 0.5 * 0.0
+            scores = scores + 0.5 * fill  # bfgd.FILL_TIE_BREAK (no GPU memory: a fill of 0.0, nothing to add)
 
     built: dict[tuple[int, ...], tuple[tuple[ContainerPlacement, ...], tuple[GpuUsage, ...]]] = {}
     for where in set(chosen):
@@ -323,17 +327,7 @@ def _place_group(  # noqa: C901 - one vectorised pass, in fit.place's order
             for node, where, score, fit in zip(nodes, chosen, scores.tolist(), placeable.tolist(), strict=True)]
 
 
-def _least_damaging(node: NodeState, candidate_bits: int, width: int) -> int:
+def _least_damaging(node: NodeState, candidate_bits: int) -> int:
     """topology.least_damaging_gpu's position among the candidates (nothing of the pod placed yet)."""
-    matrix = node.link_matrix
-    idle = [g.position for g in node.gpus if g.schedulable and g.idle]
-    best: tuple[int, int, int] | None = None
-    found = 0
-    for position in range(width):
-        if not candidate_bits >> position & 1:
-            continue
-        links = [matrix[position][p] for p in idle if p != position]
-        damage = (max(links, default=0), sum(links), node.gpus[position].index)
-        if best is None or damage < best:
-            best, found = damage, position
-    return found
+    candidates = [gpu for gpu in node.gpus if candidate_bits >> gpu.position & 1]
+    return least_damaging_gpu(node, candidates, Scratch(len(node.gpus))).position
