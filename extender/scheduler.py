@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
+import numpy.typing as npt
 from cachetools import TTLCache
 
 from kube_vgpu import kubeapi, protocol
@@ -75,6 +76,9 @@ REFRESHING_SHAPES = 64
 ANSWERED_SHAPES = 32
 #: per request shape, the results kept per node-equivalence class under the policies' current model (cleared beyond)
 CLASS_RESULTS_PER_SHAPE = 50_000
+#: nodes changed between a filter and its prioritize that the prepared answer is brought up to date for, one by one;
+#: more, and prioritize computes afresh
+PREPARED_CHANGES_MAX = 8
 #: a request shape's nodes to place, at least, before the policy's batch placement (Policy.place_batch) places them
 #: together: below, one by one costs less than building the arrays
 BATCH_MIN_NODES = 32
@@ -176,6 +180,46 @@ class _ClassResults:
     batched_at: tuple[int, int] = (-1, 0)
 
 
+def _scaled(passed: list[str], raw: npt.NDArray[np.float64]) -> tuple[list[str], list[int]]:
+    """The nodes whose score scales above 0, and those scores: raw scores scaled from the lowest (0) to the highest
+    (MAX_EXTENDER_SCORE), all left out when they are equal."""
+    if not len(raw):
+        return [], []
+    low, high = raw.min(), raw.max()
+    spread = high - low
+    if spread <= 1e-12:
+        return [], []  # all equal: nothing to prefer (the same to kube-scheduler as all 10)
+    # round((raw - low) / spread * MAX_EXTENDER_SCORE) per node: the same float operations, and np.rint rounds halves
+    # to even as round() does
+    scaled = np.rint((raw - low) / spread * MAX_EXTENDER_SCORE)
+    kept = np.flatnonzero(scaled)
+    if len(kept) == len(passed):
+        return passed.copy(), scaled.astype(np.int64).tolist()  # a list of its own: callers may keep or change it
+    return list(map(passed.__getitem__, kept.tolist())), scaled[kept].astype(np.int64).tolist()
+
+
+@dataclass(slots=True)
+class _PreparedScores:
+    """prioritize's answer (scaled_scores) for the pod and nodes a filter just passed, computed before kube-scheduler
+    asks for it (Scheduler.prepare_scores). It stays that answer while the pod and the nodes asked are the same, the
+    policies' models are the same, no passing node's heartbeat has gone stale (the shape's answer's expiry) and no
+    gate or nomination could refuse a node, once the nodes changed since (the state's journal) are judged again;
+    otherwise prioritize computes afresh."""
+
+    pod: Mapping[str, Any]
+    names: list[str]
+    policies: tuple[Policy, Policy]
+    epochs: tuple[int, int]
+    journal_epoch: int
+    #: the state's journal length up to which changes are in raw
+    journal_position: int
+    expires_s: float
+    #: each node's policy score, in the order of names
+    raw: npt.NDArray[np.float64]
+    hosts: list[str]
+    scores: list[int]
+
+
 @dataclass(slots=True)
 class FilterOutcome:
     passed: list[str] = field(default_factory=list)
@@ -244,6 +288,9 @@ class Scheduler:
         self._class_results: dict[int, _ClassResults] = {}
         # request key -> its answer (least recently used first)
         self._answers: dict[int, _Answer] = {}
+        # the last _evaluate's policies and answer, when it answered from a shape's answer (else None)
+        self._answered_by: tuple[Policy, Policy, _Answer] | None = None
+        self._prepared: _PreparedScores | None = None
         # pods seen by filter, for bind (which only gets name / uid): uid -> pod object
         self._recent_pods: TTLCache[str, Mapping[str, Any]] = TTLCache(maxsize=50_000, ttl=600)
         # pods between prepare_bind and the end of commit_bind
@@ -418,6 +465,7 @@ class Scheduler:
     ) -> tuple[FilterOutcome, dict[str, Placement]]:
         outcome = FilterOutcome()
         placements: dict[str, Placement] = {}
+        self._answered_by = None
         if not self.state.synced.is_set():
             # before the first full list, free-looking GPUs may be held by pods not seen yet: never guess
             outcome.error = NOT_SYNCED
@@ -491,6 +539,8 @@ class Scheduler:
             if cacheable and self.share_results and not self.gates and not held_nodes:
                 # every fitting node passes: the nodes already judged for this shape answer from its _Answer
                 answer = self._answer(key, now)
+                if not self.nominations.by_preemptor:
+                    self._answered_by = (node_policy, gpu_policy, answer)
                 placements = answer.passed  # the caller reads it under the state lock
                 failed_answers = answer.failed
                 outcome.passed = [name for name in names if name in placements]
@@ -593,28 +643,99 @@ class Scheduler:
         names, scores = self.scaled_scores(pod, node_names)
         return list(zip(names, scores, strict=True))
 
+    def prepare_scores(self, pod: Mapping[str, Any], passed: list[str]) -> tuple[list[str], list[int]] | None:
+        """Compute prioritize's answer for the nodes a filter of this pod just passed, before kube-scheduler asks for
+        it: the server calls this once the filter's reply is sent, in the moment kube-scheduler takes to ask (for
+        5000 nodes most of prioritize's ~2 ms of work). scaled_scores then returns it, brought up to date, while it
+        can be (_PreparedScores). None (and nothing kept) where it would not be reused: fewer than two nodes
+        (kube-scheduler scores none), an invalid request, nodes named twice, a node no longer passing, or a filter
+        that did not answer from a shape's answer (gates, nominations, gangs: their verdicts depend on more than
+        the nodes' state)."""
+        self._prepared = None
+        if (len(passed) < 2 or self.gates or self.nominations.by_node or self.nominations.by_preemptor
+                or len(set(passed)) < len(passed)):
+            return None
+        state = self.state
+        with state.lock:
+            journal_at = (state.journal_epoch, len(state.journal))
+            try:
+                evaluated, raw = self._raw_scores(pod, passed)
+            except InvalidGpuRequest:
+                return None
+            answered_by = self._answered_by
+            if answered_by is None or len(evaluated) != len(passed):  # (evaluated is passed's passing nodes)
+                return None
+            node_policy, gpu_policy, answer = answered_by
+            hosts, scores = _scaled(passed, raw)
+            self._prepared = _PreparedScores(
+                pod, passed, (node_policy, gpu_policy), (node_policy.epoch(), gpu_policy.epoch()), *journal_at,
+                answer.expires_s, raw, hosts, scores,
+            )
+        return hosts, scores
+
+    def _prepared_for(self, pod: Mapping[str, Any], names: list[str]) -> _PreparedScores | None:
+        """The prepared answer brought up to date, if it is this pod's and these nodes' (caller holds the state
+        lock). Nodes changed since it was computed (the state's journal, as for a shape's _Answer) are judged again
+        one by one and the scores scaled anew; more than PREPARED_CHANGES_MAX of them, or one that no longer passes,
+        and it is dropped."""
+        prepared = self._prepared
+        if prepared is None or names != prepared.names or pod != prepared.pod:
+            return None
+        state = self.state
+        node_policy, gpu_policy = prepared.policies
+        if ((node_policy.epoch(), gpu_policy.epoch()) != prepared.epochs
+                or state.journal_epoch != prepared.journal_epoch or state.clock() > prepared.expires_s
+                or self.gates or self.nominations.by_node or self.nominations.by_preemptor):
+            self._prepared = None
+            return None
+        journal = state.journal
+        if prepared.journal_position < len(journal):
+            changed = set(itertools.islice(journal, prepared.journal_position, None))
+            prepared.journal_position = len(journal)
+            if len(changed) > PREPARED_CHANGES_MAX:
+                self._prepared = None
+                return None
+            raw = prepared.raw
+            rescale = False
+            for name in changed:
+                try:
+                    position = names.index(name)
+                except ValueError:
+                    continue  # not asked: its score is not in the answer
+                outcome, placements = self._evaluate(pod, [name])
+                placement = placements.get(name)
+                answered_by = self._answered_by
+                if outcome.error or not outcome.passed or placement is None or answered_by is None:
+                    self._prepared = None
+                    return None
+                raw[position] = placement.score
+                prepared.expires_s = min(prepared.expires_s, answered_by[2].expires_s)
+                rescale = True
+            if rescale:
+                prepared.hosts, prepared.scores = _scaled(names, raw)
+        return prepared
+
     def scaled_scores(self, pod: Mapping[str, Any], node_names: Iterable[str]) -> tuple[list[str], list[int]]:
         """nonzero_scores as two lists, names and scores (the server encodes them without a pair per node)."""
-        with self.state.lock:  # placements may be a shape's answer, which the next verb updates
-            # no re-placing of outdated results here: filter just did it for this pod (prioritize is the slower verb)
-            outcome, placements = self._evaluate(pod, node_names)
-            if outcome.error:
-                raise InvalidGpuRequest(outcome.error)
-            passed = outcome.passed
-            # over arrays: 5000 passing nodes cost ~0.3 ms here instead of ~2 ms of Python per node
-            raw = np.fromiter(map(_score_of, map(placements.__getitem__, passed)), dtype=np.float64,
-                              count=len(passed))
-        if not len(raw):
-            return [], []
-        low, high = raw.min(), raw.max()
-        spread = high - low
-        if spread <= 1e-12:
-            return [], []  # all equal: nothing to prefer (the same to kube-scheduler as all 10)
-        # round((raw - low) / spread * MAX_EXTENDER_SCORE) per node: the same float operations, and np.rint rounds
-        # halves to even as round() does
-        scaled = np.rint((raw - low) / spread * MAX_EXTENDER_SCORE)
-        kept = np.flatnonzero(scaled)
-        return list(map(passed.__getitem__, kept.tolist())), scaled[kept].astype(np.int64).tolist()
+        names = node_names if isinstance(node_names, list) else list(node_names)
+        with self.state.lock:
+            prepared = self._prepared_for(pod, names)
+            if prepared is not None:
+                return prepared.hosts, prepared.scores
+            passed, raw = self._raw_scores(pod, names)
+        return _scaled(passed, raw)
+
+    def _raw_scores(self, pod: Mapping[str, Any], names: list[str]) -> tuple[list[str], npt.NDArray[np.float64]]:
+        """The passing nodes among names and their policy scores (caller holds the state lock: placements may be a
+        shape's answer, which the next verb updates). Raises InvalidGpuRequest."""
+        # no re-placing of outdated results here: filter just did it for this pod (prioritize is the slower verb)
+        outcome, placements = self._evaluate(pod, names)
+        if outcome.error:
+            raise InvalidGpuRequest(outcome.error)
+        passed = outcome.passed
+        # over arrays: 5000 passing nodes cost ~0.3 ms here instead of ~2 ms of Python per node
+        raw = np.fromiter(map(_score_of, map(placements.__getitem__, passed)), dtype=np.float64, count=len(passed))
+        return passed, raw
 
     # --- gangs (all-or-nothing; extender/gangs.py) -------------------------------------------------
     def _gang_outcome(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import itertools
 import logging
 import threading
 import time
@@ -45,7 +46,7 @@ from kube_vgpu.extender.exposition import (
     sorted_labels,
 )
 from kube_vgpu.extender.gangs import gangs_view
-from kube_vgpu.extender.scheduler import BindError, Scheduler
+from kube_vgpu.extender.scheduler import MAX_EXTENDER_SCORE, BindError, Scheduler
 from kube_vgpu.extender.state import ClusterState
 from kube_vgpu.extender.usage_metrics import UsageCollector
 from kube_vgpu.kubeapi import InvalidObject, check_pod
@@ -297,6 +298,8 @@ class ExtenderApp(FastAPI):
     three requests per pod, and Starlette's middleware and routing cost more CPU than filter itself."""
 
     verbs: dict[str, Verb]
+    #: run after a verb's reply is sent (Verbs.follow_ups)
+    follow_ups: dict[str, Callable[[], None]]
     verb_latency: Histogram
     bad_requests: Counter
     #: verbs being computed: rendering /metrics and /state pauses for them (kube_vgpu.extender.exposition)
@@ -306,17 +309,27 @@ class ExtenderApp(FastAPI):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            verb = self.verbs.get(scope["path"])
+            path = scope["path"]
+            verb = self.verbs.get(path)
             if verb is not None:
-                await self._serve_verb(scope["path"].lstrip("/"), verb, scope, receive, send)
+                await self._serve_verb(path.lstrip("/"), verb, self.follow_ups.get(path), scope, receive, send)
                 return
         await super().__call__(scope, receive, send)
 
-    async def _serve_verb(self, name: str, verb: Verb, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _serve_verb(self, name: str, verb: Verb, follow_up: Callable[[], None] | None, scope: Scope,
+                          receive: Receive, send: Send) -> None:
         activity = self.activity
         activity.started()
         try:
             await self._compute_verb(name, verb, scope, receive, send)
+            if follow_up is not None:
+                # one turn of the event loop first, so that the reply is on its way (a transport may flush its writes
+                # only when the loop runs) before this work: the client must not wait for it
+                await asyncio.sleep(0)
+                try:
+                    follow_up()  # computing still: rendering keeps paused
+                except Exception:  # an optimisation: the next verb computes what it needs itself
+                    log.exception("%s: work after the reply failed", name)
         finally:
             activity.finished()
 
@@ -395,12 +408,65 @@ def extender_metrics(scheduler: Scheduler, *, per_pod_gpu: bool = True) -> Exten
     return metrics
 
 
+class ScoreReplies:
+    """prioritize's reply (a HostPriorityList) as bytes: each node's `{"Host":"<name>","Score":` kept encoded, the
+    eleven `<score>},` endings shared, and the reply one join of them. For 5000 nodes that is ~0.5 ms, against ~0.9
+    ms for 5000 dicts and their encoding, and it allocates no object the cyclic GC tracks."""
+
+    #: `<score>},` for every score kube-scheduler accepts
+    ENDINGS = tuple(f"{score}}},".encode() for score in range(MAX_EXTENDER_SCORE + 1))
+
+    def __init__(self) -> None:
+        self._heads: dict[str, bytes] = {}
+
+    def encode(self, hosts: list[str], scores: list[int], known_nodes: int) -> bytes:
+        heads = self._heads
+        if len(heads) > 2 * known_nodes + 1024:
+            heads.clear()  # nodes come and go: keep the cache to about the nodes there are
+        try:
+            encoded = list(map(heads.__getitem__, hosts))
+        except KeyError:
+            for host in hosts:
+                if host not in heads:
+                    heads[host] = b'{"Host":' + orjson.dumps(host) + b',"Score":'
+            encoded = list(map(heads.__getitem__, hosts))
+        if not encoded:
+            return b"[]"
+        body = b"".join(itertools.chain.from_iterable(zip(encoded, map(self.ENDINGS.__getitem__, scores),
+                                                          strict=True)))
+        return b"[" + body[:-1] + b"]"
+
+
 class Verbs:
     """kube-scheduler's three extender verbs: a decoded ExtenderArgs / ExtenderBindingArgs in, the reply out."""
 
     def __init__(self, scheduler: Scheduler, metrics: ExtenderMetrics) -> None:
         self.scheduler = scheduler
         self.metrics = metrics
+        self.score_replies = ScoreReplies()
+        #: whether kube-scheduler asks prioritize at all (a configuration may name only filter and bind): until it
+        #: does, no filter prepares its answer
+        self.prioritize_asked = False
+        #: the last filter's pod and passing nodes, for after_filter
+        self._filtered: tuple[Any, list[str]] | None = None
+        #: the prepared prioritize answer's scores (the list itself: a new one whenever they change) and its reply
+        self._prepared_reply: tuple[list[int], bytes] | None = None
+
+    def follow_ups(self) -> dict[str, Callable[[], None]]:
+        """Work the server runs after a verb's reply is sent, before it reads the next request."""
+        return {"/filter": self.after_filter}
+
+    def after_filter(self) -> None:
+        """Prepare the prioritize kube-scheduler sends next for the pod just filtered (Scheduler.prepare_scores),
+        its reply encoded too: the time kube-scheduler takes to read the filter's reply and ask is spent on it."""
+        filtered, self._filtered = self._filtered, None
+        self._prepared_reply = None
+        if filtered is None or not self.prioritize_asked:
+            return
+        prepared = self.scheduler.prepare_scores(*filtered)
+        if prepared is not None:
+            hosts, scores = prepared
+            self._prepared_reply = (scores, self.score_replies.encode(hosts, scores, len(self.scheduler.state.nodes)))
 
     def routes(self) -> dict[str, Verb]:
         return {"/filter": self.filter, "/prioritize": self.prioritize, "/bind": self.bind}
@@ -408,6 +474,7 @@ class Verbs:
     def filter(self, doc: Any) -> Any:
         pod, names, node_objects = _extender_args(doc)
         outcome = self.scheduler.filter(pod, names)
+        self._filtered = (pod, outcome.passed) if not outcome.error else None
         result: dict[str, Any] = {
             "FailedNodes": outcome.failed,
             "FailedAndUnresolvableNodes": outcome.unresolvable,
@@ -423,6 +490,7 @@ class Verbs:
         return result
 
     def prioritize(self, doc: Any) -> Any:
+        self.prioritize_asked = True
         pod, names, _ = _extender_args(doc)
         try:
             # kube-scheduler adds nothing for a node missing from the list, exactly as for a 0: those are left out (in
@@ -430,7 +498,10 @@ class Verbs:
             hosts, scores = self.scheduler.scaled_scores(pod, names)
         except InvalidGpuRequest:
             return []
-        return [{"Host": host, "Score": score} for host, score in zip(hosts, scores, strict=True)]
+        prepared = self._prepared_reply
+        if prepared is not None and prepared[0] is scores:  # scaled_scores returned the prepared answer as it was
+            return orjson.Fragment(prepared[1])
+        return orjson.Fragment(self.score_replies.encode(hosts, scores, len(self.scheduler.state.nodes)))
 
     @staticmethod
     def _binding_args(doc: Any) -> tuple[str, str, str, str]:
@@ -650,7 +721,9 @@ def create_app(scheduler: Scheduler, *, on_startup: Callable[[], None] | None = 
     app = ExtenderApp(title="kube-vgpu extender", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.scheduler = scheduler
     app.state.registry = metrics.registry
-    app.verbs = Verbs(scheduler, metrics).routes()
+    verbs = Verbs(scheduler, metrics)
+    app.verbs = verbs.routes()
+    app.follow_ups = verbs.follow_ups()
     app.verb_latency = metrics.latency
     app.bad_requests = metrics.bad_requests
     app.activity = activity = VerbActivity()

@@ -1,0 +1,273 @@
+"""prioritize prepared after filter (issue 19, live cost): the answer the server computes once a filter's reply is
+sent, and brings up to date when kube-scheduler asks, is exactly the answer computed when asked, whatever happens in
+between (binds of other pods, deletions, heartbeats fresh and expired, host CPU, time, the learned model's
+refreshes); it is reused rather than recomputed; and the server's encoded reply equals the HostPriorityList it
+stands for."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kube_vgpu.dev.fixtures import gpu_node
+from kube_vgpu.extender.cli import Extender, build, parse_args
+from kube_vgpu.extender.scheduler import PREPARED_CHANGES_MAX, Scheduler
+from kube_vgpu.extender.server import ScoreReplies
+from tests.extender.test_node_equivalence import (
+    ASKS,
+    HARDWARE,
+    START_S,
+    Clock,
+    Twin,
+    cpu_only_pod,
+    heartbeat_at,
+    node_items,
+    nodes_strategy,
+)
+from tests.extender.test_node_equivalence import OpenGate as AnyGate
+from tests.helpers import pod
+from tests.servers import serve
+
+changes_strategy = st.lists(
+    st.one_of(
+        st.tuples(st.just("bind"), st.integers(0, len(ASKS) - 1)),  # another pod's bind (kube-scheduler's async binds)
+        st.tuples(st.just("heartbeat"), st.integers(0, 11), st.sampled_from([0.0, 100.0])),
+        st.tuples(st.just("time"), st.sampled_from([30.0, 130.0])),
+        st.tuples(st.just("delete"), st.integers(0, 200)),
+        st.tuples(st.just("cpu"), st.integers(0, 11), st.sampled_from(["1", "3", "20"])),
+    ),
+    max_size=12,
+)
+steps_strategy = st.lists(
+    st.tuples(st.integers(0, len(ASKS) - 1), st.sampled_from(["", "2", "30"]), changes_strategy),
+    min_size=1, max_size=12,
+)
+
+
+def place_and_bind(twin: Twin, pending: dict[str, Any], asked: list[str]) -> str | None:
+    outcome = twin.scheduler.filter(pending, asked)
+    scores = twin.scheduler.prioritize(pending, outcome.passed)
+    best = max(scores, key=lambda pair: pair[1])[0] if scores else None
+    if best is not None:
+        meta = pending["metadata"]
+        twin.scheduler.bind(meta["namespace"], meta["name"], meta["uid"], best)
+    return best
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(nodes=nodes_strategy, steps=steps_strategy)
+def test_a_prepared_answer_is_the_answer_computed_when_asked(
+    nodes: list[tuple[int, list[int]]], steps: list[tuple[int, str, list[tuple[Any, ...]]]]
+) -> None:
+    clock = Clock()
+    names = [f"n{index}" for index in range(len(nodes))]
+    items: list[dict[str, Any]] = []
+    for name, (hardware, running) in zip(names, nodes, strict=True):
+        items.extend(node_items(name, hardware, running, START_S))
+    prepared, asked_then = Twin(clock, items, True), Twin(clock, items, True)
+    twins = (prepared, asked_then)
+    bound: list[str] = []
+    for step, (ask, cpu, changes) in enumerate(steps):
+        count, memory, cores = ASKS[ask]
+        pending = pod(f"p{step}", gpus=count, memory_mib=memory, cores=cores)
+        if cpu:
+            pending["spec"]["containers"][0]["resources"]["requests"]["cpu"] = cpu
+        asked = names[step % len(names):] + names[:step % len(names)]
+        outcome = prepared.scheduler.filter(pending, asked)
+        assert outcome == asked_then.scheduler.filter(pending, asked), f"step {step}"
+        prepared.scheduler.prepare_scores(pending, outcome.passed)
+        for number, change in enumerate(changes):
+            kind = change[0]
+            if kind == "bind":
+                count, memory, cores = ASKS[change[1]]
+                other = pod(f"p{step}-{number}", gpus=count, memory_mib=memory, cores=cores)
+                landed = [place_and_bind(twin, other, names) for twin in twins]
+                assert landed[0] == landed[1]
+                if landed[0] is not None:
+                    bound.append(other["metadata"]["uid"])
+            elif kind == "heartbeat" and change[1] < len(names):
+                hardware, _ = nodes[change[1]]
+                gpus, topology, cpu_milli = HARDWARE[hardware]
+                fresh = gpu_node(names[change[1]], gpus=gpus, topology=topology, cpu_milli=cpu_milli,
+                                 heartbeat=heartbeat_at(clock.now - change[2]))
+                for twin in twins:
+                    twin.state.upsert_node(fresh)
+            elif kind == "time":
+                clock.now += change[1]
+            elif kind == "cpu" and change[1] < len(names):
+                for twin in twins:
+                    twin.state.upsert_pod(cpu_only_pod(f"c{step}-{number}", names[change[1]], change[2]))
+            elif kind == "delete" and bound:
+                uid = bound.pop(change[1] % len(bound))
+                for twin in twins:
+                    twin.state.delete_pod(uid)
+        answer = prepared.scheduler.scaled_scores(pending, outcome.passed)
+        assert answer == asked_then.scheduler.scaled_scores(pending, outcome.passed), f"step {step}: {changes}"
+        landed = [place_and_bind(twin, pending, asked) for twin in twins]
+        assert landed[0] == landed[1]
+        if landed[0] is not None:
+            bound.append(pending["metadata"]["uid"])
+
+
+@pytest.fixture()
+def twin() -> Twin:
+    items: list[dict[str, Any]] = []
+    for index in range(20):
+        items.extend(node_items(f"n{index}", index % len(HARDWARE), [index % 4] * (index % 3), START_S))
+    return Twin(Clock(), items, True)
+
+
+def count_evaluations(scheduler: Scheduler, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The node count of every _evaluate from now on."""
+    sizes: list[int] = []
+    evaluate = scheduler._evaluate
+
+    def counting(pod: Any, names: Any, refresh_budget: int = 0) -> Any:
+        sizes.append(len(names))
+        return evaluate(pod, names, refresh_budget)
+
+    monkeypatch.setattr(scheduler, "_evaluate", counting)
+    return sizes
+
+
+def test_an_unchanged_prepared_answer_is_returned_as_it_is(twin: Twin, monkeypatch: pytest.MonkeyPatch) -> None:
+    names = list(twin.state.nodes)
+    pending = pod("p", gpus=1, memory_mib=8192, cores=20)
+    outcome = twin.scheduler.filter(pending, names)
+    assert len(outcome.passed) >= 2
+    made = twin.scheduler.prepare_scores(pending, outcome.passed)
+    assert made is not None
+    evaluations = count_evaluations(twin.scheduler, monkeypatch)
+    hosts, scores = twin.scheduler.scaled_scores(pending, list(outcome.passed))  # an equal list, as decoded
+    assert hosts is made[0] and scores is made[1]
+    assert evaluations == []
+
+
+def test_a_node_changed_since_is_judged_again_alone(twin: Twin, monkeypatch: pytest.MonkeyPatch) -> None:
+    names = list(twin.state.nodes)
+    pending = pod("p", gpus=1, memory_mib=8192, cores=20)
+    outcome = twin.scheduler.filter(pending, names)
+    made = twin.scheduler.prepare_scores(pending, outcome.passed)
+    assert made is not None
+    # another pod binds onto the best node (kube-scheduler's binding cycle runs beside the next pod's)
+    other = pod("other", gpus=1, memory_mib=40000, cores=50)
+    best = place_and_bind(twin, other, names)
+    assert best in outcome.passed
+    evaluations = count_evaluations(twin.scheduler, monkeypatch)
+    answer = twin.scheduler.scaled_scores(pending, outcome.passed)
+    assert evaluations == [1]  # the changed node, not all of them
+    assert answer[1] is not made[1]
+    twin.scheduler._prepared = None
+    assert answer == twin.scheduler.scaled_scores(pending, outcome.passed)
+
+
+def test_many_changes_a_new_model_or_a_gate_and_it_is_computed_afresh(twin: Twin,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    names = list(twin.state.nodes)
+    pending = pod("p", gpus=1, memory_mib=8192, cores=20)
+    outcome = twin.scheduler.filter(pending, names)
+
+    twin.scheduler.prepare_scores(pending, outcome.passed)
+    for index in range(PREPARED_CHANGES_MAX + 1):
+        twin.state.upsert_pod(cpu_only_pod(f"c{index}", names[index], "1"))
+    evaluations = count_evaluations(twin.scheduler, monkeypatch)
+    twin.scheduler.scaled_scores(pending, outcome.passed)
+    assert evaluations == [len(outcome.passed)]
+    assert twin.scheduler._prepared is None
+
+    twin.scheduler.prepare_scores(pending, outcome.passed)
+    node_policy = twin.scheduler._prepared.policies[0] if twin.scheduler._prepared else None
+    assert node_policy is not None
+    monkeypatch.setattr(node_policy, "epoch", lambda: -1)  # the learned model was refreshed
+    evaluations.clear()
+    twin.scheduler.scaled_scores(pending, outcome.passed)
+    assert evaluations == [len(outcome.passed)]
+
+    twin.scheduler.gates = [AnyGate()]
+    assert twin.scheduler.prepare_scores(pending, outcome.passed) is None  # its verdicts depend on more than nodes
+
+
+def test_another_pod_or_other_nodes_are_not_answered_from_it(twin: Twin) -> None:
+    names = list(twin.state.nodes)
+    pending = pod("p", gpus=1, memory_mib=8192, cores=20)
+    outcome = twin.scheduler.filter(pending, names)
+    made = twin.scheduler.prepare_scores(pending, outcome.passed)
+    assert made is not None
+    assert twin.scheduler.scaled_scores(pending, outcome.passed[1:])[1] is not made[1]
+    other = pod("q", gpus=1, memory_mib=8192, cores=20)
+    twin.scheduler.filter(other, names)
+    assert twin.scheduler.scaled_scores(other, outcome.passed)[1] is not made[1]
+    assert twin.scheduler.prepare_scores(pending, outcome.passed[:1]) is None  # one node: kube-scheduler scores none
+    assert twin.scheduler.prepare_scores(pending, outcome.passed[:2] * 2) is None  # a node named twice
+
+
+@pytest.mark.parametrize("hosts", [[], ["n0"], ["node-1", "node-2", "node-3"], ['odd"name\\', "ünïcode"]])
+def test_the_encoded_reply_is_the_host_priority_list(hosts: list[str]) -> None:
+    replies = ScoreReplies()
+    scores = [(7 * index) % 11 for index in range(len(hosts))]
+    for _ in range(2):  # encoded heads, then kept ones
+        body = replies.encode(hosts, scores, known_nodes=len(hosts))
+        assert orjson.loads(body) == [{"Host": host, "Score": score} for host, score in zip(hosts, scores,
+                                                                                               strict=True)]
+
+
+def test_the_kept_heads_stay_about_as_many_as_the_nodes() -> None:
+    replies = ScoreReplies()
+    for batch in range(10):
+        hosts = [f"gone-{batch}-{index}" for index in range(1000)]
+        replies.encode(hosts, [1] * len(hosts), known_nodes=100)
+    assert len(replies._heads) <= 2 * 100 + 1024 + 1000
+
+
+@pytest.fixture()
+def extender(tmp_path: Path) -> Extender:
+    nodes = [gpu_node(f"node-{index}", gpus=2 + 2 * (index % 3), memory_mib=40960 * (1 + index % 2),
+                      topology="nvswitch") for index in range(6)]
+    path = tmp_path / "snapshot.json"
+    path.write_bytes(orjson.dumps({"apiVersion": "v1", "kind": "List", "items": nodes}))
+    return build(parse_args(["--snapshot", str(path)]))
+
+
+@pytest.fixture()
+def client(extender: Extender) -> Iterator[httpx.Client]:
+    with serve(extender.app) as url, httpx.Client(base_url=url, timeout=10) as http:
+        yield http
+
+
+def test_over_http_prioritize_answers_from_what_the_filter_prepared(
+    client: httpx.Client, extender: Extender, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kube-scheduler's order: pod n's filter, pod n-1's bind (its binding cycle runs beside the next pod's
+    scheduling cycle), pod n's prioritize. The reply is what prioritize computes when asked, every time."""
+    names = [f"node-{index}" for index in range(6)]
+    scheduler = extender.scheduler
+    prepared: list[Any] = []
+    prepare = scheduler.prepare_scores
+
+    def recording(pod: Any, passed: list[str]) -> Any:
+        made = prepare(pod, passed)
+        prepared.append(made)
+        return made
+
+    monkeypatch.setattr(scheduler, "prepare_scores", recording)
+    to_bind: tuple[dict[str, Any], str] | None = None
+    for number in range(6):
+        pending = pod(f"p{number}", gpus=1, memory_mib=10000 * (1 + number % 3), cores=10)
+        passed = client.post("/filter", json={"Pod": pending, "NodeNames": names}).json()["NodeNames"]
+        if to_bind is not None:
+            meta = to_bind[0]["metadata"]
+            assert client.post("/bind", json={"PodName": meta["name"], "PodNamespace": meta["namespace"],
+                                              "PodUID": meta["uid"], "Node": to_bind[1]}).json() == {"Error": ""}
+        reply = client.post("/prioritize", json={"Pod": pending, "NodeNames": passed}).json()
+        scheduler._prepared = None
+        assert reply == [{"Host": host, "Score": score} for host, score in scheduler.nonzero_scores(pending, passed)]
+        to_bind = (pending, max(reply, key=lambda entry: entry["Score"])["Host"] if reply else passed[0])
+    # nothing is prepared until kube-scheduler is seen asking prioritize at all; then every filter prepares
+    assert len(prepared) == 5 and all(made is not None for made in prepared)
