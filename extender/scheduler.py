@@ -401,42 +401,63 @@ class Scheduler:
         return place(node, request, gpu_policy, node_policy)
 
     def _place_in_batch(self, names: list[str], failed_answers: Mapping[str, FitFailure], key: int,
-                        classes: _ClassResults, request: PlacementRequest, policy: Policy, now: float) -> None:
+                        classes: _ClassResults, request: PlacementRequest, policy: Policy, now: float,
+                        answer: _Answer | None) -> dict[str, Placement]:
         """Place the node-equivalence classes among `names` that the per-node loop would place one by one (no
         result cached, not placed for this shape yet, heartbeat fresh) with the policy's batch placement, if it has
-        one, into `classes`; the loop then finds them there (caller holds the state lock)."""
+        one, into `classes`; the loop then finds them there (caller holds the state lock). With the shape's
+        answer, the nodes that pass go into it as the loop would put them (their placement, the answer's expiry),
+        and are returned: the loop has nothing left to do for them."""
+        answered: dict[str, Placement] = {}
         state = self.state
         journal_at = (state.journal_epoch, len(state.journal))
         if journal_at[0] == classes.batched_at[0] and journal_at[1] - classes.batched_at[1] < self.batch_min_nodes:
-            return  # too few nodes changed since the last look to make a batch
+            return answered  # too few nodes changed since the last look to make a batch
         classes.batched_at = journal_at
         results = classes.results
         nodes = state.nodes
         ttl = state.heartbeat_ttl_s
         todo: list[NodeState] = []
         equivalences: list[int] = []
+        heartbeats_s: list[float] = []
         seen: set[int] = set()
+        # once per node of a new shape (5000 at a time): locals, and the node's cached key read first
+        get_node, add_seen, add_todo, add_equivalence, add_heartbeat = (
+            nodes.get, seen.add, todo.append, equivalences.append, heartbeats_s.append)
         for name in names:
-            node = nodes.get(name)
-            if node is None or name in failed_answers or key in node.fit_cache:
+            node = get_node(name)
+            if node is None or key in node.fit_cache or (failed_answers and name in failed_answers):
                 continue
             heartbeat_s = node.heartbeat_s
             if heartbeat_s is None or now - heartbeat_s > ttl:
                 continue
-            equivalence = equivalence_key(node)
-            if equivalence is None or equivalence in results or equivalence in seen:
-                continue
-            seen.add(equivalence)  # its twins among `names` get its result
-            todo.append(node)
-            equivalences.append(equivalence)
+            equivalence = node.equivalence_key
+            if equivalence is None:
+                equivalence = equivalence_key(node)
+            if not equivalence or equivalence in results or equivalence in seen:
+                continue  # (0 or None: placed on its own, by the loop)
+            add_seen(equivalence)  # its twins among `names` get its result
+            add_todo(node)
+            add_equivalence(equivalence)
+            add_heartbeat(heartbeat_s)
         if len(todo) < self.batch_min_nodes:
-            return
+            return answered
         placed = policy.place_batch(todo, request)
         if placed is None:
-            return
-        for node, equivalence, result in zip(todo, equivalences, placed, strict=True):
+            return answered
+        earliest_heartbeat_s = math.inf
+        for node, equivalence, heartbeat_s, result in zip(todo, equivalences, heartbeats_s, placed, strict=True):
             if result is not None:  # else left to the per-node loop
-                results[equivalence] = node.fit_cache[key] = result
+                results[equivalence] = node.fit_cache[key] = answered[node.name] = result
+                if heartbeat_s < earliest_heartbeat_s:
+                    earliest_heartbeat_s = heartbeat_s
+        if answer is None or not answered:
+            return {}
+        # as the loop does: the answer holds until the first of its nodes' heartbeats expires
+        if earliest_heartbeat_s + ttl < answer.expires_s:
+            answer.expires_s = earliest_heartbeat_s + ttl
+        answer.passed.update(answered)
+        return answered
 
     def _answer(self, key: int, now: float) -> _Answer:
         """The request shape's answer, brought up to date with the state's journal (caller holds the state lock)."""
@@ -548,9 +569,13 @@ class Scheduler:
                     todo = [name for name in names if name not in placements] if outcome.passed else names
                 else:
                     todo = []
-            if class_results is not None and len(todo) >= self.batch_min_nodes and node_policy is gpu_policy:
-                self._place_in_batch(todo, failed_answers, key, class_results, placement_request, node_policy, now)
             judged_passes = False
+            if class_results is not None and len(todo) >= self.batch_min_nodes and node_policy is gpu_policy:
+                answered = self._place_in_batch(todo, failed_answers, key, class_results, placement_request,
+                                                node_policy, now, answer)
+                if answered:  # passing nodes the batch put in the shape's answer itself: the loop skips them
+                    todo = [name for name in todo if name not in answered]
+                    judged_passes = True
             for name in todo:
                 known = failed_answers.get(name) if answer is not None else None
                 if known is not None:

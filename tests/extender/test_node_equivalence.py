@@ -270,6 +270,29 @@ def test_a_new_shape_on_many_distinct_nodes_is_placed_in_one_batch(monkeypatch: 
     assert batches == [count, count, count] and not placed
 
 
+def test_a_shape_answered_by_a_batch_expires_with_the_first_stale_heartbeat() -> None:
+    """The nodes the batch placed go straight into the shape's answer; the answer must then end when the first of
+    their heartbeats goes stale, as it does for the nodes the per-node loop judges."""
+    from kube_vgpu.extender import scheduler as scheduler_module
+
+    count = scheduler_module.BATCH_MIN_NODES + 8
+    names = [f"n{i}" for i in range(count)]
+    items: list[dict[str, Any]] = []
+    for index, name in enumerate(names):  # every other node's heartbeat 100 s old, the others fresh
+        items.extend(node_items(name, 1, [], START_S - (100.0 if index % 2 else 0.0)))
+    clock = Clock()
+    twin = Twin(clock, items, True, batch=False)
+    twin.scheduler.batch_min_nodes = scheduler_module.BATCH_MIN_NODES
+    for index, name in enumerate(names):  # free CPU differs on every node: all states distinct, all batch-placed
+        twin.state.upsert_pod(cpu_only_pod(f"c{index}", name, f"{index + 1}"))
+    shape = {"gpus": 1, "memory_mib": 4096, "cores": 10}
+    assert twin.scheduler.filter(pod(**shape), names).passed == names
+    clock.now += 30.0  # the older heartbeats are now 130 s old: past the 120 s TTL
+    outcome = twin.scheduler.filter(pod(**shape), names)
+    assert outcome.passed == names[::2]
+    assert all("stale" in reason for reason in outcome.failed.values()) and len(outcome.failed) == count // 2
+
+
 class OpenGate:
     """A gate that refuses nothing (Gate's hooks as no-ops)."""
 
