@@ -288,8 +288,8 @@ class Scheduler:
         self._class_results: dict[int, _ClassResults] = {}
         # request key -> its answer (least recently used first)
         self._answers: dict[int, _Answer] = {}
-        # the last _evaluate's policies and answer, when it answered from a shape's answer (else None)
-        self._answered_by: tuple[Policy, Policy, _Answer] | None = None
+        # the last _evaluate's policies, answer and pod, when it answered from a shape's answer (else None)
+        self._answered_by: tuple[Policy, Policy, _Answer, Mapping[str, Any]] | None = None
         self._prepared: _PreparedScores | None = None
         # pods seen by filter, for bind (which only gets name / uid): uid -> pod object
         self._recent_pods: TTLCache[str, Mapping[str, Any]] = TTLCache(maxsize=50_000, ttl=600)
@@ -561,7 +561,7 @@ class Scheduler:
                 # every fitting node passes: the nodes already judged for this shape answer from its _Answer
                 answer = self._answer(key, now)
                 if not self.nominations.by_preemptor:
-                    self._answered_by = (node_policy, gpu_policy, answer)
+                    self._answered_by = (node_policy, gpu_policy, answer, pod)
                 placements = answer.passed  # the caller reads it under the state lock
                 failed_answers = answer.failed
                 outcome.passed = [name for name in names if name in placements]
@@ -683,20 +683,41 @@ class Scheduler:
         state = self.state
         with state.lock:
             journal_at = (state.journal_epoch, len(state.journal))
-            try:
-                evaluated, raw = self._raw_scores(pod, passed)
-            except InvalidGpuRequest:
-                return None
+            raw = self._filtered_scores(pod, passed)
+            if raw is None:
+                try:
+                    evaluated, raw = self._raw_scores(pod, passed)
+                except InvalidGpuRequest:
+                    return None
+                if len(evaluated) != len(passed):  # (evaluated is passed's passing nodes)
+                    return None
             answered_by = self._answered_by
-            if answered_by is None or len(evaluated) != len(passed):  # (evaluated is passed's passing nodes)
+            if answered_by is None:
                 return None
-            node_policy, gpu_policy, answer = answered_by
+            node_policy, gpu_policy, answer, _ = answered_by
             hosts, scores = _scaled(passed, raw)
             self._prepared = _PreparedScores(
                 pod, passed, (node_policy, gpu_policy), (node_policy.epoch(), gpu_policy.epoch()), *journal_at,
                 answer.expires_s, raw, hosts, scores,
             )
         return hosts, scores
+
+    def _filtered_scores(self, pod: Mapping[str, Any], passed: list[str]) -> npt.NDArray[np.float64] | None:
+        """The passing nodes' scores straight from the shape's answer the filter of this very pod just filled, if
+        nothing changed since (caller holds the state lock): the filter's own evaluation, not a second one."""
+        answered_by = self._answered_by
+        if answered_by is None or answered_by[3] is not pod:
+            return None
+        state, answer = self.state, answered_by[2]
+        if (answer.journal_epoch != state.journal_epoch or answer.journal_position != len(state.journal)
+                or state.clock() > answer.expires_s):
+            return None
+        placements = answer.passed
+        try:
+            return np.fromiter(map(_score_of, map(placements.__getitem__, passed)), dtype=np.float64,
+                               count=len(passed))
+        except KeyError:  # not every node passed
+            return None
 
     def _prepared_for(self, pod: Mapping[str, Any], names: list[str]) -> _PreparedScores | None:
         """The prepared answer brought up to date, if it is this pod's and these nodes' (caller holds the state

@@ -46,7 +46,9 @@ changes_strategy = st.lists(
     max_size=12,
 )
 steps_strategy = st.lists(
-    st.tuples(st.integers(0, len(ASKS) - 1), st.sampled_from(["", "2", "30"]), changes_strategy),
+    # (ask, its CPU, changes, how many of them come between the filter and the preparing: the server prepares after
+    # sending the filter's reply, and a bind may be applied in between)
+    st.tuples(st.integers(0, len(ASKS) - 1), st.sampled_from(["", "2", "30"]), changes_strategy, st.integers(0, 3)),
     min_size=1, max_size=12,
 )
 
@@ -64,55 +66,54 @@ def place_and_bind(twin: Twin, pending: dict[str, Any], asked: list[str]) -> str
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(nodes=nodes_strategy, steps=steps_strategy)
 def test_a_prepared_answer_is_the_answer_computed_when_asked(
-    nodes: list[tuple[int, list[int]]], steps: list[tuple[int, str, list[tuple[Any, ...]]]]
+    nodes: list[tuple[int, list[int]]], steps: list[tuple[int, str, list[tuple[Any, ...]], int]]
 ) -> None:
+    """One extender: each pod filtered, its answer prepared (after some of the changes, or before all), the changes,
+    then prioritize; its answer must be what prioritize computes at that moment with nothing prepared. (Not a twin
+    that never prepares: preparing evaluates the shape at another moment, and a node's kept result of an older
+    learned model is refreshed a few at a time by filters only, so two such extenders may rightly hold different
+    results for a node. The comparison is within one history.)"""
     clock = Clock()
     names = [f"n{index}" for index in range(len(nodes))]
     items: list[dict[str, Any]] = []
     for name, (hardware, running) in zip(names, nodes, strict=True):
         items.extend(node_items(name, hardware, running, START_S))
-    prepared, asked_then = Twin(clock, items, True), Twin(clock, items, True)
-    twins = (prepared, asked_then)
+    extender = Twin(clock, items, True)
+    scheduler = extender.scheduler
     bound: list[str] = []
-    for step, (ask, cpu, changes) in enumerate(steps):
+    for step, (ask, cpu, changes, early) in enumerate(steps):
         count, memory, cores = ASKS[ask]
         pending = pod(f"p{step}", gpus=count, memory_mib=memory, cores=cores)
         if cpu:
             pending["spec"]["containers"][0]["resources"]["requests"]["cpu"] = cpu
         asked = names[step % len(names):] + names[:step % len(names)]
-        outcome = prepared.scheduler.filter(pending, asked)
-        assert outcome == asked_then.scheduler.filter(pending, asked), f"step {step}"
-        prepared.scheduler.prepare_scores(pending, outcome.passed)
+        outcome = scheduler.filter(pending, asked)
         for number, change in enumerate(changes):
+            if number == min(early, len(changes)):
+                scheduler.prepare_scores(pending, outcome.passed)
             kind = change[0]
             if kind == "bind":
                 count, memory, cores = ASKS[change[1]]
                 other = pod(f"p{step}-{number}", gpus=count, memory_mib=memory, cores=cores)
-                landed = [place_and_bind(twin, other, names) for twin in twins]
-                assert landed[0] == landed[1]
-                if landed[0] is not None:
+                if place_and_bind(extender, other, names) is not None:
                     bound.append(other["metadata"]["uid"])
             elif kind == "heartbeat" and change[1] < len(names):
                 hardware, _ = nodes[change[1]]
                 gpus, topology, cpu_milli = HARDWARE[hardware]
-                fresh = gpu_node(names[change[1]], gpus=gpus, topology=topology, cpu_milli=cpu_milli,
-                                 heartbeat=heartbeat_at(clock.now - change[2]))
-                for twin in twins:
-                    twin.state.upsert_node(fresh)
+                extender.state.upsert_node(gpu_node(names[change[1]], gpus=gpus, topology=topology,
+                                                    cpu_milli=cpu_milli, heartbeat=heartbeat_at(clock.now - change[2])))
             elif kind == "time":
                 clock.now += change[1]
             elif kind == "cpu" and change[1] < len(names):
-                for twin in twins:
-                    twin.state.upsert_pod(cpu_only_pod(f"c{step}-{number}", names[change[1]], change[2]))
+                extender.state.upsert_pod(cpu_only_pod(f"c{step}-{number}", names[change[1]], change[2]))
             elif kind == "delete" and bound:
-                uid = bound.pop(change[1] % len(bound))
-                for twin in twins:
-                    twin.state.delete_pod(uid)
-        answer = prepared.scheduler.scaled_scores(pending, outcome.passed)
-        assert answer == asked_then.scheduler.scaled_scores(pending, outcome.passed), f"step {step}: {changes}"
-        landed = [place_and_bind(twin, pending, asked) for twin in twins]
-        assert landed[0] == landed[1]
-        if landed[0] is not None:
+                extender.state.delete_pod(bound.pop(change[1] % len(bound)))
+        if early >= len(changes):
+            scheduler.prepare_scores(pending, outcome.passed)
+        answer = scheduler.scaled_scores(pending, outcome.passed)
+        scheduler._prepared = None
+        assert answer == scheduler.scaled_scores(pending, outcome.passed), f"step {step}: {changes}"
+        if place_and_bind(extender, pending, asked) is not None:
             bound.append(pending["metadata"]["uid"])
 
 
