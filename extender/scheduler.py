@@ -56,7 +56,7 @@ from kube_vgpu.extender.preemption.evict import Evictor
 from kube_vgpu.extender.preemption.executor import DEFAULT_MAX_IN_FLIGHT, EvictionExecutor
 from kube_vgpu.extender.preemption.nominations import Nominations
 from kube_vgpu.extender.preemption.preemptor import Preemptor
-from kube_vgpu.extender.state import ClusterState, PodRecord
+from kube_vgpu.extender.state import MIB, ClusterState, PodRecord
 from kube_vgpu.protocol import InvalidGpuRequest, PodGpuRequest
 
 log = logging.getLogger(__name__)
@@ -316,10 +316,11 @@ class Scheduler:
         if found is None:
             found = make_policy(name, self._registry)
             self._policies[name] = found
-            if found.uses_host_cpu:
-                # from now on a node's CPU changes invalidate its cached results (see ClusterState)
+            if found.uses_host_cpu or found.uses_host_memory:
+                # from now on a node's CPU (memory) changes invalidate its cached results (see ClusterState)
                 with self.state.lock:
-                    self.state.touch_on_cpu_change = True
+                    self.state.touch_on_cpu_change |= found.uses_host_cpu
+                    self.state.touch_on_memory_change |= found.uses_host_memory
         return found
 
     def _policies_for(self, request: PodGpuRequest) -> tuple[Policy, Policy]:
@@ -334,18 +335,25 @@ class Scheduler:
     def _placement_request(
         pod: Mapping[str, Any], request: PodGpuRequest, node_policy: Policy, gpu_policy: Policy
     ) -> PlacementRequest:
-        """The engine's request; the pod's CPU request only when a policy reads it (it is then part of the cache
-        key, so other policies keep sharing cache entries between pods of different CPU asks)."""
-        if node_policy.uses_host_cpu or gpu_policy.uses_host_cpu:
-            try:
-                cpu_milli = kubeapi.pod_request(pod, kubeapi.RESOURCE_CPU)
-            except kubeapi.InvalidQuantity:
-                cpu_milli = 0  # only a scoring hint; the API server never stores such a pod, kube-scheduler refuses it
-            return PlacementRequest(request, cpu_milli=cpu_milli)
-        return PlacementRequest(request)
+        """The engine's request; the pod's CPU (memory) request only when a policy reads it (it is then part of the
+        cache key, so other policies keep sharing cache entries between pods of different CPU or memory asks)."""
+        cpu = node_policy.uses_host_cpu or gpu_policy.uses_host_cpu
+        memory = node_policy.uses_host_memory or gpu_policy.uses_host_memory
+        if not cpu and not memory:
+            return PlacementRequest(request)
+        try:
+            requests = kubeapi.pod_requests(pod, (kubeapi.RESOURCE_CPU, kubeapi.RESOURCE_MEMORY))
+        except kubeapi.InvalidQuantity:
+            requests = {}  # only a scoring hint; the API server never stores such a pod, kube-scheduler refuses it
+        return PlacementRequest(
+            request,
+            cpu_milli=requests.get(kubeapi.RESOURCE_CPU, 0) if cpu else 0,
+            memory_mib=-(-requests.get(kubeapi.RESOURCE_MEMORY, 0) // MIB) if memory else 0,
+        )
 
     def _cache_key(self, request: PlacementRequest, node_policy: Policy, gpu_policy: Policy) -> int:
-        shape = (request.gpu.containers, request.gpu.selectors, request.cpu_milli, node_policy.name, gpu_policy.name)
+        shape = (request.gpu.containers, request.gpu.selectors, request.cpu_milli, request.memory_mib, node_policy.name,
+                 gpu_policy.name)
         key = self._request_keys.get(shape)
         if key is None:
             if len(self._request_keys) > 100_000:  # bounded: a flood of unique shapes must not leak memory

@@ -10,10 +10,11 @@ Rules that keep GPUs from being over-committed or lost:
   * a pod whose node is not known yet keeps its record and is applied when the node arrives;
   * finished (Succeeded / Failed) and deleted pods release their GPUs.
 
-Host CPU (for policies that weigh it, e.g. bfgd; kube-scheduler still does the CPU fit): each node's
-allocatable CPU, and the CPU requests of every non-finished pod bound to it, GPU pods or not, are kept
-incrementally from the same events. A node's cached placements are dropped on a CPU change only when a
-CPU-aware policy is in use (`touch_on_cpu_change`), because any pod landing on a node changes its CPU.
+Host CPU and memory (for policies that weigh them, e.g. bfgd the CPU; kube-scheduler still does the fit): each
+node's allocatable CPU and memory, and the requests of every non-finished pod bound to it, GPU pods or not, are
+kept incrementally from the same events. A node's cached placements are dropped on a CPU (memory) change only when
+a policy reading it is in use (`touch_on_cpu_change`, `touch_on_memory_change`), because any pod landing on a
+node changes them.
 """
 
 from __future__ import annotations
@@ -37,15 +38,22 @@ FINISHED_PHASES = frozenset({"Succeeded", "Failed"})
 JOURNAL_LIMIT = 100_000
 
 
-def bound_pod_cpu_milli(obj: Mapping[str, Any]) -> int:
-    """A bound pod's CPU request as kube-scheduler counts it on its node (kubeapi.pod_requests, in-place resizes
-    included); 0 when unreadable (the API server never stores a bad quantity; a snapshot might)."""
+MIB = 1 << 20
+_HOST_RESOURCES = (kubeapi.RESOURCE_CPU, kubeapi.RESOURCE_MEMORY)
+
+
+def bound_pod_host(obj: Mapping[str, Any]) -> tuple[int, int]:
+    """A bound pod's (milli-CPU, memory MiB rounded up) requests as kube-scheduler counts them on its node
+    (kubeapi.pod_requests, in-place resizes included); (0, 0) when unreadable (the API server never stores a bad
+    quantity; a snapshot might)."""
     try:
-        return kubeapi.pod_request(obj, kubeapi.RESOURCE_CPU, status_resources=True)
+        requests = kubeapi.pod_requests(obj, _HOST_RESOURCES, status_resources=True)
     except kubeapi.InvalidQuantity as exc:
         metadata = obj.get("metadata") or {}
-        log.warning("pod %s/%s: CPU request not counted: %s", metadata.get("namespace"), metadata.get("name"), exc)
-        return 0
+        log.warning("pod %s/%s: CPU and memory requests not counted: %s", metadata.get("namespace"),
+                    metadata.get("name"), exc)
+        return 0, 0
+    return requests.get(kubeapi.RESOURCE_CPU, 0), -(-requests.get(kubeapi.RESOURCE_MEMORY, 0) // MIB)
 
 
 def node_allocatable_cpu_milli(obj: Mapping[str, Any]) -> int:
@@ -55,6 +63,27 @@ def node_allocatable_cpu_milli(obj: Mapping[str, Any]) -> int:
         return 0
     try:
         return max(0, kubeapi.quantity_milli(value))
+    except kubeapi.InvalidQuantity:
+        return 0
+
+
+def _add_to(sums: dict[str, int], key: str, delta: int) -> int:
+    """sums[key] += delta, the entry dropped at 0; the new sum."""
+    total = sums.get(key, 0) + delta
+    if total:
+        sums[key] = total
+    else:
+        sums.pop(key, None)
+    return total
+
+
+def node_allocatable_memory_mib(obj: Mapping[str, Any]) -> int:
+    """status.allocatable.memory in whole MiB (rounded down); 0 = unknown (absent or unreadable)."""
+    value = ((obj.get("status") or {}).get("allocatable") or {}).get("memory")
+    if value is None:
+        return 0
+    try:
+        return max(0, kubeapi.quantity_value(value) // MIB)
     except kubeapi.InvalidQuantity:
         return 0
 
@@ -155,12 +184,15 @@ class ClusterState:
         self.ingest_errors: dict[str, int] = {}
         #: called by /readyz once synced; each returns why the extender is not ready, or None (live watches)
         self.readiness_checks: list[Callable[[], str | None]] = []
-        # host CPU: uid -> (node, milli-CPU) of each non-finished bound pod asking CPU, and the sum per node (kept
-        # for nodes not known yet, applied when they arrive)
-        self.pod_cpu: dict[str, tuple[str, int]] = {}
+        # host CPU and memory: uid -> (node, milli-CPU, memory MiB) of each non-finished bound pod asking either,
+        # and the sums per node (kept for nodes not known yet, applied when they arrive)
+        self.pod_host: dict[str, tuple[str, int, int]] = {}
         self.cpu_used_by_node: dict[str, int] = {}
-        #: set by the scheduler when a policy reads host CPU: CPU changes then invalidate a node's cached results
+        self.memory_used_by_node: dict[str, int] = {}
+        #: set by the scheduler when a policy reads host CPU (memory): its changes then invalidate a node's cached
+        #: results
         self.touch_on_cpu_change = False
+        self.touch_on_memory_change = False
         #: names of the nodes changed (touched, heartbeat, labels, deleted), in order, since `journal_epoch` began:
         #: the scheduler's per-shape answers re-judge only these. Whoever clears it (in place: nodes hold it)
         #: bumps the epoch.
@@ -194,6 +226,7 @@ class ClusterState:
             if node is None:
                 node = self._new_node(name)
                 node.cpu_milli_used = self.cpu_used_by_node.get(name, 0)
+                node.memory_mib_used = self.memory_used_by_node.get(name, 0)
                 changed_inventory = True
             else:
                 changed_inventory = node.inventory_text != inventory_text
@@ -204,6 +237,11 @@ class ClusterState:
             if allocatable_cpu != node.cpu_milli_total:
                 node.cpu_milli_total = allocatable_cpu
                 if self.touch_on_cpu_change:
+                    node.touch()
+            allocatable_memory = node_allocatable_memory_mib(obj)
+            if allocatable_memory != node.memory_mib_total:
+                node.memory_mib_total = allocatable_memory
+                if self.touch_on_memory_change:
                     node.touch()
             if changed_inventory:
                 self._set_inventory(node, inventory_text)
@@ -306,9 +344,9 @@ class ClusterState:
             for pod_listener in self.pod_listeners:
                 pod_listener(uid, obj)
             if node_name and phase not in FINISHED_PHASES:
-                self._set_pod_cpu(uid, node_name, bound_pod_cpu_milli(obj))
-            elif uid in self.pod_cpu:
-                self._drop_pod_cpu(uid)
+                self._set_pod_host(uid, node_name, *bound_pod_host(obj))
+            elif uid in self.pod_host:
+                self._drop_pod_host(uid)
             record = self.pods.get(uid)
             if phase in FINISHED_PHASES:
                 if record is not None:
@@ -361,8 +399,8 @@ class ClusterState:
         with self.lock:
             for pod_listener in self.pod_listeners:
                 pod_listener(uid, None)
-            if uid in self.pod_cpu:
-                self._drop_pod_cpu(uid)
+            if uid in self.pod_host:
+                self._drop_pod_host(uid)
             if uid in self.pods:
                 self._remove(uid)
 
@@ -426,8 +464,8 @@ class ClusterState:
                 # Binding's reply) or may have (an unverifiable Binding); keep reservations of binds under way
                 if uid not in seen and (record.confirmed or record.bound or record.uncertain):
                     self._remove(uid)
-            for uid in [uid for uid in self.pod_cpu if uid not in seen]:
-                self._drop_pod_cpu(uid)
+            for uid in [uid for uid in self.pod_host if uid not in seen]:
+                self._drop_pod_host(uid)
 
     # --- reservations (bind) ----------------------------------------------------------------------
     def reserve(
@@ -467,36 +505,38 @@ class ClusterState:
             if record is not None and not (only_unconfirmed and (record.confirmed or record.bound)):
                 self._remove(uid)
 
-    # --- host CPU -------------------------------------------------------------------------------
-    def _set_pod_cpu(self, uid: str, node_name: str, cpu: int) -> None:
-        current = self.pod_cpu.get(uid)
+    # --- host CPU and memory ------------------------------------------------------------------------
+    def _set_pod_host(self, uid: str, node_name: str, cpu_milli: int, memory_mib: int) -> None:
+        current = self.pod_host.get(uid)
         if current is not None:
-            if current[1] == cpu and current[0] == node_name:
+            if current[1] == cpu_milli and current[2] == memory_mib and current[0] == node_name:
                 return  # the common case: a status update of a pod already counted
-            self._drop_pod_cpu(uid)
-        if not cpu:
-            return  # pods asking no CPU (BestEffort) need no record
+            self._drop_pod_host(uid)
+        if not cpu_milli and not memory_mib:
+            return  # pods asking neither (BestEffort) need no record
         node_name = sys.intern(node_name)  # one string per node, not one per pod
-        self.pod_cpu[uid] = (node_name, cpu)
-        self._add_node_cpu(node_name, cpu)
+        self.pod_host[uid] = (node_name, cpu_milli, memory_mib)
+        self._add_node_host(node_name, cpu_milli, memory_mib)
 
-    def _drop_pod_cpu(self, uid: str) -> None:
-        node_name, cpu = self.pod_cpu.pop(uid)
-        self._add_node_cpu(node_name, -cpu)
+    def _drop_pod_host(self, uid: str) -> None:
+        node_name, cpu_milli, memory_mib = self.pod_host.pop(uid)
+        self._add_node_host(node_name, -cpu_milli, -memory_mib)
 
-    def _add_node_cpu(self, node_name: str, delta_milli: int) -> None:
-        if not delta_milli:
-            return
-        used = self.cpu_used_by_node.get(node_name, 0) + delta_milli
-        if used:
-            self.cpu_used_by_node[node_name] = used
-        else:
-            self.cpu_used_by_node.pop(node_name, None)
+    def _add_node_host(self, node_name: str, delta_milli: int, delta_mib: int) -> None:
         node = self.nodes.get(node_name)
-        if node is not None:
-            node.cpu_milli_used = used
-            if self.touch_on_cpu_change:
-                node.touch()
+        touch = False
+        if delta_milli:
+            used = _add_to(self.cpu_used_by_node, node_name, delta_milli)
+            if node is not None:
+                node.cpu_milli_used = used
+                touch = self.touch_on_cpu_change
+        if delta_mib:
+            used = _add_to(self.memory_used_by_node, node_name, delta_mib)
+            if node is not None:
+                node.memory_mib_used = used
+                touch = touch or self.touch_on_memory_change
+        if touch and node is not None:
+            node.touch()
 
     # --- internals ------------------------------------------------------------------------------
     def _add(self, record: PodRecord) -> None:

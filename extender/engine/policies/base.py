@@ -45,6 +45,8 @@ class Policy:
     #: True when score/choice read the node's free host CPU (NodeState.cpu_milli_*) or the request's cpu_milli:
     #: the extender then tracks every pod's CPU per node and drops a node's cached results when it changes.
     uses_host_cpu: ClassVar[bool] = False
+    #: the same for host memory (NodeState.memory_mib_*, the request's memory_mib)
+    uses_host_memory: ClassVar[bool] = False
     #: True when the policy breaks score ties at random itself (the simulator then skips its node-order tie-break)
     random_tie_break: ClassVar[bool] = False
     #: True when the policy reads the request's pod kind (the simulator then labels each task with its kind)
