@@ -71,8 +71,8 @@ VGPU_MODE_MIG = "mig"
 #: The placement policies of the extender's registry (extender/engine/policies/registry.py; a test keeps the two
 #: equal), for the webhook, which must refuse a name the extender would not know without importing the extender.
 POLICY_NAMES = (
-    "bestfit", "bfgd", "binpack", "clustering", "dotprod", "fgd", "lafgd", "mutex", "packing", "random", "safgd",
-    "spread", "topology",
+    "bestfit", "bfgd", "binpack", "clustering", "dotprod", "fgd", "hsafgd", "lafgd", "mutex", "packing", "random",
+    "safgd", "spread", "topology",
 )
 #: HAMi's policy names that mean one of ours: topology-aware picks the best-connected GPUs, as `topology` does.
 POLICY_ALIASES = {"topology-aware": "topology"}

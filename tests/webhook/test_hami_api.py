@@ -142,7 +142,9 @@ def test_policy_names_we_know_are_admitted_and_read_as_ours(key: str, written: s
     assert (request.gpu_policy if key.startswith("hami.io/gpu") else request.node_policy) == read
 
 
-KNOWN = "bestfit, bfgd, binpack, clustering, dotprod, fgd, lafgd, mutex, packing, random, safgd, spread, topology"
+KNOWN = (
+    "bestfit, bfgd, binpack, clustering, dotprod, fgd, hsafgd, lafgd, mutex, packing, random, safgd, spread, topology"
+)
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ from kube_vgpu.extender.engine.policies import (
     clustering,
     dotprod,
     fgd,
+    hostsupply,
     lookahead,
     mutex,
     packing,
@@ -30,6 +31,7 @@ _POLICIES: tuple[type[Policy], ...] = (
     bfgd.BalancedFGD,
     lookahead.LookaheadFGD,  # bfgd with a look-ahead over the learned workload (docs/simulator.md)
     supply.SupplyLookaheadFGD,  # lafgd with a supply-aware residue (docs/simulator.md)
+    hostsupply.HostSupplyFGD,  # safgd whose hole prices know the node's free CPU and memory (docs/simulator.md)
     mutex.Mutex,  # HAMi's GPU policy of that name
     # the reference policies of the FGD paper's simulator (docs/simulator.md)
     fgd.FGD,
