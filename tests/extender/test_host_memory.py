@@ -147,3 +147,38 @@ def _parsed(scheduler: Scheduler, obj: dict[str, Any]) -> tuple[Any, Any, Any]:
 
     request = protocol.parse_pod_gpu_request(obj)
     return (request, *scheduler._policies_for(request))
+
+
+def test_hsafgd_reads_the_memory_the_extender_keeps() -> None:
+    """hsafgd (policies/hostsupply.py) prices a hole by the fillers its node can still feed, host memory included:
+    through the extender's state, two nodes alike but for the memory a CPU-only pod holds get different scores
+    under hsafgd, and the same under bfgd (which reads CPU, not memory)."""
+    scores: dict[str, dict[str, int]] = {}
+    for policy in ("hsafgd", "bfgd"):
+        state = ClusterState()
+        cluster = SnapshotCluster(state, [gpu_node("roomy", gpus=1), gpu_node("tight", gpus=1),
+                                          cpu_pod(node_name="tight", cpu="0", memory="500Gi")])
+        scheduler = Scheduler(state, cluster, node_policy=policy, gpu_policy=policy)
+        assert state.nodes["tight"].memory_mib_used == 500 * GIB_MIB
+        # the learned workload: shares asking much host memory, whole GPUs asking little
+        for number in range(16):
+            seen = pod(f"seen{number}", gpus=1, memory_mib=40960 if number % 2 else 81920,
+                       cores=50 if number % 2 else 100)
+            seen["spec"]["containers"][0]["resources"]["requests"]["memory"] = "64Gi" if number % 2 else "1Gi"
+            scheduler.filter(seen, ["roomy", "tight"])
+        pending = pod("pending", gpus=1, memory_mib=40960, cores=50)
+        pending["spec"]["containers"][0]["resources"]["requests"]["memory"] = "1Gi"
+        assert scheduler.filter(pending, ["roomy", "tight"]).passed == ["roomy", "tight"]
+        scores[policy] = {name: score for name, score in scheduler.prioritize(pending, ["roomy", "tight"])}
+    assert scores["bfgd"]["roomy"] == scores["bfgd"]["tight"]
+    # on "tight" the half GPU left cannot be filled (no memory for the shares that would fill it): worse there
+    assert scores["hsafgd"]["roomy"] > scores["hsafgd"]["tight"]
+
+
+@pytest.mark.parametrize(
+    ("policy", "reads_memory"), [("hsafgd", True), ("safgd", False), ("bfgd", False), ("bestfit", False)],
+)
+def test_which_policies_read_host_memory(policy: str, reads_memory: bool) -> None:
+    from kube_vgpu.extender.engine.policies import make_policy
+
+    assert make_policy(policy).uses_host_memory is reads_memory

@@ -27,8 +27,10 @@ of the three): safgd +19.0 %, the CPU filter alone +19.9 % (a multi-GPU task's C
 memory (hsafgd) +20.3 %, above safgd on 29 of the 30 seeds. A memory analogue of bfgd's CPU balance term on top
 changed nothing (+20.3 %) and was left out.
 
-Where a node reports no allocatable memory (the live extender does not track host memory today) the memory
-filter is off for it and hsafgd is safgd with the CPU filter; where CPU is unknown too, it is safgd.
+The extender keeps each node's allocatable memory and its pods' memory requests (ClusterState, as host CPU) and
+hands the pod's memory request to this policy (uses_host_memory), so it sees there what the simulator gives it.
+Where a node reports no allocatable memory the memory filter is off for it and hsafgd is safgd with the CPU filter;
+where CPU is unknown too, it is safgd.
 Cost: one table lookup per GPU as safgd, plus two bisections for the node's CPU and memory level; the tables
 (h = 0..1000) are per GPU class and per distinct set of scaled availabilities, built lazily when a node in that
 state is first measured and dropped when the learned model changes.
@@ -39,7 +41,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections import Counter
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from kube_vgpu.extender.engine.fragmentation import TaskShape, WeightedShapes, task_shape
 from kube_vgpu.extender.engine.policies._milli import frag_cpu_free_milli
@@ -108,6 +110,9 @@ class _ClassTables:
 
 class HostSupplyFGD(SupplyLookaheadFGD):
     name = "hsafgd"
+    #: the extender keeps each node's host memory and hands the pod's memory request (ClusterState), as the
+    #: simulator does
+    uses_host_memory: ClassVar[bool] = True
 
     def __init__(
         self,
