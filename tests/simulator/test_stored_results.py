@@ -30,8 +30,7 @@ TRACES = _traces()
 
 
 @pytest.mark.skipif(TRACES is None, reason="openb traces not found (set KUBE_VGPU_OPENB_TRACES)")
-@pytest.mark.parametrize("seed", [42, 43])
-@pytest.mark.parametrize("policy", ["bfgd", "fgd"])
+@pytest.mark.parametrize(("policy", "seed"), [("bfgd", 42), ("bfgd", 43), ("fgd", 42), ("fgd", 43), ("hsafgd", 42)])
 def test_rerun_matches_stored(policy: str, seed: int) -> None:
     assert TRACES is not None
     job = Job(str(TRACES / "openb_node_list_gpu_node.csv"), str(TRACES / "openb_pod_list_default.csv"), policy, seed)
@@ -40,8 +39,8 @@ def test_rerun_matches_stored(policy: str, seed: int) -> None:
 
 
 def test_stored_set_is_complete() -> None:
-    """Every trace has fgd and both bfgd variants on the ten seeds of the table."""
+    """Every trace has fgd, both bfgd variants and hsafgd (issue 19's bar) on the ten seeds of the table."""
     for trace in ("default", "cpu100", "gpushare40", "gpuspec20", "multigpu30"):
-        for policy in ("fgd", "bfgd", "bfgd-ref"):
+        for policy in ("fgd", "bfgd", "bfgd-ref", "hsafgd"):
             seeds = sorted(int(path.stem) for path in (RESULTS / trace / policy).glob("*.json"))
             assert seeds == list(range(42, 52)), (trace, policy)
