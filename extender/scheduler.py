@@ -428,10 +428,13 @@ class Scheduler:
         todo: list[NodeState] = []
         equivalences: list[int] = []
         heartbeats_s: list[float] = []
+        #: the names as asked: the answer is keyed by them, as the loop keys it (the request's own strings, read
+        #: contiguously by every later lookup; the nodes' names live scattered across the heap)
+        asked: list[str] = []
         seen: set[int] = set()
         # once per node of a new shape (5000 at a time): locals, and the node's cached key read first
-        get_node, add_seen, add_todo, add_equivalence, add_heartbeat = (
-            nodes.get, seen.add, todo.append, equivalences.append, heartbeats_s.append)
+        get_node, add_seen, add_todo, add_equivalence, add_heartbeat, add_asked = (
+            nodes.get, seen.add, todo.append, equivalences.append, heartbeats_s.append, asked.append)
         for name in names:
             node = get_node(name)
             if node is None or key in node.fit_cache or (failed_answers and name in failed_answers):
@@ -448,15 +451,17 @@ class Scheduler:
             add_todo(node)
             add_equivalence(equivalence)
             add_heartbeat(heartbeat_s)
+            add_asked(name)
         if len(todo) < self.batch_min_nodes:
             return answered
         placed = policy.place_batch(todo, request)
         if placed is None:
             return answered
         earliest_heartbeat_s = math.inf
-        for node, equivalence, heartbeat_s, result in zip(todo, equivalences, heartbeats_s, placed, strict=True):
+        for node, name, equivalence, heartbeat_s, result in zip(todo, asked, equivalences, heartbeats_s, placed,
+                                                                 strict=True):
             if result is not None:  # else left to the per-node loop
-                results[equivalence] = node.fit_cache[key] = answered[node.name] = result
+                results[equivalence] = node.fit_cache[key] = answered[name] = result
                 if heartbeat_s < earliest_heartbeat_s:
                     earliest_heartbeat_s = heartbeat_s
         if answer is None or not answered:
