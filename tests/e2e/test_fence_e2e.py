@@ -140,6 +140,8 @@ def replica(dev_cluster: DevCluster, e2e_namespace: str, gpu_nodes: Callable[...
             yield env
         finally:
             extender.source.stop()
+            for gate in extender.scheduler.gates:  # the quota gate's own watches (they outlived the API server)
+                gate.stop()
 
 
 def test_binds_follow_the_leader_lease(replica: Replica, election: LeaderElection) -> None:
