@@ -39,7 +39,13 @@ JOURNAL_LIMIT = 100_000
 
 
 MIB = 1 << 20
-_HOST_RESOURCES = (kubeapi.RESOURCE_CPU, kubeapi.RESOURCE_MEMORY)
+#: what kubeapi.pod_requests is asked for the host (host_asks reads its answer)
+HOST_RESOURCES = (kubeapi.RESOURCE_CPU, kubeapi.RESOURCE_MEMORY)
+
+
+def host_asks(requests: Mapping[str, int]) -> tuple[int, int]:
+    """(milli-CPU, memory MiB rounded up) from kubeapi.pod_requests' figures (memory in bytes)."""
+    return requests.get(kubeapi.RESOURCE_CPU, 0), -(-requests.get(kubeapi.RESOURCE_MEMORY, 0) // MIB)
 
 
 def bound_pod_host(obj: Mapping[str, Any]) -> tuple[int, int]:
@@ -47,13 +53,13 @@ def bound_pod_host(obj: Mapping[str, Any]) -> tuple[int, int]:
     (kubeapi.pod_requests, in-place resizes included); (0, 0) when unreadable (the API server never stores a bad
     quantity; a snapshot might)."""
     try:
-        requests = kubeapi.pod_requests(obj, _HOST_RESOURCES, status_resources=True)
+        requests = kubeapi.pod_requests(obj, HOST_RESOURCES, status_resources=True)
     except kubeapi.InvalidQuantity as exc:
         metadata = obj.get("metadata") or {}
         log.warning("pod %s/%s: CPU and memory requests not counted: %s", metadata.get("namespace"),
                     metadata.get("name"), exc)
         return 0, 0
-    return requests.get(kubeapi.RESOURCE_CPU, 0), -(-requests.get(kubeapi.RESOURCE_MEMORY, 0) // MIB)
+    return host_asks(requests)
 
 
 def node_allocatable_cpu_milli(obj: Mapping[str, Any]) -> int:

@@ -18,6 +18,7 @@ from kube_vgpu.extender.engine.policies.binpack import Binpack
 from kube_vgpu.extender.scheduler import Scheduler
 from kube_vgpu.extender.sources.snapshot import SnapshotCluster
 from kube_vgpu.extender.state import ClusterState, bound_pod_host, node_allocatable_memory_mib
+from tests.extender.test_host_cpu import finished
 from tests.helpers import gpu_node, pod
 
 GIB_MIB = 1024
@@ -26,12 +27,6 @@ GIB_MIB = 1024
 def with_allocatable_memory(obj: dict[str, Any], memory: str) -> dict[str, Any]:
     changed = copy.deepcopy(obj)
     changed["status"]["allocatable"]["memory"] = memory
-    return changed
-
-
-def finished(obj: dict[str, Any], phase: str = "Succeeded") -> dict[str, Any]:
-    changed = copy.deepcopy(obj)
-    changed["status"]["phase"] = phase
     return changed
 
 
