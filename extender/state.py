@@ -62,15 +62,23 @@ def bound_pod_host(obj: Mapping[str, Any]) -> tuple[int, int]:
     return host_asks(requests)
 
 
-def node_allocatable_cpu_milli(obj: Mapping[str, Any]) -> int:
-    """status.allocatable.cpu in milli-CPU; 0 = unknown (absent or unreadable)."""
-    value = ((obj.get("status") or {}).get("allocatable") or {}).get("cpu")
+def _node_allocatable(obj: Mapping[str, Any], resource: str, read: Callable[[Any], int]) -> int:
+    """status.allocatable[resource] as `read` reads it; 0 = unknown: absent, or unreadable (the API server never
+    stores a bad quantity; a snapshot might: warned)."""
+    value = ((obj.get("status") or {}).get("allocatable") or {}).get(resource)
     if value is None:
         return 0
     try:
-        return max(0, kubeapi.quantity_milli(value))
-    except kubeapi.InvalidQuantity:
+        return max(0, read(value))
+    except kubeapi.InvalidQuantity as exc:
+        log.warning("node %s: allocatable %s not read, counted as unknown: %s",
+                    (obj.get("metadata") or {}).get("name"), resource, exc)
         return 0
+
+
+def node_allocatable_cpu_milli(obj: Mapping[str, Any]) -> int:
+    """status.allocatable.cpu in milli-CPU; 0 = unknown."""
+    return _node_allocatable(obj, kubeapi.RESOURCE_CPU, kubeapi.quantity_milli)
 
 
 def _add_to(sums: dict[str, int], key: str, delta: int) -> int:
@@ -84,14 +92,8 @@ def _add_to(sums: dict[str, int], key: str, delta: int) -> int:
 
 
 def node_allocatable_memory_mib(obj: Mapping[str, Any]) -> int:
-    """status.allocatable.memory in whole MiB (rounded down); 0 = unknown (absent or unreadable)."""
-    value = ((obj.get("status") or {}).get("allocatable") or {}).get("memory")
-    if value is None:
-        return 0
-    try:
-        return max(0, kubeapi.quantity_value(value) // MIB)
-    except kubeapi.InvalidQuantity:
-        return 0
+    """status.allocatable.memory in whole MiB (rounded down); 0 = unknown."""
+    return _node_allocatable(obj, kubeapi.RESOURCE_MEMORY, lambda value: kubeapi.quantity_value(value) // MIB)
 
 
 @dataclass(slots=True)

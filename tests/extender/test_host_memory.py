@@ -43,6 +43,17 @@ def test_allocatable_memory_in_whole_mib(memory: str | None, mib: int) -> None:
     assert node_allocatable_memory_mib(node) == mib  # rounded down: what is surely there; 0 = unknown
 
 
+def test_an_unreadable_allocatable_is_unknown_and_said(caplog: pytest.LogCaptureFixture) -> None:
+    node = gpu_node("n1")
+    node["status"]["allocatable"].update({"memory": "lots", "cpu": "many"})
+    state = ClusterState()
+    state.upsert_node(node)
+    assert (state.nodes["n1"].memory_mib_total, state.nodes["n1"].cpu_milli_total) == (0, 0)
+    said = [record.getMessage() for record in caplog.records]
+    assert any("node n1: allocatable memory not read" in line for line in said), said
+    assert any("node n1: allocatable cpu not read" in line for line in said), said
+
+
 def test_a_pods_memory_is_counted_as_kube_scheduler_counts_it_in_whole_mib_rounded_up() -> None:
     spec_pod = cpu_pod(node_name="n1", cpu="500m", memory="1G")
     spec_pod["spec"]["initContainers"] = [{"name": "init", "resources": {"requests": {"memory": "3Gi"}}}]
