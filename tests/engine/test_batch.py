@@ -1,6 +1,7 @@
 """policies.batch: placing one request on many nodes at once over arrays gives exactly fit.place's placements and
-scores (bfgd, the extender's default), on random nodes in every state the array rules read; and what they leave to
-fit.place is only what the module says."""
+scores (bfgd, the extender's default, and the look-ahead policies on it: lafgd, safgd, hsafgd), on random nodes in
+every state the array rules read (host CPU and memory included); and what they leave to fit.place is only what the
+module says."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ from kube_vgpu.extender.engine.policies.base import Policy
 from kube_vgpu.extender.engine.policies.batch import batch_container, node_group, quantised_gains
 from kube_vgpu.extender.engine.policies.bfgd import BalancedFGD
 from kube_vgpu.extender.engine.policies.fgd import quantised_gain
+from kube_vgpu.extender.engine.policies.hostsupply import HostSupplyFGD
+from kube_vgpu.extender.engine.policies.lookahead import LookaheadFGD
+from kube_vgpu.extender.engine.policies.supply import SupplyLookaheadFGD
 from tests.helpers import pod
 
 #: hardware built once per (GPUs, memory, topology): synth_inventory runs the device plugin's discovery
@@ -36,6 +40,8 @@ def random_node(rng: random.Random, name: str) -> NodeState:
     cpu_total = rng.choice((0, 64000, 128000))
     node = NodeState(name, inventory, cpu_milli_total=cpu_total)
     node.cpu_milli_used = rng.randrange(0, cpu_total + 1, 1000) if cpu_total else 0
+    node.memory_mib_total = rng.choice((0, 262144, 524288))  # 0: unknown (hsafgd's memory filter off)
+    node.memory_mib_used = rng.randrange(0, node.memory_mib_total + 1, 4096) if node.memory_mib_total else 0
     for gpu in node.gpus:
         roll = rng.random()
         if roll < 0.25:
@@ -65,7 +71,8 @@ def random_request(rng: random.Random) -> PlacementRequest:
         "memory_mib": rng.randrange(1024, 40961, 1024) if memory == "mib" else None,
         "memory_percent": rng.choice((10, 25, 50)) if memory == "percent" else None,
     }
-    return PlacementRequest(protocol.parse_pod_gpu_request(pod(**kwargs)), cpu_milli=rng.randrange(0, 32001, 500))
+    return PlacementRequest(protocol.parse_pod_gpu_request(pod(**kwargs)), cpu_milli=rng.randrange(0, 32001, 500),
+                            memory_mib=rng.choice((0, 8192, 65536, 131072)))
 
 
 def learned_policy(rng: random.Random, name: str = "bfgd", **options: object) -> Policy:
@@ -92,12 +99,17 @@ def check(policy: Policy, nodes: list[NodeState], request: PlacementRequest) -> 
     return given
 
 
+#: the policies that place in batches, with the options that change what the batch computes
+BATCHED = [("bfgd", {}), ("bfgd", {"reference_ties": True}), ("lafgd", {}), ("lafgd", {"mode": "deep"}),
+           ("safgd", {}), ("hsafgd", {}), ("hsafgd", {"balance_weight": 0.0})]
+
+
 @pytest.mark.parametrize("seed", range(12))
-@pytest.mark.parametrize("reference_ties", [False, True])
-def test_batch_places_exactly_as_fit_place(seed: int, reference_ties: bool) -> None:
+@pytest.mark.parametrize(("name", "options"), BATCHED)
+def test_batch_places_exactly_as_fit_place(seed: int, name: str, options: dict[str, object]) -> None:
     rng = random.Random(seed)
     nodes = [random_node(rng, f"node-{i}") for i in range(60)]
-    policy = learned_policy(rng, reference_ties=reference_ties)
+    policy = learned_policy(rng, name, **options)
     given = 0
     for _ in range(25):
         given += check(policy, nodes, random_request(rng))
@@ -142,7 +154,8 @@ def test_what_is_left_to_fit_place() -> None:
 
 @pytest.mark.parametrize("name", sorted(REGISTRY))
 def test_every_policy_batches_exactly_or_not_at_all(name: str) -> None:
-    """A policy that inherits bfgd's batch placement but measures otherwise (lafgd, safgd) must not offer it."""
+    """Every policy that offers batch placement places exactly as fit.place (a policy that inherits it but measures
+    otherwise must not offer it); bfgd and the look-ahead policies on it offer it."""
     rng = random.Random(11)
     policy = learned_policy(rng, name)
     nodes = [random_node(rng, f"n{i}") for i in range(30)]
@@ -151,7 +164,15 @@ def test_every_policy_batches_exactly_or_not_at_all(name: str) -> None:
         if policy.place_batch(nodes, request) is None:
             continue
         check(policy, nodes, request)
-    assert (policy.place_batch(nodes, random_request(rng)) is not None) == (type(policy) is BalancedFGD)
+    offered = policy.place_batch(nodes, random_request(rng)) is not None
+    assert offered == (type(policy) in (BalancedFGD, LookaheadFGD, SupplyLookaheadFGD, HostSupplyFGD))
+
+
+def test_unquantised_look_ahead_is_left_to_fit_place() -> None:
+    """The arrays score by the reference's integer gain only; lafgd's unquantised variant does not batch."""
+    rng = random.Random(4)
+    nodes = [random_node(rng, f"n{i}") for i in range(5)]
+    assert learned_policy(rng, "lafgd", quantised=False).place_batch(nodes, random_request(rng)) is None
 
 
 def test_quantised_gains_at_the_steps_are_math_exps() -> None:

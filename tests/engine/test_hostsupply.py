@@ -76,8 +76,9 @@ def test_tables_are_shared_between_levels_that_scale_alike() -> None:
 def test_every_filler_fitting_is_safgd() -> None:
     policy = learned("hsafgd")
     node = one_gpu_node(262144)
-    assert policy.class_tables(node).table(32000, 262144) == supply_table(policy.frag_model.shapes, "T4", 0)
-    assert policy.class_tables(node).table(None, None) == supply_table(policy.frag_model.shapes, "T4", 0)
+    tables = policy.class_tables(node.gpu_model, node.gpu_memory_mib)
+    assert tables.table(32000, 262144) == supply_table(policy.frag_model.shapes, "T4", 0)
+    assert tables.table(None, None) == supply_table(policy.frag_model.shapes, "T4", 0)
 
 
 @pytest.mark.parametrize("memory_mib", [0, 262144])
@@ -111,11 +112,11 @@ def test_tables_follow_the_learned_model() -> None:
     policy = learned("hsafgd")
     assert isinstance(policy, HostSupplyFGD)
     node = one_gpu_node(262144)
-    classes = policy.class_tables(node)
-    assert classes is policy.class_tables(node)  # memoised per GPU class
+    classes = policy.class_tables(node.gpu_model, node.gpu_memory_mib)
+    assert classes is policy.class_tables(node.gpu_model, node.gpu_memory_mib)  # memoised per GPU class
     epoch = policy.epoch()
     for pod in [task(230, 65536)] * 64:  # a new shape, asking more memory: the model and the tables change
         policy.observe(build_request(pod))
     assert policy.epoch() != epoch
-    assert policy.class_tables(node) is not classes
-    assert 230 in policy.class_tables(node).tasks
+    assert policy.class_tables(node.gpu_model, node.gpu_memory_mib) is not classes
+    assert 230 in policy.class_tables(node.gpu_model, node.gpu_memory_mib).tasks

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kube_vgpu import protocol
-from kube_vgpu.dev.fixtures import gpu_node, gpu_pod_object
+from kube_vgpu.dev.fixtures import gpu_pod_object, node_object, synth_inventory
 from kube_vgpu.extender.engine.fit import place
 from kube_vgpu.extender.engine.model import NodeState, Placement, PlacementRequest, assignment_from_placement
 from kube_vgpu.extender.engine.policies import make_policy
@@ -25,8 +25,10 @@ from tests.helpers import pod
 
 START_S = 1_800_000_000.0
 TTL_S = 120.0
-#: (GPU count, topology, allocatable milli-CPU): few hardware kinds, so nodes repeat
-HARDWARE = [(2, "pcie", 32000), (4, "nvswitch", 64000), (4, "nvswitch", 32000), (8, "nvlink-pairs", 64000)]
+#: (GPU count, topology, allocatable milli-CPU, allocatable memory MiB): few hardware kinds, so nodes repeat; little
+#: memory, so that pods' memory requests move hsafgd's tables
+HARDWARE = [(2, "pcie", 32000, 65536), (4, "nvswitch", 64000, 262144), (4, "nvswitch", 32000, 131072),
+            (8, "nvlink-pairs", 64000, 196608)]
 #: (GPUs, memory MiB, cores) of the pods already running and of the pods scheduled
 RUNNING = [(1, 8192, 20), (1, 40960, 50), (2, 10240, 30), (1, 81920, 100)]
 ASKS = [(1, 8192, 20), (1, 20480, 25), (2, 6144, 15), (4, 10240, 10), (1, 81920, 100), (3, 2048, 5), (1, 1024, 1)]
@@ -45,8 +47,9 @@ def heartbeat_at(seconds: float) -> dt.datetime:
 
 
 def node_items(name: str, hardware: int, running: list[int], heartbeat_s: float) -> list[dict[str, Any]]:
-    gpus, topology, cpu_milli = HARDWARE[hardware]
-    node = gpu_node(name, gpus=gpus, topology=topology, cpu_milli=cpu_milli, heartbeat=heartbeat_at(heartbeat_s))
+    gpus, topology, cpu_milli, memory_mib = HARDWARE[hardware]
+    node = node_object(name, synth_inventory(name, gpus, "NVIDIA-A100-SXM4-80GB", 81920, topology),
+                       cpu_milli=cpu_milli, memory_mib=memory_mib, heartbeat=heartbeat_at(heartbeat_s))
     inventory = protocol.decode_inventory(node["metadata"]["annotations"][protocol.NODE_INVENTORY_ANNOTATION])
     state = NodeState(name, inventory)
     policy = make_policy("binpack")
@@ -82,10 +85,12 @@ operations_strategy = st.lists(
 
 
 def cpu_only_pod(name: str, node_name: str, cpu: str) -> dict[str, Any]:
+    """A pod without GPUs on the node, asking this many CPUs and 8 GiB of memory per CPU."""
+    requests = {"cpu": cpu, "memory": f"{int(cpu) * 8}Gi"}
     return {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": name, "namespace": "default", "uid": f"uid-{name}", "annotations": {}},
-        "spec": {"nodeName": node_name, "containers": [{"name": "main", "resources": {"requests": {"cpu": cpu}}}]},
+        "spec": {"nodeName": node_name, "containers": [{"name": "main", "resources": {"requests": requests}}]},
         "status": {"phase": "Running"},
     }
 
@@ -93,12 +98,14 @@ def cpu_only_pod(name: str, node_name: str, cpu: str) -> dict[str, Any]:
 class Twin:
     """One extender: its state, snapshot and scheduler."""
 
-    def __init__(self, clock: Clock, items: list[dict[str, Any]], share_results: bool, batch: bool = False) -> None:
+    def __init__(self, clock: Clock, items: list[dict[str, Any]], share_results: bool, batch: bool = False,
+                 policy: str = "bfgd") -> None:
         self.state = ClusterState(heartbeat_ttl_s=TTL_S, clock=clock)
         self.cluster = SnapshotCluster(self.state, [dict(item) for item in items])
-        # batch: a request shape's new classes go to bfgd's batch placement (policies.batch) however few they are
-        self.scheduler = Scheduler(self.state, self.cluster, share_results=share_results,
-                                   batch_min_nodes=1 if batch else 1 << 30)
+        # batch: a request shape's new classes go to the policy's batch placement (policies.batch) however few they
+        # are
+        self.scheduler = Scheduler(self.state, self.cluster, node_policy=policy, gpu_policy=policy,
+                                   share_results=share_results, batch_min_nodes=1 if batch else 1 << 30)
 
     def schedule(self, pending: dict[str, Any], names: list[str]) -> tuple[Any, ...]:
         outcome = self.scheduler.filter(pending, names)
@@ -111,18 +118,20 @@ class Twin:
         return outcome.passed, outcome.failed, outcome.unresolvable, outcome.error, scores, nonzero, best
 
 
+@pytest.mark.parametrize("policy", ["bfgd", "hsafgd"])  # the default; the look-ahead that reads host memory
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(nodes=nodes_strategy, operations=operations_strategy)
 def test_shared_results_decide_exactly_as_every_node_on_its_own(
-    nodes: list[tuple[int, list[int]]], operations: list[tuple[Any, ...]]
+    policy: str, nodes: list[tuple[int, list[int]]], operations: list[tuple[Any, ...]]
 ) -> None:
     clock = Clock()
     names = [f"n{index}" for index in range(len(nodes))]
     items: list[dict[str, Any]] = []
     for name, (hardware, running) in zip(names, nodes, strict=True):
         items.extend(node_items(name, hardware, running, START_S))
-    twins = shared, batched, alone = Twin(clock, items, True), Twin(clock, items, True, batch=True), Twin(
-        clock, items, False)
+    twins = shared, batched, alone = (Twin(clock, items, True, policy=policy),
+                                      Twin(clock, items, True, batch=True, policy=policy),
+                                      Twin(clock, items, False, policy=policy))
     bound: list[str] = []
     for step, operation in enumerate(operations):
         kind = operation[0]
@@ -130,7 +139,9 @@ def test_shared_results_decide_exactly_as_every_node_on_its_own(
             count, memory, cores = ASKS[operation[1]]
             pending = pod(f"p{step}", gpus=count, memory_mib=memory, cores=cores)
             if operation[2]:
-                pending["spec"]["containers"][0]["resources"]["requests"]["cpu"] = operation[2]
+                requests = pending["spec"]["containers"][0]["resources"]["requests"]
+                requests["cpu"] = operation[2]
+                requests["memory"] = f"{int(operation[2]) * 4}Gi"
             # kube-scheduler's list: every node, in an order of its own
             asked = names[step % len(names):] + names[:step % len(names)]
             decided = shared.schedule(pending, asked)
@@ -141,9 +152,10 @@ def test_shared_results_decide_exactly_as_every_node_on_its_own(
         elif kind == "heartbeat" and operation[1] < len(names):
             name = names[operation[1]]
             hardware, _ = nodes[operation[1]]
-            gpus, topology, cpu_milli = HARDWARE[hardware]
-            fresh = gpu_node(name, gpus=gpus, topology=topology, cpu_milli=cpu_milli,
-                             heartbeat=heartbeat_at(clock.now - operation[2]))
+            gpus, topology, cpu_milli, memory_mib = HARDWARE[hardware]
+            fresh = node_object(name, synth_inventory(name, gpus, "NVIDIA-A100-SXM4-80GB", 81920, topology),
+                                cpu_milli=cpu_milli, memory_mib=memory_mib,
+                                heartbeat=heartbeat_at(clock.now - operation[2]))
             for twin in twins:
                 twin.state.upsert_node(fresh)
         elif kind == "time":

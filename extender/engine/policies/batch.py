@@ -1,4 +1,5 @@
-"""Batch placement: one request shape placed on many nodes at once, over arrays (numpy), for bfgd.
+"""Batch placement: one request shape placed on many nodes at once, over arrays (numpy), for bfgd and the look-ahead
+policies built on it (lafgd, safgd, hsafgd: bfgd's measure plus a per-GPU term, HoleTerm).
 
 Why: the first pod of a request shape is placed on every node (the scheduler shares one placement per
 node-equivalence class, so on a cluster whose nodes all differ that is one fit.place per node: 70-160 us each in
@@ -21,7 +22,7 @@ import math
 import os
 from array import array
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 # numpy's BLAS is never used here: one thread instead of one per core (each with its buffers) in the extender; set
 # before numpy is imported, which reads it once
@@ -52,6 +53,21 @@ Bools = npt.NDArray[np.bool_]
 #: scores this close to an integer step of the sigmoid are recomputed with math.exp (numpy's exp may differ from
 #: it in the last bit; the quantised score is 100 * sigmoid truncated, so only values at a step can differ)
 _STEP_GUARD = 1e-9
+
+class HoleTerm(Protocol):
+    """The look-ahead policies' addition to bfgd's measure: lookahead_weight * the sum over a node's GPUs (in
+    position order) of a table indexed by the GPU's free milli (0..1000, clamped), the table chosen per node."""
+
+    lookahead_weight: float
+
+    def hole_tables(
+        self, nodes: Sequence[NodeState], model: str, memory_mib: int, cpu_free: Ints, cpu_known: Bools,
+        memory_taken_mib: int,
+    ) -> tuple[Floats, Ints]:
+        """(tables [k, 1001], each node's row among them) for these nodes of one GPU class with this free CPU and
+        this much host memory taken by the pod being measured (0: the node as it is)."""
+        ...
+
 
 #: per GPU in a node's row (_node_row): used memory MiB, used cores, used vGPUs, vGPU slots, usable (healthy, not
 #: in MIG mode, not held by a pod outside kube-vgpu: 1, else 0)
@@ -118,16 +134,18 @@ def _free_share(used_memory: Ints, used_cores: Ints, vgpus: Ints, max_vgpus: Int
 class _Measure:
     """bfgd's measure (FGD's fragmentation + balance_weight * stranded GPU) of one GPU class, over arrays."""
 
-    def __init__(self, policy: BalancedFGD, model: str, memory_mib: int) -> None:
+    def __init__(self, policy: BalancedFGD, model: str, memory_mib: int, lookahead_weight: float) -> None:
         never, asks, usable, _ = policy.frag_model.class_view(model, memory_mib)
         self.never = never
         self.asks = asks
         self.usable = usable
         self.ratio = policy.cpu_per_gpu_on(memory_mib)
         self.balance_weight = policy.balance_weight
+        self.lookahead_weight = lookahead_weight
 
-    def of(self, free: Ints, cpu_free: Ints, cpu_known: Bools) -> Floats:
-        """Per row: the measure of a node with these free milli-GPU per GPU (last axis) and free milli-CPU."""
+    def of(self, free: Ints, cpu_free: Ints, cpu_known: Bools, holes: tuple[Floats, Ints] | None) -> Floats:
+        """Per row: the measure of a node with these free milli-GPU per GPU (last axis) and free milli-CPU; holes:
+        the look-ahead tables and each node's row (HoleTerm.hole_tables) when the policy has the term."""
         total = free.sum(axis=-1)
         fitting = []
         small = []
@@ -135,9 +153,19 @@ class _Measure:
             at_least = free >= ask
             fitting.append(at_least.sum(axis=-1))
             small.append(total - np.where(at_least, free, 0).sum(axis=-1))
-        return self._sum(total, fitting, small, cpu_free, cpu_known)
+        frag = self._sum(total, fitting, small, cpu_free, cpu_known)
+        if holes is None:
+            return frag
+        tables, row = holes
+        looked_up = tables[row[:, None], np.clip(free, 0, MILLI_PER_GPU)]
+        extra = np.zeros(len(free))
+        for column in looked_up.T:  # the GPUs in position order, as the policy's measure adds them
+            extra = extra + column
+        return frag + self.lookahead_weight * extra
 
-    def of_each_change(self, free: Ints, taken: Ints, cpu_free: Ints, cpu_known: Bools) -> Floats:
+    def of_each_change(
+        self, free: Ints, taken: Ints, cpu_free: Ints, cpu_known: Bools, holes: tuple[Floats, Ints] | None
+    ) -> Floats:
         """[node, j]: the measure with GPU j's free share replaced by taken[node, j] (<= free), the others as they
         are; counted from the node's own per-ask sums instead of re-summing every variant."""
         total = free.sum(axis=-1)
@@ -151,7 +179,18 @@ class _Measure:
             drops_out = at_least & (taken < ask)  # the GPU no longer has the ask free: its rest is small
             fitting.append(fits - drops_out)
             small.append(below + np.where(drops_out, taken, np.where(at_least, 0, taken - free)))
-        return self._sum(total_after, fitting, small, cpu_free[:, None], cpu_known[:, None])
+        frag = self._sum(total_after, fitting, small, cpu_free[:, None], cpu_known[:, None])
+        if holes is None:
+            return frag
+        tables, row = holes
+        as_is = tables[row[:, None], np.clip(free, 0, MILLI_PER_GPU)]
+        changed = tables[row[:, None], np.clip(taken, 0, MILLI_PER_GPU)]
+        # variant j adds GPU k's entry as is, GPU j's changed, in position order (the same floats as the measure)
+        extra = np.zeros(free.shape)
+        for position in range(free.shape[1]):
+            is_changed = np.arange(free.shape[1]) == position
+            extra = extra + np.where(is_changed, changed[:, position, None], as_is[:, position, None])
+        return frag + self.lookahead_weight * extra
 
     def _sum(self, total: Ints, fitting: list[Ints], small: list[Ints], cpu_free: Ints, cpu_known: Bools) -> Floats:
         # node_frag's sum, term by term in the model's order (the same floats as fragmentation.node_frag)
@@ -176,8 +215,11 @@ def quantised_gains(before: Floats, after: Floats) -> Ints:
     return gains
 
 
-def place_batch(nodes: Sequence[NodeState], request: PlacementRequest, policy: BalancedFGD) -> list[Placement | None]:
-    """fit.place(node, request, policy, policy) for each node where the array rules cover it, else None."""
+def place_batch(
+    nodes: Sequence[NodeState], request: PlacementRequest, policy: BalancedFGD, holes: HoleTerm | None = None,
+) -> list[Placement | None]:
+    """fit.place(node, request, policy, policy) for each node where the array rules cover it, else None. holes: the
+    policy's look-ahead term (the same object as the policy) when its measure has one."""
     results: list[Placement | None] = [None] * len(nodes)
     container = batch_container(request)
     if container is None:
@@ -189,7 +231,7 @@ def place_batch(nodes: Sequence[NodeState], request: PlacementRequest, policy: B
         width, model, memory_mib, cores = kind
         columns = np.frombuffer(b"".join(map(_columns_of, rows)), dtype=np.int64).reshape(
             len(rows), width, _GPU_COLUMNS)
-        return _place_group(list(nodes), columns, model, memory_mib, cores, request, container, policy)
+        return _place_group(list(nodes), columns, model, memory_mib, cores, request, container, policy, holes)
     groups: dict[tuple[int, str, int, int], list[int]] = {}
     for number, row in enumerate(rows):
         if row is not None:
@@ -198,7 +240,7 @@ def place_batch(nodes: Sequence[NodeState], request: PlacementRequest, policy: B
         columns = np.frombuffer(b"".join(_columns_of(rows[i]) for i in numbers), dtype=np.int64).reshape(
             len(numbers), width, _GPU_COLUMNS)
         placed = _place_group([nodes[i] for i in numbers], columns, model, memory_mib, cores, request, container,
-                              policy)
+                              policy, holes)
         for number, placement in zip(numbers, placed, strict=True):
             results[number] = placement
     return results
@@ -214,7 +256,7 @@ def _columns_of(row: tuple[tuple[int, str, int, int], bytes] | None) -> bytes:
 
 def _place_group(  # noqa: C901 - one vectorised pass, in fit.place's order
     nodes: list[NodeState], columns: Ints, model: str, memory_mib: int, cores: int, request: PlacementRequest,
-    container: ContainerGpuRequest, policy: BalancedFGD,
+    container: ContainerGpuRequest, policy: BalancedFGD, holes: HoleTerm | None,
 ) -> list[Placement | None]:
     count, width, _ = columns.shape
     used_memory = columns[:, :, 0]
@@ -237,8 +279,13 @@ def _place_group(  # noqa: C901 - one vectorised pass, in fit.place's order
     placeable = fits.sum(axis=1) >= container.count
 
     free = _free_share(used_memory, used_cores, vgpus, max_vgpus, usable, memory_mib, cores)
-    measure = _Measure(policy, model, memory_mib)
-    before = measure.of(free, cpu_free, cpu_known)
+    measure = _Measure(policy, model, memory_mib, 0.0 if holes is None else holes.lookahead_weight)
+    # the look-ahead's tables for the node as it is, and once the pod's CPU and host memory are taken
+    holes_before = holes_after = None
+    if holes is not None:
+        holes_before = holes.hole_tables(nodes, model, memory_mib, cpu_free, cpu_known, 0)
+        holes_after = holes.hole_tables(nodes, model, memory_mib, cpu_after, cpu_known, request.memory_mib)
+    before = measure.of(free, cpu_free, cpu_known, holes_before)
     taken_cores = cores if exclusive else need_cores
     # each GPU's free share once it holds one more vGPU of the container
     taken = np.zeros_like(free) if exclusive else _free_share(
@@ -250,7 +297,8 @@ def _place_group(  # noqa: C901 - one vectorised pass, in fit.place's order
     quality: Floats | None = None
     if container.count == 1 and not exclusive:
         # FragPolicyBase.choose_gpus: the fitting GPU whose change scores best; ties by break_tie
-        each = quantised_gains(before[:, None], measure.of_each_change(free, taken, cpu_after, cpu_known))
+        each = quantised_gains(before[:, None], measure.of_each_change(free, taken, cpu_after, cpu_known,
+                                                                                holes_after))
         each = np.where(fits, each, -1)
         best = each.max(axis=1)
         tied = fits & (each == best[:, None])
@@ -301,7 +349,7 @@ def _place_group(  # noqa: C901 - one vectorised pass, in fit.place's order
             chosen_bits[row] = found[1]
             qualities[row] = found[2]
         in_chosen = (np.array(chosen_bits, dtype=np.int64)[:, None] & bit) != 0
-        gains = quantised_gains(before, measure.of(np.where(in_chosen, taken, free), cpu_after, cpu_known))
+        gains = quantised_gains(before, measure.of(np.where(in_chosen, taken, free), cpu_after, cpu_known, holes_after))
         if container.count > 1:
             quality = np.array(qualities)
 

@@ -43,8 +43,11 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
+import numpy as np
+
 from kube_vgpu.extender.engine.fragmentation import TaskShape, WeightedShapes, task_shape
 from kube_vgpu.extender.engine.policies._milli import frag_cpu_free_milli
+from kube_vgpu.extender.engine.policies.batch import Bools, Floats, Ints
 from kube_vgpu.extender.engine.policies.bfgd import BalancedFGD
 from kube_vgpu.extender.engine.policies.lookahead import ask_probabilities
 from kube_vgpu.extender.engine.policies.supply import (
@@ -65,7 +68,8 @@ class _ClassTables:
     """One GPU class's tables under one learned model: the asks, safgd's availability, each ask's tasks as
     (CPU, memory, probability), the CPU and memory levels at which a task starts to fit, and the tables built."""
 
-    __slots__ = ("asks", "available", "by_level", "cpu_levels", "memory_levels", "probabilities", "tables", "tasks")
+    __slots__ = ("arrays", "asks", "available", "by_level", "cpu_levels", "memory_levels", "probabilities", "tables",
+                 "tasks")
 
     def __init__(
         self,
@@ -82,6 +86,8 @@ class _ClassTables:
         self.tables: dict[tuple[float, ...], tuple[float, ...]] = {}
         #: (CPU level, memory level) -> table
         self.by_level: dict[tuple[int, int], tuple[float, ...]] = {}
+        #: (CPU level, memory level) -> table as an array (batch placement)
+        self.arrays: dict[tuple[int, int], Floats] = {}
 
     def table(self, cpu_free: int | None, memory_free: int | None) -> tuple[float, ...]:
         """E(h) for a node with this free CPU and memory (None: unknown, every task fits)."""
@@ -89,6 +95,10 @@ class _ClassTables:
         memory_level = (
             len(self.memory_levels) if memory_free is None else bisect_right(self.memory_levels, memory_free)
         )
+        return self.table_at(cpu_level, memory_level)
+
+    def table_at(self, cpu_level: int, memory_level: int) -> tuple[float, ...]:
+        """E(h) where the tasks that fit are those whose CPU and memory are among the first levels of each."""
         key = (cpu_level, memory_level)
         table = self.by_level.get(key)
         if table is not None:
@@ -106,6 +116,13 @@ class _ClassTables:
             table = self.tables[signature] = tuple(_residue_under(self.asks, scaled)[0])
         self.by_level[key] = table
         return table
+
+    def array_at(self, cpu_level: int, memory_level: int) -> Floats:
+        array = self.arrays.get((cpu_level, memory_level))
+        if array is None:
+            array = self.arrays[(cpu_level, memory_level)] = np.asarray(
+                self.table_at(cpu_level, memory_level), dtype=np.float64)
+        return array
 
 
 class HostSupplyFGD(SupplyLookaheadFGD):
@@ -154,12 +171,12 @@ class HostSupplyFGD(SupplyLookaheadFGD):
             if self._epoch == epoch:
                 self._epoch += 1  # cached results depend on what the tasks ask of the host: a new model
 
-    def class_tables(self, node: NodeState) -> _ClassTables:
+    def class_tables(self, model: str, gpu_memory_mib: int) -> _ClassTables:
         shapes = self.frag_model.shapes
         if shapes is not self._class_shapes:
             self._class_tables = {}
             self._class_shapes = shapes
-        key = (node.gpu_model, node.gpu_memory_mib)
+        key = (model, gpu_memory_mib)
         tables = self._class_tables.get(key)
         if tables is None:
             tables = self._class_tables[key] = self.build_class_tables(shapes, *key)
@@ -190,11 +207,34 @@ class HostSupplyFGD(SupplyLookaheadFGD):
         value = BalancedFGD.measure(self, node, cpu_free, cpu_known, free)  # FGD's term and bfgd's CPU balance
         if not self.lookahead_weight:
             return value
-        table = self.class_tables(node).table(cpu_free if cpu_known else None, self.memory_free(node))
+        table = self.class_tables(node.gpu_model, node.gpu_memory_mib).table(
+            cpu_free if cpu_known else None, self.memory_free(node))
         extra = 0.0
         for f in free:  # free shares are 0..1000 (engine.shares); clamp anything else
             extra += table[f] if 0 <= f <= MILLI_PER_GPU else table[0 if f < 0 else MILLI_PER_GPU]
         return value + self.lookahead_weight * extra
+
+    def hole_tables(
+        self, nodes: Sequence[NodeState], model: str, memory_mib: int, cpu_free: Ints, cpu_known: Bools,
+        memory_taken_mib: int,
+    ) -> tuple[Floats, Ints]:
+        """batch.HoleTerm: each node's table by its CPU and memory level, as measure() looks it up."""
+        tables = self.class_tables(model, memory_mib)
+        cpu_levels = np.asarray(tables.cpu_levels, dtype=np.int64)
+        memory_levels = np.asarray(tables.memory_levels, dtype=np.int64)
+        count = len(nodes)
+        memory_total = np.fromiter((node.memory_mib_total for node in nodes), dtype=np.int64, count=count)
+        memory_used = np.fromiter((node.memory_mib_used for node in nodes), dtype=np.int64, count=count)
+        # bisect_right's levels; every task fits where the CPU or the memory is unknown (memory_free's None)
+        cpu_level = np.where(cpu_known, np.searchsorted(cpu_levels, cpu_free, side="right"), len(cpu_levels))
+        memory_level = np.where(
+            memory_total > 0,
+            np.searchsorted(memory_levels, memory_total - memory_used - memory_taken_mib, side="right"),
+            len(memory_levels),
+        )
+        keys, row = np.unique(cpu_level * (len(memory_levels) + 1) + memory_level, return_inverse=True)
+        found = [tables.array_at(*divmod(key, len(memory_levels) + 1)) for key in keys.tolist()]
+        return np.stack(found), row.reshape(count)
 
     # The measure of a placement must see the pod's host memory taken, as it sees its CPU (FragPolicyBase passes
     # the CPU after the placement; memory is read from the node): the node's own measure is taken first (and

@@ -35,7 +35,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from kube_vgpu.extender.engine.fragmentation import WeightedShapes
+from kube_vgpu.extender.engine.policies.batch import Bools, Floats, Ints, place_batch
 from kube_vgpu.extender.engine.policies.bfgd import BalancedFGD
 from kube_vgpu.extender.engine.policies.fgd import quantised_gain, sigmoid
 from kube_vgpu.extender.engine.shares import MILLI_PER_GPU
@@ -130,11 +133,15 @@ class LookaheadFGD(BalancedFGD):
 
     def table(self, node: NodeState) -> tuple[float, ...]:
         """The per-GPU look-ahead term by free milli, for this node's GPU class under the current model."""
+        return self.class_table(node.gpu_model, node.gpu_memory_mib)
+
+    def class_table(self, model: str, gpu_memory_mib: int) -> tuple[float, ...]:
+        """The per-GPU look-ahead term by free milli on GPUs of this model and memory size."""
         shapes = self.frag_model.shapes
         if shapes is not self._tables_shapes:  # a new learned model (the epoch changed with it)
             self._tables = {}
             self._tables_shapes = shapes
-        key = (node.gpu_model, node.gpu_memory_mib)
+        key = (model, gpu_memory_mib)
         table = self._tables.get(key)
         if table is None:
             table = self._tables[key] = self.build_table(shapes, *key)
@@ -157,7 +164,17 @@ class LookaheadFGD(BalancedFGD):
         return base + self.lookahead_weight * extra
 
     def place_batch(self, nodes: Sequence[NodeState], request: PlacementRequest) -> list[Placement | None] | None:
-        return None  # policies.batch sums bfgd's measure, not this one's look-ahead term: fit.place on every node
+        if not self.quantised:
+            return None  # policies.batch scores by the quantised gain only: fit.place on every node
+        return place_batch(nodes, request, self, self if self.lookahead_weight else None)
+
+    def hole_tables(
+        self, nodes: Sequence[NodeState], model: str, memory_mib: int, cpu_free: Ints, cpu_known: Bools,
+        memory_taken_mib: int,
+    ) -> tuple[Floats, Ints]:
+        """batch.HoleTerm: one table for the whole GPU class (it depends on nothing else of the node)."""
+        table = self.class_table(model, memory_mib)
+        return np.asarray(table, dtype=np.float64)[None, :], np.zeros(len(nodes), dtype=np.int64)
 
     def gain(self, frag_before: float, frag_after: float) -> float:
         if self.quantised:
