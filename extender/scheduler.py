@@ -189,19 +189,58 @@ def _scores_of(placements: Mapping[str, Placement], names: list[str]) -> npt.NDA
 def _scaled(passed: list[str], raw: npt.NDArray[np.float64]) -> tuple[list[str], list[int]]:
     """The nodes whose score scales above 0, and those scores: raw scores scaled from the lowest (0) to the highest
     (MAX_EXTENDER_SCORE), all left out when they are equal."""
-    if not len(raw):
-        return [], []
-    low, high = raw.min(), raw.max()
-    spread = high - low
-    if spread <= 1e-12:
-        return [], []  # all equal: nothing to prefer (the same to kube-scheduler as all 10)
-    # round((raw - low) / spread * MAX_EXTENDER_SCORE) per node: the same float operations, and np.rint rounds halves
-    # to even as round() does
-    scaled = np.rint((raw - low) / spread * MAX_EXTENDER_SCORE)
-    kept = np.flatnonzero(scaled)
-    if len(kept) == len(passed):
-        return passed.copy(), scaled.astype(np.int64).tolist()  # a list of its own: callers may keep or change it
-    return list(map(passed.__getitem__, kept.tolist())), scaled[kept].astype(np.int64).tolist()
+    return _Scaling.of(passed, raw).answer
+
+
+_NO_POSITIONS: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
+
+
+@dataclass(slots=True)
+class _Scaling:
+    """Scores scaled (_scaled) with what it takes to change one node's score without scaling them all again."""
+
+    #: (hosts, scores): the nodes scaled above 0, and their scaled scores
+    answer: tuple[list[str], list[int]]
+    #: the hosts' positions among the nodes scaled
+    kept: npt.NDArray[np.int64]
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, passed: list[str], raw: npt.NDArray[np.float64]) -> _Scaling:
+        if not len(raw):
+            return cls(([], []), _NO_POSITIONS, 0.0, 0.0)
+        low, high = float(raw.min()), float(raw.max())
+        spread = high - low
+        if spread <= 1e-12:
+            return cls(([], []), _NO_POSITIONS, low, high)  # all equal: nothing to prefer (to kube-scheduler: all 10)
+        # round((raw - low) / spread * MAX_EXTENDER_SCORE) per node: the same float operations, and np.rint rounds
+        # halves to even as round() does
+        scaled = np.rint((raw - low) / spread * MAX_EXTENDER_SCORE)
+        kept = np.flatnonzero(scaled)
+        if len(kept) == len(passed):  # a list of its own: callers may keep or change it
+            return cls((passed.copy(), scaled.astype(np.int64).tolist()), kept, low, high)
+        return cls((list(map(passed.__getitem__, kept.tolist())), scaled[kept].astype(np.int64).tolist()), kept, low,
+                   high)
+
+    def rescore(self, position: int, old: float, new: float) -> bool:
+        """Node `position`'s raw score went from old to new: change its scaled score alone (a new scores list, the
+        hosts list kept) where the scaling stays as it was: neither score at or beyond the lowest or highest, and
+        the node scaled above 0 before and after. False: scale them all again."""
+        low, high = self.low, self.high
+        spread = high - low
+        if not (low < old < high and low <= new <= high) or spread <= 1e-12:
+            return False
+        # the same float operations as `of`, on one node
+        before = int(np.rint((old - low) / spread * MAX_EXTENDER_SCORE))
+        after = int(np.rint((new - low) / spread * MAX_EXTENDER_SCORE))
+        if not before or not after:
+            return False  # the node joins or leaves the hosts
+        hosts, scores = self.answer
+        scores = scores.copy()
+        scores[int(np.searchsorted(self.kept, position))] = after
+        self.answer = (hosts, scores)
+        return True
 
 
 @dataclass(slots=True)
@@ -222,8 +261,7 @@ class _PreparedScores:
     expires_s: float
     #: each node's policy score, in the order of names
     raw: npt.NDArray[np.float64]
-    hosts: list[str]
-    scores: list[int]
+    scaling: _Scaling
 
 
 @dataclass(slots=True)
@@ -704,12 +742,12 @@ class Scheduler:
             if answered_by is None:
                 return None
             node_policy, gpu_policy, answer, _ = answered_by
-            hosts, scores = _scaled(passed, raw)
+            scaling = _Scaling.of(passed, raw)
             self._prepared = _PreparedScores(
                 pod, passed, (node_policy, gpu_policy), (node_policy.epoch(), gpu_policy.epoch()), *journal_at,
-                answer.expires_s, raw, hosts, scores,
+                answer.expires_s, raw, scaling,
             )
-        return hosts, scores
+        return scaling.answer
 
     def _nodes_alone_decide(self) -> bool:
         """Whether a node's verdict for a pod depends on the node's state alone: no gate (quota) and no nomination
@@ -766,11 +804,12 @@ class Scheduler:
                 if outcome.error or not outcome.passed or placement is None or answered_by is None:
                     self._prepared = None
                     return None
-                raw[position] = placement.score
+                old, raw[position] = float(raw[position]), placement.score
                 prepared.expires_s = min(prepared.expires_s, answered_by[2].expires_s)
-                rescale = True
+                if not rescale and old != placement.score:
+                    rescale = not prepared.scaling.rescore(position, old, placement.score)
             if rescale:
-                prepared.hosts, prepared.scores = _scaled(names, raw)
+                prepared.scaling = _Scaling.of(names, raw)
         return prepared
 
     def scaled_scores(self, pod: Mapping[str, Any], node_names: Iterable[str]) -> tuple[list[str], list[int]]:
@@ -779,7 +818,7 @@ class Scheduler:
         with self.state.lock:
             prepared = self._prepared_for(pod, names)
             if prepared is not None:
-                return prepared.hosts, prepared.scores
+                return prepared.scaling.answer
             passed, raw = self._raw_scores(pod, names)
         return _scaled(passed, raw)
 

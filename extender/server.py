@@ -11,6 +11,7 @@ import functools
 import inspect
 import itertools
 import logging
+import operator
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -415,11 +416,49 @@ class ScoreReplies:
 
     #: `<score>},` for every score kube-scheduler accepts
     ENDINGS = tuple(f"{score}}},".encode() for score in range(MAX_EXTENDER_SCORE + 1))
+    #: changed scores a reply is patched for, at most (each a search of the reply for its node's entry)
+    SPLICE_MAX = 8
 
     def __init__(self) -> None:
         self._heads: dict[str, bytes] = {}
+        #: the last reply: its hosts (the list itself), a copy of its scores, its bytes
+        self._last: tuple[list[str], list[int], bytes] | None = None
 
     def encode(self, hosts: list[str], scores: list[int], known_nodes: int) -> bytes:
+        last = self._last
+        if last is not None and last[0] is hosts and len(last[1]) == len(scores):
+            # the same hosts with a few scores changed (a prepared answer brought up to date): patch those entries
+            changed = list(itertools.compress(itertools.count(), map(operator.ne, last[1], scores)))
+            body = self._splice(last[2], [hosts[i] for i in changed], [scores[i] for i in changed]) if len(
+                changed) <= self.SPLICE_MAX else None
+            if body is not None:
+                self._last = (hosts, scores.copy(), body)
+                return body
+        body = self._encode(hosts, scores, known_nodes)
+        self._last = (hosts, scores.copy(), body)
+        return body
+
+    @staticmethod
+    def _splice(body: bytes, hosts: list[str], scores: list[int]) -> bytes | None:
+        """body with these hosts' scores replaced, each entry found by its `{"Host":"<name>","Score":` (the name's
+        closing quote ends it) and its score running to the entry's `}`; None where a host's entry is not there
+        exactly once."""
+        found: list[tuple[int, int]] = []
+        for host, score in zip(hosts, scores, strict=True):
+            head = b'{"Host":' + orjson.dumps(host) + b',"Score":'
+            start = body.find(head)
+            if start < 0 or body.find(head, start + 1) >= 0:
+                return None
+            found.append((start + len(head), score))
+        pieces: list[bytes] = []
+        at = 0
+        for start, score in sorted(found):
+            pieces += (body[at:start], b"%d" % score)
+            at = body.index(b"}", start)
+        pieces.append(body[at:])
+        return b"".join(pieces)
+
+    def _encode(self, hosts: list[str], scores: list[int], known_nodes: int) -> bytes:
         heads = self._heads
         if len(heads) > 2 * known_nodes + 1024:
             heads.clear()  # nodes come and go: keep the cache to about the nodes there are

@@ -46,10 +46,16 @@ def heartbeat_at(seconds: float) -> dt.datetime:
     return dt.datetime.fromtimestamp(seconds, dt.UTC)
 
 
-def node_items(name: str, hardware: int, running: list[int], heartbeat_s: float) -> list[dict[str, Any]]:
+def hardware_node(name: str, hardware: int, heartbeat_s: float) -> dict[str, Any]:
+    """A Node object of one of the HARDWARE kinds, its heartbeat at that moment."""
     gpus, topology, cpu_milli, memory_mib = HARDWARE[hardware]
-    node = node_object(name, synth_inventory(name, gpus, "NVIDIA-A100-SXM4-80GB", 81920, topology),
+    return node_object(name, synth_inventory(name, gpus, "NVIDIA-A100-SXM4-80GB", 81920, topology),
                        cpu_milli=cpu_milli, memory_mib=memory_mib, heartbeat=heartbeat_at(heartbeat_s))
+
+
+def node_items(name: str, hardware: int, running: list[int], heartbeat_s: float) -> list[dict[str, Any]]:
+    gpus = HARDWARE[hardware][0]
+    node = hardware_node(name, hardware, heartbeat_s)
     inventory = protocol.decode_inventory(node["metadata"]["annotations"][protocol.NODE_INVENTORY_ANNOTATION])
     state = NodeState(name, inventory)
     policy = make_policy("binpack")
@@ -151,11 +157,7 @@ def test_shared_results_decide_exactly_as_every_node_on_its_own(
                 bound.append(pending["metadata"]["uid"])
         elif kind == "heartbeat" and operation[1] < len(names):
             name = names[operation[1]]
-            hardware, _ = nodes[operation[1]]
-            gpus, topology, cpu_milli, memory_mib = HARDWARE[hardware]
-            fresh = node_object(name, synth_inventory(name, gpus, "NVIDIA-A100-SXM4-80GB", 81920, topology),
-                                cpu_milli=cpu_milli, memory_mib=memory_mib,
-                                heartbeat=heartbeat_at(clock.now - operation[2]))
+            fresh = hardware_node(name, nodes[operation[1]][0], clock.now - operation[2])
             for twin in twins:
                 twin.state.upsert_node(fresh)
         elif kind == "time":

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 
 from kube_vgpu.dev.fixtures import gpu_node
 from kube_vgpu.extender.cli import Extender, build, parse_args
-from kube_vgpu.extender.scheduler import PREPARED_CHANGES_MAX, Scheduler
+from kube_vgpu.extender.scheduler import PREPARED_CHANGES_MAX, Scheduler, _Scaling
 from kube_vgpu.extender.server import ScoreReplies
 from tests.extender.test_node_equivalence import (
     ASKS,
@@ -27,7 +28,7 @@ from tests.extender.test_node_equivalence import (
     Clock,
     Twin,
     cpu_only_pod,
-    heartbeat_at,
+    hardware_node,
     node_items,
     nodes_strategy,
 )
@@ -98,10 +99,7 @@ def test_a_prepared_answer_is_the_answer_computed_when_asked(
                 if place_and_bind(extender, other, names) is not None:
                     bound.append(other["metadata"]["uid"])
             elif kind == "heartbeat" and change[1] < len(names):
-                hardware, _ = nodes[change[1]]
-                gpus, topology, cpu_milli = HARDWARE[hardware]
-                extender.state.upsert_node(gpu_node(names[change[1]], gpus=gpus, topology=topology,
-                                                    cpu_milli=cpu_milli, heartbeat=heartbeat_at(clock.now - change[2])))
+                extender.state.upsert_node(hardware_node(names[change[1]], nodes[change[1]][0], clock.now - change[2]))
             elif kind == "time":
                 clock.now += change[1]
             elif kind == "cpu" and change[1] < len(names):
@@ -219,6 +217,26 @@ def test_the_encoded_reply_is_the_host_priority_list(hosts: list[str]) -> None:
                                                                                                strict=True)]
 
 
+@settings(max_examples=200, deadline=None)
+@given(hosts=st.lists(st.sampled_from(["n1", "n10", "n100", 'odd"n1', "ünï", "n2", "x"]), max_size=12),
+       first=st.lists(st.integers(0, 10), min_size=12, max_size=12),
+       changes=st.lists(st.tuples(st.integers(0, 11), st.integers(0, 10)), max_size=12))
+def test_a_reply_patched_for_changed_scores_is_the_reply_encoded_afresh(
+    hosts: list[str], first: list[int], changes: list[tuple[int, int]]
+) -> None:
+    """The same hosts list with some scores changed (a prepared answer brought up to date) is patched in the kept
+    reply: names that are prefixes of others, escaped names, hosts named twice, more changes than are patched."""
+    replies = ScoreReplies()
+    scores = first[: len(hosts)]
+    replies.encode(hosts, scores, known_nodes=len(hosts))
+    changed = scores.copy()
+    for position, score in changes:
+        if position < len(changed):
+            changed[position] = score
+    body = replies.encode(hosts, changed, known_nodes=len(hosts))
+    assert body == ScoreReplies().encode(hosts, changed, known_nodes=len(hosts))
+
+
 def test_the_kept_heads_stay_about_as_many_as_the_nodes() -> None:
     replies = ScoreReplies()
     for batch in range(10):
@@ -272,3 +290,27 @@ def test_over_http_prioritize_answers_from_what_the_filter_prepared(
         to_bind = (pending, max(reply, key=lambda entry: entry["Score"])["Host"] if reply else passed[0])
     # nothing is prepared until kube-scheduler is seen asking prioritize at all; then every filter prepares
     assert len(prepared) == 5 and all(made is not None for made in prepared)
+
+
+@settings(max_examples=300, deadline=None)
+@given(raw=st.lists(st.sampled_from([0.0, 12.5, 40.0, 50.0, 50.25, 61.0, 99.5, 100.0]), min_size=1, max_size=8),
+       changes=st.lists(st.tuples(st.integers(0, 7), st.floats(-10.0, 110.0, allow_nan=False)), max_size=4))
+def test_one_node_rescored_is_all_scaled_again(raw: list[float], changes: list[tuple[int, float]]) -> None:
+    """_Scaling.rescore, where it changes one node's scaled score alone, gives what scaling every node again gives;
+    where it cannot (the lowest or highest moves, a node joins or leaves the hosts), it says so."""
+    names = [f"n{index}" for index in range(len(raw))]
+    values = np.array(raw)
+    scaling = _Scaling.of(names, values)
+    hosts = scaling.answer[0]
+    for position, new in changes:
+        if position >= len(names):
+            continue
+        old, values[position] = float(values[position]), new
+        if old == new:
+            continue
+        if not scaling.rescore(position, old, new):
+            scaling = _Scaling.of(names, values)
+            hosts = scaling.answer[0]
+            continue
+        assert scaling.answer == _Scaling.of(names, values).answer
+        assert scaling.answer[0] is hosts  # the reply's hosts kept: ScoreReplies patches the kept reply
