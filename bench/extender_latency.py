@@ -143,10 +143,12 @@ def bench_in_process(
     items: list[dict[str, Any]], names: list[str], iterations: int, policy: str | None = None
 ) -> tuple[dict[str, dict[str, list[float]]], dict[str, tuple[float, float]]]:
     # a snapshot, as `kube-vgpu extender --snapshot` serves it: its heartbeats never expire, however long building
-    # 5000 nodes took on a loaded machine (the default 120 s TTL would measure filters failing on stale nodes)
-    state = ClusterState(heartbeat_ttl_s=float("inf"))
+    # 5000 nodes took on a loaded machine (the default 120 s TTL would measure filters failing on stale nodes); and
+    # the collector as the serving extender runs it (the state frozen once loaded, then the survivors of each full
+    # collection), else a full collection over everything (0.2-0.4 s here) lands in a verb
+    state = ClusterState(heartbeat_ttl_s=float("inf"), freeze_gc_when_synced=True)
     cluster = SnapshotCluster(state, [dict(i) for i in items])
-    try:  # the collector as the serving extender runs it, else a full collection (0.2-0.4 s here) lands in a verb
+    try:
         from kube_vgpu.extender.gcpolicy import freeze_survivors  # type: ignore[import-not-found,unused-ignore]
 
         freeze_survivors()
