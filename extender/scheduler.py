@@ -223,14 +223,17 @@ class _Scaling:
         return cls((list(map(passed.__getitem__, kept.tolist())), scaled[kept].astype(np.int64).tolist()), kept, low,
                    high)
 
-    def rescore(self, position: int, old: float, new: float) -> bool:
-        """Node `position`'s raw score went from old to new: change its scaled score alone (a new scores list, the
-        hosts list kept) where the scaling stays as it was: neither score at or beyond the lowest or highest, and
-        the node scaled above 0 before and after. False: scale them all again."""
+    def rescore(self, raw: npt.NDArray[np.float64], position: int, old: float) -> bool:
+        """Node `position`'s raw score went from old to raw[position]: change its scaled score alone (a new scores
+        list, the hosts list kept) where the scaling stays as it was: the lowest and highest raw scores unchanged,
+        and the node scaled above 0 before and after. False: scale them all again."""
         low, high = self.low, self.high
         spread = high - low
-        if not (low < old < high and low <= new <= high) or spread <= 1e-12:
+        new = float(raw[position])
+        if spread <= 1e-12 or not low <= new <= high:
             return False
+        if (old == low or old == high) and (float(raw.min()) != low or float(raw.max()) != high):
+            return False  # it held the lowest or highest alone
         # the same float operations as `of`, on one node
         before = int(np.rint((old - low) / spread * MAX_EXTENDER_SCORE))
         after = int(np.rint((new - low) / spread * MAX_EXTENDER_SCORE))
@@ -807,7 +810,7 @@ class Scheduler:
                 old, raw[position] = float(raw[position]), placement.score
                 prepared.expires_s = min(prepared.expires_s, answered_by[2].expires_s)
                 if not rescale and old != placement.score:
-                    rescale = not prepared.scaling.rescore(position, old, placement.score)
+                    rescale = not prepared.scaling.rescore(raw, position, old)
             if rescale:
                 prepared.scaling = _Scaling.of(names, raw)
         return prepared

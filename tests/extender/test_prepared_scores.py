@@ -308,7 +308,7 @@ def test_one_node_rescored_is_all_scaled_again(raw: list[float], changes: list[t
         old, values[position] = float(values[position]), new
         if old == new:
             continue
-        if not scaling.rescore(position, old, new):
+        if not scaling.rescore(values, position, old):
             scaling = _Scaling.of(names, values)
             hosts = scaling.answer[0]
             continue

@@ -33,7 +33,9 @@ Where a node reports no allocatable memory the memory filter is off for it and h
 where CPU is unknown too, it is safgd.
 Cost: one table lookup per GPU as safgd, plus two bisections for the node's CPU and memory level; the tables
 (h = 0..1000) are per GPU class and per distinct set of scaled availabilities, built lazily when a node in that
-state is first measured and dropped when the learned model changes.
+state is first measured and dropped when the learned model changes (building them all again: ~150 ms on the openb
+default cluster half full). A new request shape is placed on many nodes at once (policies.batch, hole_tables: each
+node's table by its levels, as measure() finds it).
 """
 
 from __future__ import annotations

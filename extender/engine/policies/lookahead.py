@@ -27,7 +27,8 @@ Only `residue` beat bfgd on the development traces (docs/simulator.md, "lafgd");
 measurements. The weight 1 adds the term at the scale of FGD's own (milli-GPU); it was not tuned. Tables are
 over h = 0..1000 per GPU class (model, memory size), rebuilt when the learned model changes (bfgd's epoch), so a
 node's measure costs one table lookup per GPU more than bfgd's. Live nodes (real units, links) are handled by
-bfgd's machinery unchanged: lafgd only adds to the measure.
+bfgd's machinery unchanged: lafgd only adds to the measure, and places a new request shape on many nodes at once
+as bfgd does (policies.batch, with this term as its HoleTerm).
 """
 
 from __future__ import annotations
