@@ -54,6 +54,7 @@ Bools = npt.NDArray[np.bool_]
 #: it in the last bit; the quantised score is 100 * sigmoid truncated, so only values at a step can differ)
 _STEP_GUARD = 1e-9
 
+
 class HoleTerm(Protocol):
     """The look-ahead policies' addition to bfgd's measure: lookahead_weight * the sum over a node's GPUs (in
     position order) of a table indexed by the GPU's free milli (0..1000, clamped), the table chosen per node."""
@@ -297,8 +298,8 @@ def _place_group(  # noqa: C901 - one vectorised pass, in fit.place's order
     quality: Floats | None = None
     if container.count == 1 and not exclusive:
         # FragPolicyBase.choose_gpus: the fitting GPU whose change scores best; ties by break_tie
-        each = quantised_gains(before[:, None], measure.of_each_change(free, taken, cpu_after, cpu_known,
-                                                                                holes_after))
+        changes = measure.of_each_change(free, taken, cpu_after, cpu_known, holes_after)
+        each = quantised_gains(before[:, None], changes)
         each = np.where(fits, each, -1)
         best = each.max(axis=1)
         tied = fits & (each == best[:, None])
