@@ -439,13 +439,18 @@ class ScoreReplies:
         return body
 
     @staticmethod
+    def head(host: str) -> bytes:
+        """A node's entry up to its score: `{"Host":"<name>","Score":`."""
+        return b'{"Host":' + orjson.dumps(host) + b',"Score":'
+
+    @staticmethod
     def _splice(body: bytes, hosts: list[str], scores: list[int]) -> bytes | None:
         """body with these hosts' scores replaced, each entry found by its `{"Host":"<name>","Score":` (the name's
         closing quote ends it) and its score running to the entry's `}`; None where a host's entry is not there
         exactly once."""
         found: list[tuple[int, int]] = []
         for host, score in zip(hosts, scores, strict=True):
-            head = b'{"Host":' + orjson.dumps(host) + b',"Score":'
+            head = ScoreReplies.head(host)
             start = body.find(head)
             if start < 0 or body.find(head, start + 1) >= 0:
                 return None
@@ -467,7 +472,7 @@ class ScoreReplies:
         except KeyError:
             for host in hosts:
                 if host not in heads:
-                    heads[host] = b'{"Host":' + orjson.dumps(host) + b',"Score":'
+                    heads[host] = self.head(host)
             encoded = list(map(heads.__getitem__, hosts))
         if not encoded:
             return b"[]"

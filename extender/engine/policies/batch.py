@@ -55,6 +55,10 @@ Bools = npt.NDArray[np.bool_]
 _STEP_GUARD = 1e-9
 
 
+#: look-ahead tables [k, 1001] and each node's row among them
+HoleTables = tuple[Floats, Ints]
+
+
 class HoleTerm(Protocol):
     """The look-ahead policies' addition to bfgd's measure: lookahead_weight * the sum over a node's GPUs (in
     position order) of a table indexed by the GPU's free milli (0..1000, clamped), the table chosen per node."""
@@ -62,11 +66,11 @@ class HoleTerm(Protocol):
     lookahead_weight: float
 
     def hole_tables(
-        self, nodes: Sequence[NodeState], model: str, memory_mib: int, cpu_free: Ints, cpu_known: Bools,
-        memory_taken_mib: int,
-    ) -> tuple[Floats, Ints]:
-        """(tables [k, 1001], each node's row among them) for these nodes of one GPU class with this free CPU and
-        this much host memory taken by the pod being measured (0: the node as it is)."""
+        self, nodes: Sequence[NodeState], model: str, memory_mib: int, cpu_known: Bools, cpu_free: Ints,
+        cpu_after: Ints, memory_taken_mib: int,
+    ) -> tuple[HoleTables, HoleTables]:
+        """The tables for these nodes of one GPU class as they are (free CPU cpu_free) and once the pod being
+        measured is placed (free CPU cpu_after, memory_taken_mib of host memory taken)."""
         ...
 
 
@@ -144,7 +148,7 @@ class _Measure:
         self.balance_weight = policy.balance_weight
         self.lookahead_weight = lookahead_weight
 
-    def of(self, free: Ints, cpu_free: Ints, cpu_known: Bools, holes: tuple[Floats, Ints] | None) -> Floats:
+    def of(self, free: Ints, cpu_free: Ints, cpu_known: Bools, holes: HoleTables | None) -> Floats:
         """Per row: the measure of a node with these free milli-GPU per GPU (last axis) and free milli-CPU; holes:
         the look-ahead tables and each node's row (HoleTerm.hole_tables) when the policy has the term."""
         total = free.sum(axis=-1)
@@ -165,7 +169,7 @@ class _Measure:
         return frag + self.lookahead_weight * extra
 
     def of_each_change(
-        self, free: Ints, taken: Ints, cpu_free: Ints, cpu_known: Bools, holes: tuple[Floats, Ints] | None
+        self, free: Ints, taken: Ints, cpu_free: Ints, cpu_known: Bools, holes: HoleTables | None
     ) -> Floats:
         """[node, j]: the measure with GPU j's free share replaced by taken[node, j] (<= free), the others as they
         are; counted from the node's own per-ask sums instead of re-summing every variant."""
@@ -284,8 +288,8 @@ def _place_group(  # noqa: C901 - one vectorised pass, in fit.place's order
     # the look-ahead's tables for the node as it is, and once the pod's CPU and host memory are taken
     holes_before = holes_after = None
     if holes is not None:
-        holes_before = holes.hole_tables(nodes, model, memory_mib, cpu_free, cpu_known, 0)
-        holes_after = holes.hole_tables(nodes, model, memory_mib, cpu_after, cpu_known, request.memory_mib)
+        holes_before, holes_after = holes.hole_tables(nodes, model, memory_mib, cpu_known, cpu_free, cpu_after,
+                                                      request.memory_mib)
     before = measure.of(free, cpu_free, cpu_known, holes_before)
     taken_cores = cores if exclusive else need_cores
     # each GPU's free share once it holds one more vGPU of the container

@@ -49,7 +49,7 @@ import numpy as np
 
 from kube_vgpu.extender.engine.fragmentation import TaskShape, WeightedShapes, task_shape
 from kube_vgpu.extender.engine.policies._milli import frag_cpu_free_milli
-from kube_vgpu.extender.engine.policies.batch import Bools, Floats, Ints
+from kube_vgpu.extender.engine.policies.batch import Bools, Floats, HoleTables, Ints
 from kube_vgpu.extender.engine.policies.bfgd import BalancedFGD
 from kube_vgpu.extender.engine.policies.lookahead import ask_probabilities
 from kube_vgpu.extender.engine.policies.supply import (
@@ -217,26 +217,32 @@ class HostSupplyFGD(SupplyLookaheadFGD):
         return value + self.lookahead_weight * extra
 
     def hole_tables(
-        self, nodes: Sequence[NodeState], model: str, memory_mib: int, cpu_free: Ints, cpu_known: Bools,
-        memory_taken_mib: int,
-    ) -> tuple[Floats, Ints]:
-        """batch.HoleTerm: each node's table by its CPU and memory level, as measure() looks it up."""
+        self, nodes: Sequence[NodeState], model: str, memory_mib: int, cpu_known: Bools, cpu_free: Ints,
+        cpu_after: Ints, memory_taken_mib: int,
+    ) -> tuple[HoleTables, HoleTables]:
+        """batch.HoleTerm: each node's table by its CPU and memory level, as measure() looks it up, before and after
+        the pod (one stack of the tables both need)."""
         tables = self.class_tables(model, memory_mib)
         cpu_levels = np.asarray(tables.cpu_levels, dtype=np.int64)
         memory_levels = np.asarray(tables.memory_levels, dtype=np.int64)
         count = len(nodes)
         memory_total = np.fromiter((node.memory_mib_total for node in nodes), dtype=np.int64, count=count)
-        memory_used = np.fromiter((node.memory_mib_used for node in nodes), dtype=np.int64, count=count)
-        # bisect_right's levels; every task fits where the CPU or the memory is unknown (memory_free's None)
-        cpu_level = np.where(cpu_known, np.searchsorted(cpu_levels, cpu_free, side="right"), len(cpu_levels))
-        memory_level = np.where(
-            memory_total > 0,
-            np.searchsorted(memory_levels, memory_total - memory_used - memory_taken_mib, side="right"),
-            len(memory_levels),
-        )
-        keys, row = np.unique(cpu_level * (len(memory_levels) + 1) + memory_level, return_inverse=True)
-        found = [tables.array_at(*divmod(key, len(memory_levels) + 1)) for key in keys.tolist()]
-        return np.stack(found), row.reshape(count)
+        memory_free = memory_total - np.fromiter((node.memory_mib_used for node in nodes), dtype=np.int64, count=count)
+        per_cpu_level = len(memory_levels) + 1
+
+        def level_keys(cpu: Ints, memory_taken: int) -> Ints:
+            # bisect_right's levels; every task fits where the CPU or the memory is unknown (memory_free's None)
+            cpu_level = np.where(cpu_known, np.searchsorted(cpu_levels, cpu, side="right"), len(cpu_levels))
+            memory_level = np.where(memory_total > 0,
+                                    np.searchsorted(memory_levels, memory_free - memory_taken, side="right"),
+                                    len(memory_levels))
+            return cpu_level * per_cpu_level + memory_level
+
+        keys, rows = np.unique(np.concatenate((level_keys(cpu_free, 0), level_keys(cpu_after, memory_taken_mib))),
+                               return_inverse=True)
+        stack = np.stack([tables.array_at(*divmod(key, per_cpu_level)) for key in keys.tolist()])
+        rows = rows.reshape(-1)
+        return (stack, rows[:count]), (stack, rows[count:])
 
     # The measure of a placement must see the pod's host memory taken, as it sees its CPU (FragPolicyBase passes
     # the CPU after the placement; memory is read from the node): the node's own measure is taken first (and

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kube_vgpu.extender.engine.fragmentation import WeightedShapes
-from kube_vgpu.extender.engine.policies.batch import Bools, Floats, Ints, place_batch
+from kube_vgpu.extender.engine.policies.batch import Bools, HoleTables, Ints, place_batch
 from kube_vgpu.extender.engine.policies.bfgd import BalancedFGD
 from kube_vgpu.extender.engine.policies.fgd import quantised_gain, sigmoid
 from kube_vgpu.extender.engine.shares import MILLI_PER_GPU
@@ -170,12 +170,13 @@ class LookaheadFGD(BalancedFGD):
         return place_batch(nodes, request, self, self if self.lookahead_weight else None)
 
     def hole_tables(
-        self, nodes: Sequence[NodeState], model: str, memory_mib: int, cpu_free: Ints, cpu_known: Bools,
-        memory_taken_mib: int,
-    ) -> tuple[Floats, Ints]:
+        self, nodes: Sequence[NodeState], model: str, memory_mib: int, cpu_known: Bools, cpu_free: Ints,
+        cpu_after: Ints, memory_taken_mib: int,
+    ) -> tuple[HoleTables, HoleTables]:
         """batch.HoleTerm: one table for the whole GPU class (it depends on nothing else of the node)."""
-        table = self.class_table(model, memory_mib)
-        return np.asarray(table, dtype=np.float64)[None, :], np.zeros(len(nodes), dtype=np.int64)
+        tables = (np.asarray(self.class_table(model, memory_mib), dtype=np.float64)[None, :],
+                  np.zeros(len(nodes), dtype=np.int64))
+        return tables, tables
 
     def gain(self, frag_before: float, frag_after: float) -> float:
         if self.quantised:
