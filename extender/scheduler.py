@@ -79,6 +79,12 @@ CLASS_RESULTS_PER_SHAPE = 50_000
 #: nodes changed between a filter and its prioritize that the prepared answer is brought up to date for, one by one;
 #: more, and prioritize computes afresh
 PREPARED_CHANGES_MAX = 8
+#: nodes changed since the previous pod's prepared answer, at most, for it to be carried over to the next pod's
+#: (_scores_carried_over): each is a lookup in the shape's answer, not a judgement as in PREPARED_CHANGES_MAX; one
+#: filter re-places up to STALE_REFRESH_PER_CALL nodes of an older model besides the nodes the journal names
+CARRIED_CHANGES_MAX = 64
+#: a shape's answer's refreshed nodes (_Answer.refreshed) before that list starts over
+REFRESHED_LIMIT = 20_000
 #: a request shape's nodes to place, at least, before the policy's batch placement (Policy.place_batch) places them
 #: together: below, one by one costs less than building the arrays
 BATCH_MIN_NODES = 32
@@ -167,6 +173,10 @@ class _Answer:
     expires_s: float = math.inf
     passed: dict[str, Placement] = field(default_factory=dict)
     failed: dict[str, FitFailure] = field(default_factory=dict)
+    #: nodes whose verdicts were dropped for a reason the journal does not name (a result of an older model
+    #: re-placed), in order: a prepared prioritize answer carried over to the next pod reads them again as it does
+    #: the journal's (a new list past REFRESHED_LIMIT: the positions in the old one then mean nothing)
+    refreshed: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -223,6 +233,11 @@ class _Scaling:
         return cls((list(map(passed.__getitem__, kept.tolist())), scaled[kept].astype(np.int64).tolist()), kept, low,
                    high)
 
+    def copy(self) -> _Scaling:
+        """Another scaling of the same scores, for another pod: rescoring it leaves this one as it is (its hosts
+        list is shared: rescore never changes it)."""
+        return _Scaling(self.answer, self.kept, self.low, self.high)
+
     def rescore(self, raw: npt.NDArray[np.float64], position: int, old: float) -> bool:
         """Node `position`'s raw score went from old to raw[position]: change its scaled score alone (a new scores
         list, the hosts list kept) where the scaling stays as it was: the lowest and highest raw scores unchanged,
@@ -258,6 +273,11 @@ class _PreparedScores:
     names: list[str]
     policies: tuple[Policy, Policy]
     epochs: tuple[int, int]
+    #: the shape's answer it was computed from, its refreshed nodes (the list) and how many of them the raw
+    #: scores include (_Answer.refreshed)
+    answer: _Answer
+    refreshed: list[str]
+    refreshed_position: int
     journal_epoch: int
     #: the state's journal length up to which changes are in raw
     journal_position: int
@@ -265,6 +285,15 @@ class _PreparedScores:
     #: each node's policy score, in the order of names
     raw: npt.NDArray[np.float64]
     scaling: _Scaling
+    #: each name's position in names, built when first needed and carried over with the scores
+    positions: dict[str, int] | None = None
+
+    def position(self, name: str) -> int:
+        """name's position in names (they are distinct); -1 when not asked."""
+        positions = self.positions
+        if positions is None:
+            positions = self.positions = dict(zip(self.names, itertools.count()))
+        return positions.get(name, -1)
 
 
 @dataclass(slots=True)
@@ -338,6 +367,9 @@ class Scheduler:
         # the last _evaluate's policies, answer and pod, when it answered from a shape's answer (else None)
         self._answered_by: tuple[Policy, Policy, _Answer, Mapping[str, Any]] | None = None
         self._prepared: _PreparedScores | None = None
+        #: the last answer prepared, for the next pod's to start from (_scores_carried_over): kept when a filter
+        #: prepares nothing (an empty one), dropped when brought up to date in part
+        self._carry: _PreparedScores | None = None
         # pods seen by filter, for bind (which only gets name / uid): uid -> pod object
         self._recent_pods: TTLCache[str, Mapping[str, Any]] = TTLCache(maxsize=50_000, ttl=600)
         # pods between prepare_bind and the end of commit_bind
@@ -523,7 +555,7 @@ class Scheduler:
                 del answers[next(iter(answers))]
         elif answer.journal_position < len(journal):
             passed, failed = answer.passed, answer.failed
-            for name in itertools.islice(journal, answer.journal_position, None):
+            for name in journal[answer.journal_position:]:
                 passed.pop(name, None)
                 failed.pop(name, None)
             answer.journal_position = len(journal)
@@ -600,6 +632,9 @@ class Scheduler:
                         refresh_budget -= 1
                         stale_answer = self._answers.get(key)
                         if stale_answer is not None:
+                            if len(stale_answer.refreshed) >= REFRESHED_LIMIT:
+                                stale_answer.refreshed = []
+                            stale_answer.refreshed.append(node.name)
                             stale_answer.passed.pop(node.name, None)
                             stale_answer.failed.pop(node.name, None)
                 if outdated is not None and not outdated:
@@ -728,29 +763,75 @@ class Scheduler:
         that did not answer from a shape's answer (gates, nominations, gangs: their verdicts depend on more than
         the nodes' state)."""
         self._prepared = None
-        if len(passed) < 2 or not self._nodes_alone_decide() or len(set(passed)) < len(passed):
+        if len(passed) < 2 or not self._nodes_alone_decide():
             return None
         state = self.state
         with state.lock:
             journal_at = (state.journal_epoch, len(state.journal))
-            raw = self._filtered_scores(pod, passed)
-            if raw is None:
-                try:
-                    evaluated, raw = self._raw_scores(pod, passed)
-                except InvalidGpuRequest:
+            scored = self._scores_carried_over(self._carry, pod, passed)
+            if scored is None:
+                if len(set(passed)) < len(passed):
                     return None
-                if len(evaluated) != len(passed):  # (evaluated is passed's passing nodes)
-                    return None
+                raw = self._filtered_scores(pod, passed)
+                if raw is None:
+                    try:
+                        evaluated, raw = self._raw_scores(pod, passed)
+                    except InvalidGpuRequest:
+                        return None
+                    if len(evaluated) != len(passed):  # (evaluated is passed's passing nodes)
+                        return None
+                scaling = positions = None
+            else:
+                raw, scaling, positions = scored
             answered_by = self._answered_by
             if answered_by is None:
                 return None
             node_policy, gpu_policy, answer, _ = answered_by
-            scaling = _Scaling.of(passed, raw)
-            self._prepared = _PreparedScores(
-                pod, passed, (node_policy, gpu_policy), (node_policy.epoch(), gpu_policy.epoch()), *journal_at,
-                answer.expires_s, raw, scaling,
+            if scaling is None:
+                scaling = _Scaling.of(passed, raw)
+            self._prepared = self._carry = _PreparedScores(
+                pod, passed, (node_policy, gpu_policy), (node_policy.epoch(), gpu_policy.epoch()), answer,
+                answer.refreshed, len(answer.refreshed), *journal_at, answer.expires_s, raw, scaling, positions,
             )
         return scaling.answer
+
+    def _scores_carried_over(self, previous: _PreparedScores | None, pod: Mapping[str, Any],
+                             passed: list[str]
+                             ) -> tuple[npt.NDArray[np.float64], _Scaling, dict[str, int] | None] | None:
+        """The previous pod's prepared scores carried over to this pod (caller holds the state lock), where the
+        filter of this pod just answered from the same shape's answer, up to date, for the same nodes: only the
+        nodes changed since (the journal; the previous pod's bind) are read again, and rescored alone where the
+        scaling allows (_Scaling.rescore). Consecutive pods of one shape then cost a few nodes, not a pass over
+        5000 (and the reply keeps its layout: ScoreReplies). None: compute afresh."""
+        answered_by = self._answered_by
+        if previous is None or answered_by is None or answered_by[3] is not pod:
+            return None
+        node_policy, gpu_policy, answer, _ = answered_by
+        state = self.state
+        if (previous.answer is not answer or answer.refreshed is not previous.refreshed
+                or previous.policies[0] is not node_policy or previous.policies[1] is not gpu_policy
+                or (node_policy.epoch(), gpu_policy.epoch()) != previous.epochs
+                or previous.journal_epoch != state.journal_epoch or answer.journal_epoch != state.journal_epoch
+                or answer.journal_position != len(state.journal) or state.clock() > answer.expires_s
+                or passed != previous.names):
+            return None
+        changed = {*state.journal[previous.journal_position:], *answer.refreshed[previous.refreshed_position:]}
+        if len(changed) > CARRIED_CHANGES_MAX:
+            return None
+        raw = previous.raw.copy()
+        scaling = previous.scaling.copy()
+        rescale = False
+        for name in changed:
+            position = previous.position(name)
+            if position < 0:
+                continue  # not asked: its score is not in the answer
+            placement = answer.passed.get(name)
+            if placement is None:
+                return None  # (not passing: the filter would not have passed it)
+            old, raw[position] = float(raw[position]), placement.score
+            if not rescale and old != placement.score:
+                rescale = not scaling.rescore(raw, position, old)
+        return raw, (_Scaling.of(passed, raw) if rescale else scaling), previous.positions
 
     def _nodes_alone_decide(self) -> bool:
         """Whether a node's verdict for a pod depends on the node's state alone: no gate (quota) and no nomination
@@ -785,27 +866,26 @@ class Scheduler:
         if ((node_policy.epoch(), gpu_policy.epoch()) != prepared.epochs
                 or state.journal_epoch != prepared.journal_epoch or state.clock() > prepared.expires_s
                 or not self._nodes_alone_decide()):
-            self._prepared = None
+            self._prepared = self._carry = None  # (the carry is the same answer)
             return None
         journal = state.journal
         if prepared.journal_position < len(journal):
-            changed = set(itertools.islice(journal, prepared.journal_position, None))
+            changed = set(journal[prepared.journal_position:])
             prepared.journal_position = len(journal)
             if len(changed) > PREPARED_CHANGES_MAX:
-                self._prepared = None
+                self._prepared = self._carry = None  # (the carry is the same answer)
                 return None
             raw = prepared.raw
             rescale = False
             for name in changed:
-                try:
-                    position = names.index(name)
-                except ValueError:
+                position = prepared.position(name)
+                if position < 0:
                     continue  # not asked: its score is not in the answer
                 outcome, placements = self._evaluate(pod, [name])
                 placement = placements.get(name)
                 answered_by = self._answered_by
                 if outcome.error or not outcome.passed or placement is None or answered_by is None:
-                    self._prepared = None
+                    self._prepared = self._carry = None  # (the carry is the same answer)
                     return None
                 old, raw[position] = float(raw[position]), placement.score
                 prepared.expires_s = min(prepared.expires_s, answered_by[2].expires_s)

@@ -19,6 +19,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import orjson
 from fastapi import FastAPI
 from fastapi.responses import Response, StreamingResponse
@@ -410,60 +412,45 @@ def extender_metrics(scheduler: Scheduler, *, per_pod_gpu: bool = True) -> Exten
 
 
 class ScoreReplies:
-    """prioritize's reply (a HostPriorityList) as bytes: each node's `{"Host":"<name>","Score":` kept encoded, the
-    eleven `<score>},` endings shared, and the reply one join of them. For 5000 nodes that is ~0.5 ms, against ~0.9
-    ms for 5000 dicts and their encoding, and it allocates no object the cyclic GC tracks."""
+    """prioritize's reply (a HostPriorityList) as bytes. Each entry is `{"Host":"<name>","Score":DD}` with the score
+    in two bytes (` 7` or `10`: JSON allows the space), so the reply for a list of hosts has one layout whatever the
+    scores: the layout is kept, and a reply for the same hosts (the next pod of a shape, a prepared answer brought
+    up to date) is the kept bytes with the scores written in at their offsets over an array: ~0.2 ms for 5000
+    nodes, against ~0.8 ms to join 10,000 pieces again. It allocates no object the cyclic GC tracks."""
 
-    #: `<score>},` for every score kube-scheduler accepts
-    ENDINGS = tuple(f"{score}}},".encode() for score in range(MAX_EXTENDER_SCORE + 1))
-    #: changed scores a reply is patched for, at most (each a search of the reply for its node's entry)
-    SPLICE_MAX = 8
+    #: a score's two bytes: its tens (a space below 10) and its units, for every score kube-scheduler accepts
+    TENS = np.array([ord(" ")] * 10 + [ord("1")], dtype=np.uint8)
+    UNITS = np.array([ord(str(score % 10)) for score in range(MAX_EXTENDER_SCORE + 1)], dtype=np.uint8)
 
     def __init__(self) -> None:
         self._heads: dict[str, bytes] = {}
-        #: the last reply: its hosts (the list itself), a copy of its scores, its bytes
-        self._last: tuple[list[str], list[int], bytes] | None = None
+        #: the last layout: a copy of its hosts, the reply with blank scores, and each score's offset in it
+        self._layout: tuple[list[str], npt.NDArray[np.uint8], npt.NDArray[np.intp]] | None = None
 
     def encode(self, hosts: list[str], scores: list[int], known_nodes: int) -> bytes:
-        last = self._last
-        if last is not None and last[0] is hosts and len(last[1]) == len(scores):
-            # the same hosts with a few scores changed (a prepared answer brought up to date): patch those entries
-            changed = list(itertools.compress(itertools.count(), map(operator.ne, last[1], scores)))
-            body = self._splice(last[2], [hosts[i] for i in changed], [scores[i] for i in changed]) if len(
-                changed) <= self.SPLICE_MAX else None
-            if body is not None:
-                self._last = (hosts, scores.copy(), body)
-                return body
-        body = self._encode(hosts, scores, known_nodes)
-        self._last = (hosts, scores.copy(), body)
-        return body
+        if not hosts:
+            return b"[]"
+        layout = self._layout
+        if layout is None or layout[0] != hosts:
+            layout = self._layout = self._lay_out(hosts, known_nodes)
+        _, blank, offsets = layout
+        if len(scores) != len(hosts):
+            raise ValueError(f"{len(scores)} scores for {len(hosts)} hosts")
+        values = np.fromiter(scores, dtype=np.int64, count=len(hosts))
+        if int(values.min()) < 0 or int(values.max()) > MAX_EXTENDER_SCORE:
+            raise ValueError(f"an extender score must be 0-{MAX_EXTENDER_SCORE}")
+        body = blank.copy()
+        body[offsets] = self.TENS[values]
+        body[offsets + 1] = self.UNITS[values]
+        return body.tobytes()
 
     @staticmethod
     def head(host: str) -> bytes:
         """A node's entry up to its score: `{"Host":"<name>","Score":`."""
         return b'{"Host":' + orjson.dumps(host) + b',"Score":'
 
-    @staticmethod
-    def _splice(body: bytes, hosts: list[str], scores: list[int]) -> bytes | None:
-        """body with these hosts' scores replaced, each entry found by its `{"Host":"<name>","Score":` (the name's
-        closing quote ends it) and its score running to the entry's `}`; None where a host's entry is not there
-        exactly once."""
-        found: list[tuple[int, int]] = []
-        for host, score in zip(hosts, scores, strict=True):
-            head = ScoreReplies.head(host)
-            start = body.find(head)
-            if start < 0 or body.find(head, start + 1) >= 0:
-                return None
-            found.append((start + len(head), score))
-        pieces: list[bytes] = []
-        at = 0
-        for start, score in sorted(found):
-            pieces += (body[at:start], b"%d" % score)
-            at = body.index(b"}", start)
-        pieces.append(body[at:])
-        return b"".join(pieces)
-
-    def _encode(self, hosts: list[str], scores: list[int], known_nodes: int) -> bytes:
+    def _lay_out(self, hosts: list[str], known_nodes: int
+                 ) -> tuple[list[str], npt.NDArray[np.uint8], npt.NDArray[np.intp]]:
         heads = self._heads
         if len(heads) > 2 * known_nodes + 1024:
             heads.clear()  # nodes come and go: keep the cache to about the nodes there are
@@ -474,11 +461,11 @@ class ScoreReplies:
                 if host not in heads:
                     heads[host] = self.head(host)
             encoded = list(map(heads.__getitem__, hosts))
-        if not encoded:
-            return b"[]"
-        body = b"".join(itertools.chain.from_iterable(zip(encoded, map(self.ENDINGS.__getitem__, scores),
-                                                          strict=True)))
-        return b"[" + body[:-1] + b"]"
+        # each entry: its head, two bytes of score, `},`; the first after the `[`, and the last `,` a `]`
+        lengths = np.fromiter(map(len, encoded), dtype=np.intp, count=len(encoded))
+        offsets = np.cumsum(lengths + 4) - 3  # (1 + the entries before, + its head) = cumsum(len + 4) - 4 + 1
+        blank = np.frombuffer(b"[" + b"  },".join(encoded) + b"  }]", dtype=np.uint8).copy()
+        return list(hosts), blank, offsets
 
 
 class Verbs:
