@@ -9,9 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
-import itertools
 import logging
-import operator
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator

@@ -4,6 +4,8 @@ no ask is scarce, and a placement where it parts from lafgd and bfgd."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kube_vgpu.dev.simulator.engine import build_request
 from kube_vgpu.extender.engine.fit import place
@@ -14,6 +16,8 @@ from kube_vgpu.extender.engine.policies.lookahead import LookaheadFGD, ask_proba
 from kube_vgpu.extender.engine.policies.supply import (
     SUPPLY_LOOKAHEAD_WEIGHT,
     SupplyLookaheadFGD,
+    _residue_under,
+    residues_under,
     supply_residue,
     supply_table,
 )
@@ -118,3 +122,22 @@ def test_tables_follow_the_learned_model() -> None:
     assert table is policy.table(node)  # memoised per GPU class
     assert table == supply_table(policy.frag_model.shapes, "T4", 0)
     assert table[210] == 210.0  # the one 160 is below the typical shapes' 95 %: nothing fills a 210
+
+
+@settings(max_examples=150, deadline=None)
+@given(asks=st.lists(st.integers(1, 1000), min_size=1, max_size=12, unique=True).map(sorted),
+       rows=st.lists(st.lists(st.sampled_from([0.0, 1e-12, 0.1, 0.25, 1 / 3, 0.5, 0.92, 1.0]), min_size=12,
+                              max_size=12), min_size=1, max_size=6))
+def test_many_residues_at_once_are_each_computed_alone(asks: list[int], rows: list[list[float]]) -> None:
+    """residues_under (hsafgd's tables for all its levels in one pass) gives every value _residue_under gives for
+    that row alone, exactly: the same float operations, in the same order of asks, ties within 1e-9 included."""
+    availabilities = [row[: len(asks)] for row in rows]
+    together = residues_under(asks, availabilities)
+    for row, values in zip(availabilities, together, strict=True):
+        assert values.tolist() == _residue_under(asks, dict(zip(asks, row, strict=True)))[0]
+
+
+def test_many_residues_need_ascending_asks() -> None:
+    with pytest.raises(ValueError, match="ascending"):
+        residues_under([300, 200], [[1.0, 1.0]])
+    assert residues_under([], [[]]).tolist() == [list(map(float, range(1001)))]

@@ -56,6 +56,7 @@ from kube_vgpu.extender.engine.policies.supply import (
     SUPPLY_LOOKAHEAD_WEIGHT,
     SupplyLookaheadFGD,
     _residue_under,
+    residues_under,
     supply_residue,
 )
 from kube_vgpu.extender.engine.shares import MILLI_PER_GPU
@@ -99,25 +100,50 @@ class _ClassTables:
         )
         return self.table_at(cpu_level, memory_level)
 
+    def signature_at(self, cpu_level: int, memory_level: int) -> tuple[float, ...]:
+        """Each ask's availability (in the order of asks) where the tasks that fit are those whose CPU and memory
+        are among the first levels of each."""
+        cpu_cap = self.cpu_levels[cpu_level - 1] if cpu_level else -1
+        memory_cap = self.memory_levels[memory_level - 1] if memory_level else -1
+        return tuple(
+            self.available[ask] * min(1.0, sum(p for cpu, memory, p in self.tasks[ask]
+                                               if cpu <= cpu_cap and memory <= memory_cap) / self.probabilities[ask])
+            for ask in self.asks
+        )
+
     def table_at(self, cpu_level: int, memory_level: int) -> tuple[float, ...]:
-        """E(h) where the tasks that fit are those whose CPU and memory are among the first levels of each."""
+        """E(h) at these levels (signature_at)."""
         key = (cpu_level, memory_level)
         table = self.by_level.get(key)
         if table is not None:
             return table
-        # a task fits when its CPU and memory are among the first `level` levels
-        cpu_cap = self.cpu_levels[cpu_level - 1] if cpu_level else -1
-        memory_cap = self.memory_levels[memory_level - 1] if memory_level else -1
-        scaled: dict[int, float] = {}
-        for ask in self.asks:
-            fitting = sum(p for cpu, memory, p in self.tasks[ask] if cpu <= cpu_cap and memory <= memory_cap)
-            scaled[ask] = self.available[ask] * min(1.0, fitting / self.probabilities[ask])
-        signature = tuple(scaled[ask] for ask in self.asks)
+        signature = self.signature_at(cpu_level, memory_level)
         table = self.tables.get(signature)
         if table is None:
-            table = self.tables[signature] = tuple(_residue_under(self.asks, scaled)[0])
+            table = self.tables[signature] = tuple(_residue_under(self.asks, dict(zip(self.asks, signature,
+                                                                                      strict=True)))[0])
         self.by_level[key] = table
         return table
+
+    def build_levels(self, levels: Sequence[tuple[int, int]]) -> None:
+        """Build the tables of these levels not built yet in one pass (residues_under): after the learned model
+        changes, a batch placement meets most of its nodes' levels at once."""
+        waiting: dict[tuple[float, ...], list[tuple[int, int]]] = {}
+        for key in levels:
+            if key in self.by_level:
+                continue
+            signature = self.signature_at(*key)
+            table = self.tables.get(signature)
+            if table is not None:
+                self.by_level[key] = table
+            else:
+                waiting.setdefault(signature, []).append(key)
+        if len(waiting) < 2:
+            return  # table_at builds one as cheaply
+        for (signature, keys), row in zip(waiting.items(), residues_under(self.asks, list(waiting)), strict=True):
+            table = self.tables[signature] = tuple(row.tolist())
+            for key in keys:
+                self.by_level[key] = table
 
     def array_at(self, cpu_level: int, memory_level: int) -> Floats:
         array = self.arrays.get((cpu_level, memory_level))
@@ -240,7 +266,9 @@ class HostSupplyFGD(SupplyLookaheadFGD):
 
         keys, rows = np.unique(np.concatenate((level_keys(cpu_free, 0), level_keys(cpu_after, memory_taken_mib))),
                                return_inverse=True)
-        stack = np.stack([tables.array_at(*divmod(key, per_cpu_level)) for key in keys.tolist()])
+        levels = [divmod(key, per_cpu_level) for key in keys.tolist()]
+        tables.build_levels(levels)
+        stack = np.stack([tables.array_at(*level) for level in levels])
         rows = rows.reshape(-1)
         return (stack, rows[:count]), (stack, rows[count:])
 
