@@ -94,10 +94,13 @@ def fetch(port: int, path: str, timeout_s: float = 120.0) -> tuple[int, float, f
 
 
 def poll(port: int, path: str, interval_s: float, stop: multiprocessing.synchronize.Event,
-         results: Any) -> None:
+         results: Any, niceness: int = 0) -> None:
     """GET path every interval_s (0: back to back) until stop; each (bytes, first-byte s, total s) onto results.
     A request taking longer than the interval is followed at once by the next, as Prometheus does not do (it skips
-    a beat), so a too-slow endpoint shows as back-to-back requests: worst case, on purpose."""
+    a beat), so a too-slow endpoint shows as back-to-back requests: worst case, on purpose. niceness: this process'
+    CPU priority lowered by that much (a Prometheus runs on another machine; here it shares the 2 cores)."""
+    if niceness:
+        os.nice(niceness)
     samples = []
     next_s = time.monotonic()
     while not stop.is_set():
@@ -228,6 +231,9 @@ def main() -> int:
     parser.add_argument("--extender-arg", action="append", default=[],
                         help="extra argument for `kube-vgpu extender` (repeatable), e.g. "
                              "--extender-arg=--metrics-per-pod-gpu=off")
+    parser.add_argument("--poller-nice", type=int, default=0,
+                        help="lower the /metrics and /state pollers' CPU priority by this much (os.nice): a Prometheus "
+                             "runs on another machine, here it shares the cores with the extender and the client")
     parser.add_argument("--timeline", default="",
                         help="write every verb's start and seconds and every poll's start and seconds, per phase "
                              "and round, to this JSON file")
@@ -277,11 +283,11 @@ def main() -> int:
                     interval = args.scrape_interval_s if phase == "metrics-interval" else 0.0
                     label = f"metrics-every-{interval:g}s" if interval else phase
                     poller = multiprocessing.Process(target=poll, args=(metrics_port, "/metrics", interval, stop,
-                                                                        results))
+                                                                        results, args.poller_nice))
                 elif phase == "state-interval":
                     label = f"state-every-{args.state_interval_s:g}s"
                     poller = multiprocessing.Process(target=poll, args=(port, "/state", args.state_interval_s, stop,
-                                                                        results))
+                                                                        results, args.poller_nice))
                 elif phase == "dashboard":
                     label = "dashboard-page-open"
                     poller = multiprocessing.Process(target=dashboard_poll, args=(port, 2.0, stop, results))
