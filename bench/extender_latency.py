@@ -242,7 +242,7 @@ def serve_fake_api(snapshot: Path, port: int) -> None:
 
 
 def bench_http(
-    snapshot: Path, names: list[str], iterations: int, mode: str, policy: str | None = None
+    snapshot: Path, names: list[str], iterations: int, mode: str, policy: str | None = None, shuffle: bool = False
 ) -> tuple[dict[str, dict[str, list[float]]], dict[str, tuple[float, float]], float, float]:
     """(steady timings per shape, cold (filter s, prioritize s) per shape, RSS MiB after the run, seconds until the
     extender was ready)."""
@@ -282,6 +282,8 @@ def bench_http(
                     started = time.perf_counter()
                     client.post("/filter", content=empty, headers=headers)
                     timings["baseline-empty-filter"].append(time.perf_counter() - started)
+                if shuffle:  # kube-scheduler's filter plugins run in parallel: the feasible nodes come in any order
+                    random.shuffle(names)
                 body = orjson.dumps({"Pod": pod, "NodeNames": names})
                 started = time.perf_counter()
                 reply = orjson.loads(client.post("/filter", content=body, headers=headers).content)
@@ -330,6 +332,9 @@ def main() -> int:
     parser.add_argument("--modes", choices=("snapshot", "live"), nargs="+", default=["snapshot", "live"])
     parser.add_argument("--skip-in-process", action="store_true", help="HTTP phases only")
     parser.add_argument("--policy", default=None, help="node and GPU policy (default: the extender's defaults)")
+    parser.add_argument("--shuffle-nodes", action="store_true",
+                        help="HTTP phases: the node names in a new order for every pod, as kube-scheduler's parallel "
+                             "filter plugins hand them to the extender (default: one order, as a sequential client)")
     parser.add_argument("--serve-fake-api", nargs=2, metavar=("SNAPSHOT", "PORT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_fake_api:
@@ -360,7 +365,7 @@ def main() -> int:
                 del items
                 for mode in args.modes:
                     http_results, http_cold, rss, ready_s = bench_http(
-                        snapshot, names, args.iterations, mode, args.policy
+                        snapshot, list(names), args.iterations, mode, args.policy, args.shuffle_nodes
                     )
                     where = f"http-{mode}"
                     for shape_name, timings in http_results.items():

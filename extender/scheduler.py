@@ -205,6 +205,19 @@ def _scaled(passed: list[str], raw: npt.NDArray[np.float64]) -> tuple[list[str],
 _NO_POSITIONS: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
 
 
+def _same_nodes(passed: list[str], previous: _PreparedScores) -> bool:
+    """Whether passed names the nodes of the previous prepared answer, in any order (its nodes are distinct)."""
+    if passed == previous.names or passed == previous.order:
+        return True
+    if len(passed) != len(previous.order):
+        return False
+    positions = previous.positions
+    if positions is None:
+        positions = previous.positions = dict(zip(previous.order, itertools.count()))
+    # as many distinct names, each one of the previous answer's: the same set
+    return all(map(positions.__contains__, passed)) and len(set(passed)) == len(passed)
+
+
 @dataclass(slots=True)
 class _Scaling:
     """Scores scaled (_scaled) with what it takes to change one node's score without scaling them all again."""
@@ -270,7 +283,12 @@ class _PreparedScores:
     otherwise prioritize computes afresh."""
 
     pod: Mapping[str, Any]
+    #: the nodes as the filter passed them (prioritize asks in this order)
     names: list[str]
+    #: the same nodes in the order of raw and of the answer's hosts: names' own, or the order of the answer it was
+    #: carried over from (kube-scheduler's parallel filter plugins hand the nodes over in a new order every pod; a
+    #: HostPriorityList's order means nothing to it)
+    order: list[str]
     policies: tuple[Policy, Policy]
     epochs: tuple[int, int]
     #: the shape's answer it was computed from, its refreshed nodes (the list) and how many of them the raw
@@ -282,17 +300,17 @@ class _PreparedScores:
     #: the state's journal length up to which changes are in raw
     journal_position: int
     expires_s: float
-    #: each node's policy score, in the order of names
+    #: each node's policy score, in the order of `order`
     raw: npt.NDArray[np.float64]
     scaling: _Scaling
-    #: each name's position in names, built when first needed and carried over with the scores
+    #: each node's position in order, built when first needed and carried over with the scores
     positions: dict[str, int] | None = None
 
     def position(self, name: str) -> int:
-        """name's position in names (they are distinct); -1 when not asked."""
+        """name's position in order (the nodes are distinct); -1 when not asked."""
         positions = self.positions
         if positions is None:
-            positions = self.positions = dict(zip(self.names, itertools.count()))
+            positions = self.positions = dict(zip(self.order, itertools.count()))
         return positions.get(name, -1)
 
 
@@ -768,43 +786,48 @@ class Scheduler:
         state = self.state
         with state.lock:
             journal_at = (state.journal_epoch, len(state.journal))
-            scored = self._scores_carried_over(self._carry, pod, passed)
+            # the same nodes as the last answer prepared, in any order: computed in that answer's order, so the
+            # reply keeps its layout (kube-scheduler's parallel filter plugins order the nodes anew every pod)
+            carry = self._carry if self._carry is not None and _same_nodes(passed, self._carry) else None
+            scored = self._scores_carried_over(carry, pod) if carry is not None else None
             if scored is None:
-                if len(set(passed)) < len(passed):
+                order = carry.order if carry is not None else passed
+                if carry is None and len(set(passed)) < len(passed):
                     return None
-                raw = self._filtered_scores(pod, passed)
+                raw = self._filtered_scores(pod, order)
                 if raw is None:
                     try:
-                        evaluated, raw = self._raw_scores(pod, passed)
+                        evaluated, raw = self._raw_scores(pod, order)
                     except InvalidGpuRequest:
                         return None
-                    if len(evaluated) != len(passed):  # (evaluated is passed's passing nodes)
+                    if len(evaluated) != len(order):  # (evaluated is order's passing nodes)
                         return None
-                scaling = positions = None
+                scaling = None
+                positions = carry.positions if carry is not None else None
             else:
-                raw, scaling, positions = scored
+                raw, scaling, positions, order = scored
             answered_by = self._answered_by
             if answered_by is None:
                 return None
             node_policy, gpu_policy, answer, _ = answered_by
             if scaling is None:
-                scaling = _Scaling.of(passed, raw)
+                scaling = _Scaling.of(order, raw)
             self._prepared = self._carry = _PreparedScores(
-                pod, passed, (node_policy, gpu_policy), (node_policy.epoch(), gpu_policy.epoch()), answer,
+                pod, passed, order, (node_policy, gpu_policy), (node_policy.epoch(), gpu_policy.epoch()), answer,
                 answer.refreshed, len(answer.refreshed), *journal_at, answer.expires_s, raw, scaling, positions,
             )
         return scaling.answer
 
-    def _scores_carried_over(self, previous: _PreparedScores | None, pod: Mapping[str, Any],
-                             passed: list[str]
-                             ) -> tuple[npt.NDArray[np.float64], _Scaling, dict[str, int] | None] | None:
-        """The previous pod's prepared scores carried over to this pod (caller holds the state lock), where the
-        filter of this pod just answered from the same shape's answer, up to date, for the same nodes: only the
-        nodes changed since (the journal; the previous pod's bind) are read again, and rescored alone where the
-        scaling allows (_Scaling.rescore). Consecutive pods of one shape then cost a few nodes, not a pass over
-        5000 (and the reply keeps its layout: ScoreReplies). None: compute afresh."""
+    def _scores_carried_over(self, previous: _PreparedScores, pod: Mapping[str, Any]
+                             ) -> tuple[npt.NDArray[np.float64], _Scaling, dict[str, int] | None, list[str]] | None:
+        """The previous pod's prepared scores carried over to this pod (caller holds the state lock, and has found
+        the filter of this pod passed the same nodes, in any order: the scores keep the previous answer's), where
+        that filter just answered from the same shape's answer, up to date: only the nodes changed since (the
+        journal; the previous pod's bind) are read again, and rescored alone where the scaling allows
+        (_Scaling.rescore). Consecutive pods of one shape then cost a few nodes, not a pass over 5000 (and the reply
+        keeps its layout: ScoreReplies). None: compute afresh."""
         answered_by = self._answered_by
-        if previous is None or answered_by is None or answered_by[3] is not pod:
+        if answered_by is None or answered_by[3] is not pod:
             return None
         node_policy, gpu_policy, answer, _ = answered_by
         state = self.state
@@ -812,8 +835,7 @@ class Scheduler:
                 or previous.policies[0] is not node_policy or previous.policies[1] is not gpu_policy
                 or (node_policy.epoch(), gpu_policy.epoch()) != previous.epochs
                 or previous.journal_epoch != state.journal_epoch or answer.journal_epoch != state.journal_epoch
-                or answer.journal_position != len(state.journal) or state.clock() > answer.expires_s
-                or passed != previous.names):
+                or answer.journal_position != len(state.journal) or state.clock() > answer.expires_s):
             return None
         changed = {*state.journal[previous.journal_position:], *answer.refreshed[previous.refreshed_position:]}
         if len(changed) > CARRIED_CHANGES_MAX:
@@ -831,7 +853,8 @@ class Scheduler:
             old, raw[position] = float(raw[position]), placement.score
             if not rescale and old != placement.score:
                 rescale = not scaling.rescore(raw, position, old)
-        return raw, (_Scaling.of(passed, raw) if rescale else scaling), previous.positions
+        order = previous.order
+        return raw, (_Scaling.of(order, raw) if rescale else scaling), previous.positions, order
 
     def _nodes_alone_decide(self) -> bool:
         """Whether a node's verdict for a pod depends on the node's state alone: no gate (quota) and no nomination
@@ -892,7 +915,7 @@ class Scheduler:
                 if not rescale and old != placement.score:
                     rescale = not prepared.scaling.rescore(raw, position, old)
             if rescale:
-                prepared.scaling = _Scaling.of(names, raw)
+                prepared.scaling = _Scaling.of(prepared.order, raw)
         return prepared
 
     def scaled_scores(self, pod: Mapping[str, Any], node_names: Iterable[str]) -> tuple[list[str], list[int]]:

@@ -6,6 +6,7 @@ stands for."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,14 @@ steps_strategy = st.lists(
 )
 
 
+def as_map(answer: tuple[list[str], list[int]]) -> dict[str, int]:
+    """A HostPriorityList as kube-scheduler reads it: each host's score, in no order (a prepared answer carried
+    over keeps the previous pod's order of the nodes). The hosts are distinct."""
+    hosts, scores = answer
+    assert len(set(hosts)) == len(hosts)
+    return dict(zip(hosts, scores, strict=True))
+
+
 def place_and_bind(twin: Twin, pending: dict[str, Any], asked: list[str]) -> str | None:
     outcome = twin.scheduler.filter(pending, asked)
     scores = twin.scheduler.prioritize(pending, outcome.passed)
@@ -70,9 +79,10 @@ def test_a_prepared_answer_is_the_answer_computed_when_asked(
     nodes: list[tuple[int, list[int]]], steps: list[tuple[int, str, list[tuple[Any, ...]], int]], rotate: bool
 ) -> None:
     """One extender: each pod filtered, its answer prepared (after some of the changes, or before all), the changes,
-    then prioritize; its answer must be what prioritize computes at that moment with nothing prepared. The nodes
-    are asked in the same order every time (as kube-scheduler asks while every node passes its own plugins: the
-    previous pod's prepared answer is then carried over to the next pod of its shape) or in another. (Not a twin
+    then prioritize; its answer must be what prioritize computes at that moment with nothing prepared (as
+    kube-scheduler reads it: each host's score, in no order). The nodes are asked in the same order every time or
+    in another (kube-scheduler's parallel filter plugins): either way the previous pod's prepared answer is carried
+    over to the next pod of its shape where the same nodes pass. (Not a twin
     that never prepares: preparing evaluates the shape at another moment, and a node's kept result of an older
     learned model is refreshed a few at a time by filters only, so two such extenders may rightly hold different
     results for a node. The comparison is within one history.)"""
@@ -112,7 +122,7 @@ def test_a_prepared_answer_is_the_answer_computed_when_asked(
             scheduler.prepare_scores(pending, outcome.passed)
         answer = scheduler.scaled_scores(pending, outcome.passed)
         scheduler._prepared = None
-        assert answer == scheduler.scaled_scores(pending, outcome.passed), f"step {step}: {changes}"
+        assert as_map(answer) == as_map(scheduler.scaled_scores(pending, outcome.passed)), f"step {step}: {changes}"
         if place_and_bind(extender, pending, asked) is not None:
             bound.append(pending["metadata"]["uid"])
 
@@ -166,11 +176,14 @@ def test_a_node_changed_since_is_judged_again_alone(twin: Twin, monkeypatch: pyt
     assert evaluations == [1]  # the changed node, not all of them
     assert answer[1] is not made[1]
     twin.scheduler._prepared = None
-    assert answer == twin.scheduler.scaled_scores(pending, outcome.passed)
+    assert as_map(answer) == as_map(twin.scheduler.scaled_scores(pending, outcome.passed))
 
 
-def test_the_next_pod_of_a_shape_starts_from_the_previous_pods_answer(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Consecutive pods of one shape asked over the same nodes: each pod's prepared answer is the previous pod's
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_the_next_pod_of_a_shape_starts_from_the_previous_pods_answer(monkeypatch: pytest.MonkeyPatch,
+                                                                      shuffled: bool) -> None:
+    """Consecutive pods of one shape asked over the same nodes, in one order or in a new one every pod (as
+    kube-scheduler's parallel filter plugins hand them over): each pod's prepared answer is the previous pod's
     with the nodes changed since read again (the previous pod's bind, and the nodes of an older learned model the
     filter re-placed), and equals the scores computed from the shape's answer at that moment. One pod of another
     shape first, then the learned model changes as the pods of this shape double its count (at 2, 4, 8, 16 pods
@@ -184,9 +197,9 @@ def test_the_next_pod_of_a_shape_starts_from_the_previous_pods_answer(monkeypatc
     carried: list[int] = []  # per pod carried over: the refreshed nodes read again
     carry = scheduler._scores_carried_over
 
-    def recording(previous: Any, pending: Any, passed: list[str]) -> Any:
+    def recording(previous: Any, pending: Any) -> Any:
         answered_by = scheduler._answered_by
-        result = carry(previous, pending, passed)
+        result = carry(previous, pending)
         if result is not None and previous is not None and answered_by is not None:
             carried.append(len(answered_by[2].refreshed) - previous.refreshed_position)
         return result
@@ -196,18 +209,61 @@ def test_the_next_pod_of_a_shape_starts_from_the_previous_pods_answer(monkeypatc
     for number in range(24):
         count, memory, cores = ASKS[5] if number == 0 else ASKS[0]
         pending = pod(f"p{number}", gpus=count, memory_mib=memory, cores=cores)
-        outcome = scheduler.filter(pending, names)
+        asked = random.Random(number).sample(names, len(names)) if shuffled else names
+        outcome = scheduler.filter(pending, asked)
         made = scheduler.prepare_scores(pending, outcome.passed)
         assert made is not None
         with scheduler.state.lock:
             passed, raw = scheduler._raw_scores(pending, outcome.passed)
-        assert made == _Scaling.of(passed, raw).answer, f"pod {number}"
+        assert as_map(made) == as_map(_Scaling.of(passed, raw).answer), f"pod {number}"
         epochs.add(scheduler._prepared.epochs if scheduler._prepared else None)
         best = made[0][made[1].index(max(made[1]))] if made[0] else outcome.passed[0]
         meta = pending["metadata"]
         scheduler.bind(meta["namespace"], meta["name"], meta["uid"], best)
     assert len(epochs) >= 3  # the model did change
     assert len(carried) >= 12 and any(carried)  # carried over, refreshed nodes among the changes
+
+
+def test_other_nodes_as_many_or_a_node_named_twice_are_not_carried_over(twin: Twin) -> None:
+    names = sorted(twin.state.nodes)
+    first = pod("p", gpus=1, memory_mib=8192, cores=20)
+    outcome = twin.scheduler.filter(first, names[:10])
+    assert twin.scheduler.prepare_scores(first, outcome.passed) is not None
+    second = pod("q", gpus=1, memory_mib=8192, cores=20)
+    other = twin.scheduler.filter(second, names[10:])  # as many nodes, others
+    assert len(other.passed) == len(outcome.passed)
+    made = twin.scheduler.prepare_scores(second, other.passed)
+    assert made is not None and set(made[0]) <= set(other.passed)
+    with twin.state.lock:
+        assert as_map(made) == as_map(_Scaling.of(*twin.scheduler._raw_scores(second, other.passed)).answer)
+    third = pod("r", gpus=1, memory_mib=8192, cores=20)
+    twice = [*other.passed[:-1], other.passed[0]]  # as many names, one of them twice
+    twin.scheduler.filter(third, twice)
+    assert twin.scheduler.prepare_scores(third, twice) is None
+
+
+def test_an_answer_carried_over_in_another_order_is_brought_up_to_date_in_its_own(twin: Twin) -> None:
+    """The next pod asks the same nodes in another order (kube-scheduler's parallel filter plugins): its answer
+    keeps the previous pod's order, and a change between its filter and its prioritize that scales every node
+    again (the node of the highest score alone taken) scales them in that order."""
+    names = sorted(twin.state.nodes)
+    first = pod("p", gpus=1, memory_mib=8192, cores=20)
+    outcome = twin.scheduler.filter(first, names)
+    made = twin.scheduler.prepare_scores(first, outcome.passed)
+    assert made is not None
+    second = pod("q", gpus=1, memory_mib=8192, cores=20)
+    reordered = list(reversed(names))
+    passed = twin.scheduler.filter(second, reordered).passed
+    carried = twin.scheduler.prepare_scores(second, passed)
+    assert carried is not None and carried[0] == made[0] and passed != outcome.passed  # the first pod's order
+    best = carried[0][carried[1].index(max(carried[1]))]
+    filler = pod("filler", gpus=1, memory_mib=1024, cores=1)
+    twin.scheduler.filter(filler, [best])
+    meta = filler["metadata"]
+    twin.scheduler.bind(meta["namespace"], meta["name"], meta["uid"], best)
+    answer = twin.scheduler.scaled_scores(second, passed)
+    twin.scheduler._prepared = None
+    assert as_map(answer) == as_map(twin.scheduler.scaled_scores(second, passed))
 
 
 def test_many_changes_a_new_model_or_a_gate_and_it_is_computed_afresh(twin: Twin,
@@ -344,7 +400,8 @@ def test_over_http_prioritize_answers_from_what_the_filter_prepared(
                                               "PodUID": meta["uid"], "Node": to_bind[1]}).json() == {"Error": ""}
         reply = client.post("/prioritize", json={"Pod": pending, "NodeNames": passed}).json()
         scheduler._prepared = None
-        assert reply == [{"Host": host, "Score": score} for host, score in scheduler.nonzero_scores(pending, passed)]
+        assert {entry["Host"]: entry["Score"] for entry in reply} == dict(scheduler.nonzero_scores(pending, passed))
+        assert len(reply) == len({entry["Host"] for entry in reply})
         to_bind = (pending, max(reply, key=lambda entry: entry["Score"])["Host"] if reply else passed[0])
     # nothing is prepared until kube-scheduler is seen asking prioritize at all; then every filter prepares
     assert len(prepared) == 5 and all(made is not None for made in prepared)
