@@ -211,11 +211,8 @@ def _same_nodes(passed: list[str], previous: _PreparedScores) -> bool:
         return True
     if len(passed) != len(previous.order):
         return False
-    positions = previous.positions
-    if positions is None:
-        positions = previous.positions = dict(zip(previous.order, itertools.count()))
     # as many distinct names, each one of the previous answer's: the same set
-    return all(map(positions.__contains__, passed)) and len(set(passed)) == len(passed)
+    return all(map(previous.position_map().__contains__, passed)) and len(set(passed)) == len(passed)
 
 
 @dataclass(slots=True)
@@ -306,12 +303,16 @@ class _PreparedScores:
     #: each node's position in order, built when first needed and carried over with the scores
     positions: dict[str, int] | None = None
 
-    def position(self, name: str) -> int:
-        """name's position in order (the nodes are distinct); -1 when not asked."""
+    def position_map(self) -> dict[str, int]:
+        """Each node's position in order (the nodes are distinct), built once."""
         positions = self.positions
         if positions is None:
             positions = self.positions = dict(zip(self.order, itertools.count()))
-        return positions.get(name, -1)
+        return positions
+
+    def position(self, name: str) -> int:
+        """name's position in order; -1 when not asked."""
+        return self.position_map().get(name, -1)
 
 
 @dataclass(slots=True)

@@ -428,15 +428,15 @@ class ScoreReplies:
     def encode(self, hosts: list[str], scores: list[int], known_nodes: int) -> bytes:
         if not hosts:
             return b"[]"
-        layout = self._layout
-        if layout is None or layout[0] != hosts:
-            layout = self._layout = self._lay_out(hosts, known_nodes)
-        _, blank, offsets = layout
         if len(scores) != len(hosts):
             raise ValueError(f"{len(scores)} scores for {len(hosts)} hosts")
         values = np.fromiter(scores, dtype=np.int64, count=len(hosts))
         if int(values.min()) < 0 or int(values.max()) > MAX_EXTENDER_SCORE:
             raise ValueError(f"an extender score must be 0-{MAX_EXTENDER_SCORE}")
+        layout = self._layout
+        if layout is None or layout[0] != hosts:  # checked first: refused scores leave the kept layout as it was
+            layout = self._layout = self._lay_out(hosts, known_nodes)
+        _, blank, offsets = layout
         body = blank.copy()
         body[offsets] = self.TENS[values]
         body[offsets + 1] = self.UNITS[values]

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from kube_vgpu.dev.fixtures import gpu_node
 from kube_vgpu.extender.cli import Extender, build, parse_args
-from kube_vgpu.extender.scheduler import PREPARED_CHANGES_MAX, Scheduler, _Scaling
+from kube_vgpu.extender.scheduler import PREPARED_CHANGES_MAX, FilterOutcome, Scheduler, _Scaling
 from kube_vgpu.extender.server import ScoreReplies
 from tests.extender.test_node_equivalence import (
     ASKS,
@@ -135,6 +135,16 @@ def twin() -> Twin:
     return Twin(Clock(), items, True)
 
 
+def filtered_and_prepared(twin: Twin, name: str, names: list[str]) -> tuple[dict[str, Any], FilterOutcome,
+                                                                             tuple[list[str], list[int]]]:
+    """A 1-GPU pod filtered over names and its prioritize answer prepared (which must be)."""
+    pending = pod(name, gpus=1, memory_mib=8192, cores=20)
+    outcome = twin.scheduler.filter(pending, names)
+    made = twin.scheduler.prepare_scores(pending, outcome.passed)
+    assert made is not None
+    return pending, outcome, made
+
+
 def count_evaluations(scheduler: Scheduler, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The node count of every _evaluate from now on."""
     sizes: list[int] = []
@@ -163,10 +173,7 @@ def test_an_unchanged_prepared_answer_is_returned_as_it_is(twin: Twin, monkeypat
 
 def test_a_node_changed_since_is_judged_again_alone(twin: Twin, monkeypatch: pytest.MonkeyPatch) -> None:
     names = list(twin.state.nodes)
-    pending = pod("p", gpus=1, memory_mib=8192, cores=20)
-    outcome = twin.scheduler.filter(pending, names)
-    made = twin.scheduler.prepare_scores(pending, outcome.passed)
-    assert made is not None
+    pending, outcome, made = filtered_and_prepared(twin, "p", names)
     # another pod binds onto the best node (kube-scheduler's binding cycle runs beside the next pod's)
     other = pod("other", gpus=1, memory_mib=40000, cores=50)
     best = place_and_bind(twin, other, names)
@@ -247,10 +254,7 @@ def test_an_answer_carried_over_in_another_order_is_brought_up_to_date_in_its_ow
     keeps the previous pod's order, and a change between its filter and its prioritize that scales every node
     again (the node of the highest score alone taken) scales them in that order."""
     names = sorted(twin.state.nodes)
-    first = pod("p", gpus=1, memory_mib=8192, cores=20)
-    outcome = twin.scheduler.filter(first, names)
-    made = twin.scheduler.prepare_scores(first, outcome.passed)
-    assert made is not None
+    _, outcome, made = filtered_and_prepared(twin, "p", names)
     second = pod("q", gpus=1, memory_mib=8192, cores=20)
     reordered = list(reversed(names))
     passed = twin.scheduler.filter(second, reordered).passed
@@ -294,10 +298,7 @@ def test_many_changes_a_new_model_or_a_gate_and_it_is_computed_afresh(twin: Twin
 
 def test_another_pod_or_other_nodes_are_not_answered_from_it(twin: Twin) -> None:
     names = list(twin.state.nodes)
-    pending = pod("p", gpus=1, memory_mib=8192, cores=20)
-    outcome = twin.scheduler.filter(pending, names)
-    made = twin.scheduler.prepare_scores(pending, outcome.passed)
-    assert made is not None
+    pending, outcome, made = filtered_and_prepared(twin, "p", names)
     assert twin.scheduler.scaled_scores(pending, outcome.passed[1:])[1] is not made[1]
     other = pod("q", gpus=1, memory_mib=8192, cores=20)
     twin.scheduler.filter(other, names)
