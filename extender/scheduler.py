@@ -85,6 +85,8 @@ PREPARED_CHANGES_MAX = 8
 CARRIED_CHANGES_MAX = 64
 #: a shape's answer's refreshed nodes (_Answer.refreshed) before that list starts over
 REFRESHED_LIMIT = 20_000
+#: nodes asked from which a filter checks whether they are the last prepared answer's (fewer: judged as asked)
+CARRIED_MIN_NODES = 32
 #: a request shape's nodes to place, at least, before the policy's batch placement (Policy.place_batch) places them
 #: together: below, one by one costs less than building the arrays
 BATCH_MIN_NODES = 32
@@ -662,6 +664,7 @@ class Scheduler:
             todo = names
             answer = None
             failed_answers: dict[str, FitFailure] = {}
+            carried_todo: list[str] | None = None
             if cacheable and self.share_results and not self.gates and not held_nodes:
                 # every fitting node passes: the nodes already judged for this shape answer from its _Answer
                 answer = self._answer(key, now)
@@ -669,12 +672,22 @@ class Scheduler:
                     self._answered_by = (node_policy, gpu_policy, answer, pod)
                 placements = answer.passed  # the caller reads it under the state lock
                 failed_answers = answer.failed
-                outcome.passed = [name for name in names if name in placements]
-                if len(outcome.passed) < len(names):
-                    todo = [name for name in names if name not in placements] if outcome.passed else names
+                carried = self._carried_nodes(names, answer)
+                if carried is not None:  # the nodes the last prepared answer passed: only its changed ones are read
+                    names, carried_todo = carried
+                    todo = carried_todo
                 else:
-                    todo = []
+                    outcome.passed = [name for name in names if name in placements]
+                    if len(outcome.passed) < len(names):
+                        todo = [name for name in names if name not in placements] if outcome.passed else names
+                    else:
+                        todo = []
             judged_passes = False
+            if todo:  # many (a new shape): walked in the order the nodes' data lies in memory (NodeOrder)
+                ordered = state.node_order.in_order(todo)
+                if todo is names:  # and answered in it: the prepared answer then reads them so too
+                    names = ordered
+                todo = ordered
             if class_results is not None and len(todo) >= self.batch_min_nodes and node_policy is gpu_policy:
                 answered = self._place_in_batch(todo, failed_answers, key, class_results, placement_request,
                                                 node_policy, now, answer)
@@ -746,7 +759,10 @@ class Scheduler:
                 if answer is None:
                     outcome.passed.append(name)
                 placements[name] = result
-            if judged_passes:  # in the order asked, with the nodes that answered from the shape's answer
+            if carried_todo is not None:  # the last prepared answer's nodes, in its order
+                passing = all(name in placements for name in carried_todo)
+                outcome.passed = names.copy() if passing else [name for name in names if name in placements]
+            elif judged_passes:  # in the order walked, with the nodes that answered from the shape's answer
                 outcome.passed = [name for name in names if name in placements]
             if not outcome.passed and preemptor is not None and uid and (gpu_failed or quota_failed):
                 preemptor.on_unplaced(pod, str(uid), request, placement_request, gpu_policy, node_policy,
@@ -786,7 +802,6 @@ class Scheduler:
             return None
         state = self.state
         with state.lock:
-            journal_at = (state.journal_epoch, len(state.journal))
             # the same nodes as the last answer prepared, in any order: computed in that answer's order, so the
             # reply keeps its layout (kube-scheduler's parallel filter plugins order the nodes anew every pod)
             carry = self._carry if self._carry is not None and _same_nodes(passed, self._carry) else None
@@ -815,7 +830,8 @@ class Scheduler:
                 scaling = _Scaling.of(order, raw)
             self._prepared = self._carry = _PreparedScores(
                 pod, passed, order, (node_policy, gpu_policy), (node_policy.epoch(), gpu_policy.epoch()), answer,
-                answer.refreshed, len(answer.refreshed), *journal_at, answer.expires_s, raw, scaling, positions,
+                answer.refreshed, len(answer.refreshed), answer.journal_epoch, answer.journal_position,
+                answer.expires_s, raw, scaling, positions,
             )
         return scaling.answer
 
@@ -836,9 +852,11 @@ class Scheduler:
                 or previous.policies[0] is not node_policy or previous.policies[1] is not gpu_policy
                 or (node_policy.epoch(), gpu_policy.epoch()) != previous.epochs
                 or previous.journal_epoch != state.journal_epoch or answer.journal_epoch != state.journal_epoch
-                or answer.journal_position != len(state.journal) or state.clock() > answer.expires_s):
+                or state.clock() > answer.expires_s):
             return None
-        changed = {*state.journal[previous.journal_position:], *answer.refreshed[previous.refreshed_position:]}
+        # as of the filter (the shape's answer's journal position): changes since, prioritize reads (_prepared_for)
+        changed = {*state.journal[previous.journal_position:answer.journal_position],
+                   *answer.refreshed[previous.refreshed_position:]}
         if len(changed) > CARRIED_CHANGES_MAX:
             return None
         raw = previous.raw.copy()
@@ -857,6 +875,39 @@ class Scheduler:
         order = previous.order
         return raw, (_Scaling.of(order, raw) if rescale else scaling), previous.positions, order
 
+    def _carried_nodes(self, names: list[str], answer: _Answer) -> tuple[list[str], list[str]] | None:
+        """Where names are the nodes of the last prepared answer (self._carry) in any order, and it is of the same
+        shape's answer, as it is now (caller holds the state lock): its nodes in its order, and those of them the
+        shape's answer no longer passes, to judge again. The rest still pass: the carried answer's nodes all passed
+        as of its journal position, and a node leaves the shape's answer only through the journal or its
+        refreshed list. kube-scheduler's parallel filter plugins name the nodes in a new order every pod: this
+        reads each name once, as the passing check would, and replies in the carried answer's order, which
+        prioritize then asks in, so the prepared answer carries over without matching a permutation again. None:
+        judge the names as asked."""
+        carry = self._carry
+        if (carry is None or len(names) != len(carry.order) or len(names) < CARRIED_MIN_NODES
+                or carry.answer is not answer or answer.refreshed is not carry.refreshed
+                or carry.journal_epoch != self.state.journal_epoch):
+            return None
+        order = carry.order
+        positions = carry.position_map()
+        if names != order:
+            try:
+                asked = np.fromiter(map(positions.__getitem__, names), dtype=np.int64, count=len(names))
+            except KeyError:
+                return None
+            seen = np.zeros(len(order), dtype=np.bool_)
+            seen[asked] = True
+            if not seen.all():  # a name given twice, so one of the answer's missing
+                return None
+        journal = self.state.journal
+        changed = dict.fromkeys(itertools.chain(journal[carry.journal_position:],
+                                                answer.refreshed[carry.refreshed_position:]))
+        if len(changed) > CARRIED_CHANGES_MAX:
+            return None
+        placements = answer.passed
+        return order, [name for name in changed if name in positions and name not in placements]
+
     def _nodes_alone_decide(self) -> bool:
         """Whether a node's verdict for a pod depends on the node's state alone: no gate (quota) and no nomination
         (preemption) could refuse it."""
@@ -869,8 +920,9 @@ class Scheduler:
         if answered_by is None or answered_by[3] is not pod:
             return None
         state, answer = self.state, answered_by[2]
-        if (answer.journal_epoch != state.journal_epoch or answer.journal_position != len(state.journal)
-                or state.clock() > answer.expires_s):
+        # as of the filter: nodes changed since (a watch event between the filter's reply and now) are read again
+        # when prioritize asks (_prepared_for), as for any change after the preparing
+        if answer.journal_epoch != state.journal_epoch or state.clock() > answer.expires_s:
             return None
         try:
             return _scores_of(answer.passed, passed)

@@ -29,6 +29,7 @@ from typing import Any
 
 from kube_vgpu import kubeapi, protocol
 from kube_vgpu.extender.engine.model import GpuUsage, NodeState, peak_usage
+from kube_vgpu.extender.node_order import NodeOrder
 from kube_vgpu.protocol import PodAssignment, ProtocolError
 
 log = logging.getLogger(__name__)
@@ -177,6 +178,8 @@ class ClusterState:
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.clock = clock
         self.nodes: dict[str, NodeState] = {}
+        #: the nodes in the order they arrived: filter walks the nodes it is asked about in this order
+        self.node_order = NodeOrder()
         self.pods: dict[str, PodRecord] = {}
         self.pods_by_node: dict[str, set[str]] = {}
         self.synced = threading.Event()
@@ -265,6 +268,7 @@ class ClusterState:
         node = NodeState(name, None)
         node.journal = self.journal
         self.nodes[name] = node
+        self.node_order.add(name)
         self.pods_by_node.setdefault(name, set())
         return node
 
@@ -304,6 +308,7 @@ class ClusterState:
             except Exception:  # never let one node stop the others from syncing
                 log.exception("node %s: could not be made unusable either; dropping it", name)
                 self.nodes.pop(name, None)
+                self.node_order.remove(name)
             self.inventory_errors[name] = reason
             self.generation += 1
 
@@ -318,6 +323,7 @@ class ClusterState:
             node = self.nodes.pop(name, None)
             if node is None:
                 return
+            self.node_order.remove(name)
             node.journal = None
             self.journal.append(name)
             # pods keep their records: if the node comes back (re-registration) they are counted again

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kube_vgpu.dev.fixtures import gpu_node
+from kube_vgpu.extender import scheduler as scheduler_module
 from kube_vgpu.extender.cli import Extender, build, parse_args
 from kube_vgpu.extender.scheduler import PREPARED_CHANGES_MAX, FilterOutcome, Scheduler, _Scaling
 from kube_vgpu.extender.server import ScoreReplies
@@ -305,6 +306,163 @@ def test_another_pod_or_other_nodes_are_not_answered_from_it(twin: Twin) -> None
     assert twin.scheduler.scaled_scores(other, outcome.passed)[1] is not made[1]
     assert twin.scheduler.prepare_scores(pending, outcome.passed[:1]) is None  # one node: kube-scheduler scores none
     assert twin.scheduler.prepare_scores(pending, outcome.passed[:2] * 2) is None  # a node named twice
+
+
+carried_steps_strategy = st.lists(
+    # (ask, its CPU, the order's seed, which nodes are asked, the changes before the pod's bind): few shapes, so
+    # that consecutive pods often share one and the filter answers from the carried answer's nodes
+    st.tuples(st.integers(0, 2), st.sampled_from(["", "2"]), st.integers(0, 1 << 16),
+              st.sampled_from(["all", "all", "all", "fewer", "twice"]), changes_strategy),
+    min_size=1, max_size=14,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(nodes=nodes_strategy, steps=carried_steps_strategy)
+def test_a_filter_over_the_carried_answers_nodes_decides_as_every_node_on_its_own(
+    nodes: list[tuple[int, list[int]]], steps: list[tuple[int, str, int, str, list[tuple[Any, ...]]]]
+) -> None:
+    """A filter over the nodes of the last prepared answer, in another order (kube-scheduler's parallel filter
+    plugins), reads only the nodes changed since and replies in that answer's order: it must pass, fail and explain
+    exactly the nodes an extender judging every node on its own does, whatever happened in between (binds,
+    deletions, heartbeats fresh and expired, host CPU, time, the learned model's refreshes)."""
+    clock = Clock()
+    names = [f"n{index}" for index in range(len(nodes))]
+    items: list[dict[str, Any]] = []
+    for name, (hardware, running) in zip(names, nodes, strict=True):
+        items.extend(node_items(name, hardware, running, START_S))
+    prepared, alone = Twin(clock, items, True), Twin(clock, items, False)
+    bound: list[str] = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(scheduler_module, "CARRIED_MIN_NODES", 2)  # the few nodes here are a carried answer too
+        for step, (ask, cpu, seed, which, changes) in enumerate(steps):
+            count, memory, cores = ASKS[ask]
+            pending = pod(f"p{step}", gpus=count, memory_mib=memory, cores=cores)
+            if cpu:
+                pending["spec"]["containers"][0]["resources"]["requests"]["cpu"] = cpu
+            asked = random.Random(seed).sample(names, len(names))
+            if which == "fewer":
+                asked = asked[1:]
+            elif which == "twice":
+                asked = [*asked[:-1], asked[0]]
+            outcome, expected = prepared.scheduler.filter(pending, asked), alone.scheduler.filter(pending, asked)
+            assert sorted(outcome.passed) == sorted(expected.passed), f"step {step}"
+            assert (outcome.failed, outcome.unresolvable, outcome.error) == (
+                expected.failed, expected.unresolvable, expected.error), f"step {step}"
+            prepared.scheduler.prepare_scores(pending, outcome.passed)
+            for number, change in enumerate(changes):
+                apply_on_both(prepared, alone, change, f"{step}-{number}", nodes, bound)
+            if bind_on_both(prepared, alone, pending, asked) is not None:
+                bound.append(pending["metadata"]["uid"])
+
+
+def apply_on_both(prepared: Twin, alone: Twin, change: tuple[Any, ...], name: str,
+                  nodes: list[tuple[int, list[int]]], bound: list[str]) -> None:
+    """One of changes_strategy's changes, on both extenders alike (their clock is one)."""
+    kind, names, clock = change[0], list(alone.state.node_order.rank), alone.state.clock
+    assert isinstance(clock, Clock)
+    if kind == "bind":
+        count, memory, cores = ASKS[change[1]]
+        other = pod(f"p{name}", gpus=count, memory_mib=memory, cores=cores)
+        if bind_on_both(prepared, alone, other, names) is not None:
+            bound.append(other["metadata"]["uid"])
+    elif kind == "time":
+        clock.now += change[1]
+    elif kind == "delete" and bound:
+        uid = bound.pop(change[1] % len(bound))
+        for twin in (prepared, alone):
+            twin.state.delete_pod(uid)
+    elif kind in ("heartbeat", "cpu") and change[1] < len(names):
+        for twin in (prepared, alone):
+            if kind == "heartbeat":
+                twin.state.upsert_node(hardware_node(f"n{change[1]}", nodes[change[1]][0], clock.now - change[2]))
+            else:
+                twin.state.upsert_pod(cpu_only_pod(f"c{name}", f"n{change[1]}", change[2]))
+
+
+def bind_on_both(prepared: Twin, alone: Twin, pending: dict[str, Any], asked: list[str]) -> str | None:
+    """The pod filtered on both extenders and bound on both to the node the one judging alone scores best (the
+    highest score, then the first name: one choice whatever order each replies in)."""
+    passed = prepared.scheduler.filter(pending, asked).passed
+    expected = alone.scheduler.filter(pending, asked).passed
+    assert sorted(passed) == sorted(expected)
+    scores = alone.scheduler.prioritize(pending, expected)
+    if not scores:
+        return None
+    best = min(scores, key=lambda pair: (-pair[1], pair[0]))[0]
+    meta = pending["metadata"]
+    for twin in (prepared, alone):
+        twin.scheduler.bind(meta["namespace"], meta["name"], meta["uid"], best)
+    return best
+
+
+def test_a_new_shape_is_walked_and_answered_in_the_states_order_of_its_nodes() -> None:
+    """kube-scheduler names the nodes in a new order every pod: a new request shape's nodes are judged, and passed,
+    in the order the state holds them (NodeOrder), whatever the order asked; the next pod of the shape is answered
+    in the same order; a few nodes, or the nodes of a shape already answered, stay as asked."""
+    items: list[dict[str, Any]] = []
+    names = [f"n{index:02d}" for index in range(40)]
+    for index, name in enumerate(names):
+        items.extend(node_items(name, index % len(HARDWARE), [index % 4] * (index % 3), START_S))
+    twin = Twin(Clock(), items, True)
+    in_state = list(twin.state.node_order.rank)
+    assert sorted(in_state) == names
+    asked = random.Random(7).sample(names, len(names))
+    first = pod("p", gpus=1, memory_mib=8192, cores=20)
+    outcome = twin.scheduler.filter(first, asked)
+    assert len(outcome.passed) >= 2 and outcome.passed == [name for name in in_state if name in outcome.passed]
+    assert twin.scheduler.prepare_scores(first, outcome.passed) is not None
+    second = pod("q", gpus=1, memory_mib=8192, cores=20)
+    assert twin.scheduler.filter(second, random.Random(8).sample(names, len(names))).passed == outcome.passed
+    few = asked[:5]
+    other = pod("r", gpus=1, memory_mib=1024, cores=1)  # a new shape over a few nodes
+    passed = twin.scheduler.filter(other, few).passed
+    assert passed and passed == [name for name in few if name in passed]
+
+
+def test_a_filter_over_the_carried_answers_nodes_reads_only_those_changed(twin: Twin,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next pod of a shape asks the same nodes in another order: the filter replies in the prepared answer's
+    order, judging again only the node a bind changed; a node the binds filled is left out of it, and the nodes
+    asked twice are judged as asked."""
+    monkeypatch.setattr(scheduler_module, "CARRIED_MIN_NODES", 2)  # the fixture's 20 nodes are a carried answer
+    names = sorted(twin.state.nodes)
+    _, outcome, made = filtered_and_prepared(twin, "p", names)
+    assert twin.scheduler._carry is not None and twin.scheduler._carry.order == outcome.passed
+    order = outcome.passed
+    placed: list[str] = []
+    real_place = scheduler_module.place
+
+    def counting_place(node: Any, *args: Any, **kwargs: Any) -> Any:
+        placed.append(node.name)
+        return real_place(node, *args, **kwargs)
+
+    monkeypatch.setattr(scheduler_module, "place", counting_place)
+    best = made[0][made[1].index(max(made[1]))]
+    filler = pod("filler", gpus=1, memory_mib=1024, cores=1)  # a small pod: the node still fits the shape
+    twin.scheduler.filter(filler, [best])
+    twin.scheduler.bind("default", filler["metadata"]["name"], filler["metadata"]["uid"], best)
+    placed.clear()
+    second = pod("q", gpus=1, memory_mib=8192, cores=20)
+    passed = twin.scheduler.filter(second, list(reversed(names))).passed
+    assert passed == order and passed is not order  # the carried order, in a list of its own
+    assert placed == [best]
+    assert twin.scheduler.prepare_scores(second, passed) is not None
+
+    full = order[len(order) // 2]
+    for number in range(64):  # pods of the shape onto one node until it takes no more
+        hog = pod(f"hog{number}", gpus=1, memory_mib=8192, cores=20)
+        if not twin.scheduler.filter(hog, [full]).passed:
+            break
+        twin.scheduler.bind("default", hog["metadata"]["name"], hog["metadata"]["uid"], full)
+    third = pod("r", gpus=1, memory_mib=8192, cores=20)
+    refused = twin.scheduler.filter(third, random.Random(3).sample(names, len(names)))
+    assert refused.passed == [name for name in order if name != full] and full in refused.failed
+
+    fourth = pod("s", gpus=1, memory_mib=8192, cores=20)
+    assert twin.scheduler.prepare_scores(third, refused.passed) is not None
+    twice = [*reversed(refused.passed[1:]), refused.passed[1]]  # as many names as the answer's, one twice
+    assert twin.scheduler.filter(fourth, twice).passed == twice  # as asked
 
 
 @pytest.mark.parametrize("hosts", [[], ["n0"], ["node-1", "node-2", "node-3"], ['odd"name\\', "ünïcode"]])
