@@ -27,7 +27,6 @@ it on the loop) for as long as a scrape lasted. Three things here:
 
 from __future__ import annotations
 
-import gc
 import math
 import sys
 import threading
@@ -42,7 +41,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from kube_vgpu.extender.gcpolicy import freeze_burst_survivors
+from kube_vgpu.extender.gcpolicy import collector_paused
 
 Pause = Callable[[], None]
 T = TypeVar("T")
@@ -425,37 +424,32 @@ RENDER_SWITCH_INTERVAL_S = 0.0001
 
 
 class _RenderSettings:
-    """The cyclic GC switched off while any render runs, and the GIL switch interval shortened
-    (RENDER_SWITCH_INTERVAL_S). A render allocates a few hundred thousand containers,
-    which set off full collections over all of them (measured: 17-50 ms each, one verb waiting through it); the
-    state itself is frozen out of the GC at initial sync, and a render's garbage is freed by reference counting.
-    Counted, so overlapping renders (/metrics and /state) switch it back on only when the last one ends."""
+    """The cyclic GC switched off while any render runs (gcpolicy.collector_paused), and the GIL switch interval
+    shortened (RENDER_SWITCH_INTERVAL_S). A render allocates a few hundred thousand containers, which set off full
+    collections over all of them (measured: 17-50 ms each, one verb waiting through it); the state itself is frozen
+    out of the GC at initial sync, and a render's garbage is freed by reference counting. Counted, so overlapping
+    renders (/metrics and /state) restore them only when the last one ends."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._holders = 0
-        self._was_enabled = False
         self._switch_interval_s = 0.0
 
     @contextmanager
     def __call__(self) -> Iterator[None]:
         with self._lock:
             if self._holders == 0:
-                self._was_enabled = gc.isenabled()
-                gc.disable()
                 self._switch_interval_s = sys.getswitchinterval()
                 sys.setswitchinterval(min(self._switch_interval_s, RENDER_SWITCH_INTERVAL_S))
             self._holders += 1
         try:
-            yield
+            with collector_paused():  # what the render keeps is frozen as it ends (the next scrape's text)
+                yield
         finally:
             with self._lock:
                 self._holders -= 1
                 if self._holders == 0:
                     sys.setswitchinterval(self._switch_interval_s)
-                    if self._was_enabled:
-                        freeze_burst_survivors()  # else the next collection scans the render's kept text
-                        gc.enable()
 
 
 render_settings = _RenderSettings()

@@ -16,6 +16,7 @@ extender/binding.py), writes the Binding that carries the assignment, and rolls 
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import itertools
 import logging
@@ -52,6 +53,7 @@ from kube_vgpu.extender.fence import LeaderFence
 from kube_vgpu.extender.gangs import DEFAULT_TIMEOUT_S as DEFAULT_GANG_TIMEOUT_S
 from kube_vgpu.extender.gangs import Gang, GangKey, GangTracker, InvalidGang, Member, gang_of
 from kube_vgpu.extender.gates import Gate
+from kube_vgpu.extender.gcpolicy import collector_paused
 from kube_vgpu.extender.preemption.evict import Evictor
 from kube_vgpu.extender.preemption.executor import DEFAULT_MAX_IN_FLIGHT, EvictionExecutor
 from kube_vgpu.extender.preemption.nominations import Nominations
@@ -87,6 +89,9 @@ CARRIED_CHANGES_MAX = 64
 REFRESHED_LIMIT = 20_000
 #: nodes asked from which a filter checks whether they are the last prepared answer's (fewer: judged as asked)
 CARRIED_MIN_NODES = 32
+#: nodes to judge in one filter (a new request shape at scale) from which the cyclic collector is off meanwhile and
+#: what the filter kept is frozen after (gcpolicy.collector_paused)
+COLLECTOR_PAUSE_MIN_NODES = 1000
 #: a request shape's nodes to place, at least, before the policy's batch placement (Policy.place_batch) places them
 #: together: below, one by one costs less than building the arrays
 BATCH_MIN_NODES = 32
@@ -617,7 +622,8 @@ class Scheduler:
         key = self._cache_key(placement_request, node_policy, gpu_policy)
         state = self.state
         ttl = state.heartbeat_ttl_s
-        with state.lock:  # observe under the lock: a model refresh must not interleave with a bind's place()
+        # observe under the lock: a model refresh must not interleave with a bind's place()
+        with state.lock, contextlib.ExitStack() as burst:
             if uid:
                 if uid not in self._recent_pods:
                     # a learning policy sees each pod once, in arrival order (kube-scheduler retries re-filter it)
@@ -683,6 +689,8 @@ class Scheduler:
                     else:
                         todo = []
             judged_passes = False
+            if len(todo) >= COLLECTOR_PAUSE_MIN_NODES:  # a result for each kept in the shape's answer (gcpolicy)
+                burst.enter_context(collector_paused())
             if todo:  # many (a new shape): walked in the order the nodes' data lies in memory (NodeOrder)
                 ordered = state.node_order.in_order(todo)
                 if todo is names:  # and answered in it: the prepared answer then reads them so too

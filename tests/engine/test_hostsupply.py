@@ -120,3 +120,27 @@ def test_tables_follow_the_learned_model() -> None:
     assert policy.epoch() != epoch
     assert policy.class_tables(node.gpu_model, node.gpu_memory_mib) is not classes
     assert 230 in policy.class_tables(node.gpu_model, node.gpu_memory_mib).tasks
+
+
+def test_the_classes_of_a_batch_are_built_together_as_each_alone() -> None:
+    """After a model change, a batch placement hands hsafgd every GPU class it is about to meet (prepare_classes):
+    their availabilities come from one pass (supply_residues) and each class's tables are those class_tables
+    builds for it alone; a class already built is kept as it is."""
+    # on the A100s the 810s' 190 holes wait for a rare 160 (it comes out short); the V100s' 160s are no one's
+    workload = [*WORKLOAD, *[Task("v", 2000, 8192, 1, 160, ("V100",))] * 3,
+                *[Task("a", 2000, 4096, 1, 810, ("A100",))] * 14, *[Task("r", 2000, 4096, 1, 160, ("A100",))] * 3]
+    together, alone = make_policy("hsafgd"), make_policy("hsafgd")
+    assert isinstance(together, HostSupplyFGD) and isinstance(alone, HostSupplyFGD)
+    for pod in workload:
+        together.observe(build_request(pod))
+        alone.observe(build_request(pod))
+    kept = together.class_tables("T4", 16384)
+    classes = [("T4", 16384), ("V100", 32768), ("A100", 81920), ("V100", 32768)]
+    together.prepare_classes(classes)
+    assert together.class_tables("T4", 16384) is kept
+    for model, memory_mib in classes:
+        built, expected = together.class_tables(model, memory_mib), alone.class_tables(model, memory_mib)
+        assert (built.probabilities, built.available, built.tasks) == (
+            expected.probabilities, expected.available, expected.tasks)
+        assert built.table(4000, 65536) == expected.table(4000, 65536)
+    assert together.class_tables("A100", 81920).available[160] < 1.0

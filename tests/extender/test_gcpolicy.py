@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from kube_vgpu.extender import gcpolicy
-from kube_vgpu.extender.gcpolicy import SurvivorFreezer, freeze_survivors
+from kube_vgpu.extender.gcpolicy import SurvivorFreezer, collector_paused, freeze_survivors
 
 
 class Node:
@@ -105,3 +105,68 @@ def test_without_the_freezer_a_render_freezes_nothing(monkeypatch: pytest.Monkey
     with render_settings():
         kept = [Node() for _ in range(1000)]
     assert kept and gc.get_freeze_count() == 0
+
+
+def test_the_collector_is_off_while_any_holder_runs_across_threads_and_on_after_the_last() -> None:
+    import threading
+
+    assert gc.isenabled()
+    entered, release = threading.Event(), threading.Event()
+
+    def other_holder() -> None:
+        with collector_paused():
+            entered.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=other_holder)
+    with collector_paused():
+        thread.start()
+        assert entered.wait(10) and not gc.isenabled()
+    assert not gc.isenabled()  # the other thread still holds it
+    release.set()
+    thread.join(10)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused():
+            pass
+        assert not gc.isenabled()  # off before: left off
+    finally:
+        gc.enable()
+
+
+def test_a_filter_of_a_new_shape_at_scale_places_with_the_collector_off_and_freezes_what_it_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A new request shape's filter over many nodes makes a result for each (the shape's answer): the collector is
+    off meanwhile and what it kept is frozen where the freezer runs; a filter of few nodes leaves the collector be."""
+    from kube_vgpu.extender import scheduler as scheduler_module
+    from tests.extender.test_node_equivalence import START_S, Clock, Twin, node_items
+    from tests.helpers import pod
+
+    items: list[dict[str, object]] = []
+    for index in range(40):
+        items.extend(node_items(f"n{index:02d}", index % 3, [], START_S))
+    twin = Twin(Clock(), items, True)
+    seen: list[bool] = []
+    real_place = scheduler_module.place
+
+    def recording_place(*args: object, **kwargs: object) -> object:
+        seen.append(gc.isenabled())
+        return real_place(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(scheduler_module, "place", recording_place)
+    monkeypatch.setattr(scheduler_module, "COLLECTOR_PAUSE_MIN_NODES", 30)
+    names = [f"n{index:02d}" for index in range(40)]
+    twin.scheduler.filter(pod("few", gpus=1, memory_mib=2048, cores=5), names[:20])
+    assert seen and all(seen)
+    seen.clear()
+    gc.collect()
+    gc.unfreeze()
+    monkeypatch.setattr(gcpolicy, "_installed", SurvivorFreezer())  # as in the serving extender
+    try:
+        outcome = twin.scheduler.filter(pod("many", gpus=1, memory_mib=4096, cores=10), names)
+        assert outcome.passed and seen and not any(seen)
+        assert gc.isenabled() and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()

@@ -73,6 +73,11 @@ class HoleTerm(Protocol):
         measured is placed (free CPU cpu_after, memory_taken_mib of host memory taken)."""
         ...
 
+    def prepare_classes(self, classes: Sequence[tuple[str, int]]) -> None:
+        """The GPU classes (model, GPU memory MiB) whose tables hole_tables is about to be asked for, once per
+        placement before them: a term whose per-class work is cheaper together does it here."""
+        ...
+
 
 #: per GPU in a node's row (_node_row): used memory MiB, used cores, used vGPUs, vGPU slots, usable (healthy, not
 #: in MIG mode, not held by a pod outside kube-vgpu: 1, else 0)
@@ -231,6 +236,8 @@ def place_batch(
         return results
     rows = list(map(_node_row, nodes))
     kinds = set(map(_group_of, rows))
+    if holes is not None:
+        holes.prepare_classes([(kind[1], kind[2]) for kind in kinds if kind is not None])
     kind = kinds.pop() if len(kinds) == 1 else None
     if kind is not None:  # the usual cluster: every node of one kind, in one pass
         width, model, memory_mib, cores = kind

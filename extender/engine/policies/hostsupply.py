@@ -33,10 +33,11 @@ Where a node reports no allocatable memory the memory filter is off for it and h
 where CPU is unknown too, it is safgd.
 Cost: one table lookup per GPU as safgd, plus two bisections for the node's CPU and memory level; the tables
 (h = 0..1000) are per GPU class and per distinct set of scaled availabilities, built lazily when a node in that
-state is first measured and dropped when the learned model changes (a batch placement builds the levels it meets
-in one pass, residues_under: 52-76 ms on the openb default cluster half full, 146-170 ms one by one). A new
-request shape is placed on many nodes at once (policies.batch, hole_tables: each node's table by its levels, as
-measure() finds it).
+state is first measured and dropped when the learned model changes (a batch placement builds the availabilities
+of the GPU classes it meets in one pass, supply_residues, and the levels it meets in another, residues_under: the
+first placement after a change 38-65 ms on the openb default cluster half full, of which ~16 ms is the placement
+itself; 52-78 ms with the classes one by one, 146-170 ms with the levels too). A new request shape is placed on many
+nodes at once (policies.batch, hole_tables: each node's table by its levels, as measure() finds it).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from kube_vgpu.extender.engine.policies.supply import (
     _residue_under,
     residues_under,
     supply_residue,
+    supply_residues,
 )
 from kube_vgpu.extender.engine.shares import MILLI_PER_GPU
 
@@ -145,6 +147,7 @@ class _ClassTables:
             table = self.tables[signature] = tuple(row.tolist())
             for key in keys:
                 self.by_level[key] = table
+                self.arrays[key] = row  # the batch reads the array: not converted back from the tuple
 
     def array_at(self, cpu_level: int, memory_level: int) -> Floats:
         array = self.arrays.get((cpu_level, memory_level))
@@ -200,20 +203,37 @@ class HostSupplyFGD(SupplyLookaheadFGD):
             if self._epoch == epoch:
                 self._epoch += 1  # cached results depend on what the tasks ask of the host: a new model
 
-    def class_tables(self, model: str, gpu_memory_mib: int) -> _ClassTables:
+    def _current_tables(self) -> tuple[WeightedShapes, dict[tuple[str, int], _ClassTables]]:
+        """The learned shapes and the class tables built under them (dropped when the shapes changed)."""
         shapes = self.frag_model.shapes
         if shapes is not self._class_shapes:
             self._class_tables = {}
             self._class_shapes = shapes
+        return shapes, self._class_tables
+
+    def class_tables(self, model: str, gpu_memory_mib: int) -> _ClassTables:
+        shapes, built = self._current_tables()
         key = (model, gpu_memory_mib)
-        tables = self._class_tables.get(key)
+        tables = built.get(key)
         if tables is None:
-            tables = self._class_tables[key] = self.build_class_tables(shapes, *key)
+            probabilities = ask_probabilities(shapes, model, gpu_memory_mib)
+            tables = built[key] = self.build_class_tables(shapes, model, gpu_memory_mib, probabilities,
+                                                          supply_residue(probabilities)[1])
         return tables
 
-    def build_class_tables(self, shapes: WeightedShapes, model: str, gpu_memory_mib: int) -> _ClassTables:
-        probabilities = ask_probabilities(shapes, model, gpu_memory_mib)
-        available = supply_residue(probabilities)[1]
+    def prepare_classes(self, classes: Sequence[tuple[str, int]]) -> None:
+        """batch.HoleTerm: the availabilities of the classes not built yet under this learned model, in one pass
+        (supply_residues: after a model change, one batch placement meets all of them)."""
+        shapes, built = self._current_tables()
+        missing = [key for key in dict.fromkeys(classes) if key not in built]
+        if len(missing) < 2:
+            return  # class_tables builds one as cheaply
+        probabilities = [ask_probabilities(shapes, *key) for key in missing]
+        for key, row, (_, available) in zip(missing, probabilities, supply_residues(probabilities), strict=True):
+            built[key] = self.build_class_tables(shapes, *key, row, available)
+
+    def build_class_tables(self, shapes: WeightedShapes, model: str, gpu_memory_mib: int,
+                           probabilities: dict[int, float], available: dict[int, float]) -> _ClassTables:
         tasks: dict[int, list[tuple[int, int, float]]] = {}
         for shape, p in shapes:
             if not shape.gpu_count or not shape.accessible(model):

@@ -178,6 +178,9 @@ class LookaheadFGD(BalancedFGD):
                   np.zeros(len(nodes), dtype=np.int64))
         return tables, tables
 
+    def prepare_classes(self, classes: Sequence[tuple[str, int]]) -> None:
+        """batch.HoleTerm: nothing to share between classes (one table each, built when first asked)."""
+
     def gain(self, frag_before: float, frag_after: float) -> float:
         if self.quantised:
             return quantised_gain(frag_before, frag_after)  # the reference's integer score, as bfgd

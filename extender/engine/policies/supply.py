@@ -137,6 +137,98 @@ def supply_residue(
     return tuple(expected), available
 
 
+def _residues_and_fillers(
+    asks: Sequence[int], available: npt.NDArray[np.float64]
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
+    """_residue_under for many availabilities at once (one row each, in the order of asks, ascending): E(h) and the
+    filler hole h cannot do without, h = 0..1000, over arrays in runs of h as long as the smallest ask (as
+    residues_under), with the same float operations and comparisons in the same order of asks, so every value is
+    the one _residue_under computes. An ask a row lacks is given availability 0: its value a * E + 1 * h is then h,
+    which neither improves on nor ties with a filler's (below h - 1e-9)."""
+    rows = len(available)
+    expected = np.tile(np.arange(MILLI_PER_GPU + 1, dtype=np.float64), (rows, 1))
+    needed = np.zeros((rows, MILLI_PER_GPU + 1), dtype=np.int64)
+    if not asks or not rows:
+        return expected, needed
+    kept = 1.0 - available
+    step = asks[0]
+    if step < 1 or list(asks) != sorted(asks):
+        raise ValueError("asks must be ascending and at least 1 milli")
+    for start in range(step, MILLI_PER_GPU + 1, step):
+        holes = np.arange(start, min(start + step, MILLI_PER_GPU + 1))
+        holes_f = holes.astype(np.float64)
+        best = expected[:, start:start + len(holes)].copy()
+        filler = np.zeros(best.shape, dtype=np.int64)
+        tied = np.zeros(best.shape, dtype=np.bool_)
+        for column, ask in enumerate(asks):
+            if ask > holes[-1]:
+                break
+            value = (available[:, column:column + 1] * expected[:, np.maximum(holes - ask, 0)]
+                     + kept[:, column:column + 1] * holes_f)
+            reached = holes >= ask
+            better = reached & (value < best - 1e-9)
+            tie = reached & ~better & (filler != 0) & (value <= best + 1e-9)
+            best = np.where(better, value, best)
+            filler = np.where(better, ask, filler)
+            tied = np.where(better, False, tied | tie)
+        expected[:, start:start + len(holes)] = best
+        needed[:, start:start + len(holes)] = np.where(tied, 0, filler)
+    return expected, needed
+
+
+def supply_residues(
+    probabilities: Sequence[dict[int, float]], opening_share: float = OPENING_SHARE, max_rounds: int = MAX_ROUNDS
+) -> list[tuple[tuple[float, ...], dict[int, float]]]:
+    """supply_residue for several ask probabilities (several GPU classes) at once, each result the one it gives:
+    every round's E and fillers of the classes still settling in one pass over arrays (_residues_and_fillers, the
+    asks of all classes together), the demand and availability per class as there. hsafgd builds the
+    availabilities of all the GPU classes a batch placement meets in one call after its learned model changes."""
+    if not probabilities:
+        return []
+    asks = sorted({ask for row in probabilities for ask in row})
+    column = {ask: index for index, ask in enumerate(asks)}
+    availables = [dict.fromkeys(sorted(row), 1.0) for row in probabilities]
+
+    def matrix(rows: Sequence[int]) -> npt.NDArray[np.float64]:
+        grid = np.zeros((len(rows), len(asks)), dtype=np.float64)
+        for line, row in enumerate(rows):
+            for ask, a in availables[row].items():
+                grid[line, column[ask]] = a
+        return grid
+
+    settling = list(range(len(probabilities)))
+    expected_rows, needed_rows = _residues_and_fillers(asks, matrix(settling))
+    expected: list[npt.NDArray[np.float64]] = list(expected_rows)
+    needed: list[list[int]] = needed_rows.tolist()
+    for _ in range(max_rounds):
+        moved = []
+        for row in settling:
+            row_probabilities, available, row_needed = probabilities[row], availables[row], needed[row]
+            demand = dict.fromkeys(available, 0.0)
+            for opener, p in row_probabilities.items():
+                if opener >= MILLI_PER_GPU:
+                    continue  # a whole GPU leaves no hole
+                hole = MILLI_PER_GPU - opener
+                while hole > 0 and row_needed[hole]:
+                    demand[row_needed[hole]] += p * opening_share
+                    hole -= row_needed[hole]
+            updated = {
+                ask: min(available[ask], row_probabilities[ask] / demand[ask]) if demand[ask] > 0 else available[ask]
+                for ask in available
+            }
+            if not all(abs(updated[ask] - available[ask]) < 1e-9 for ask in available):
+                availables[row] = updated
+                moved.append(row)
+        settling = moved
+        if not settling:
+            break
+        expected_rows, needed_rows = _residues_and_fillers(asks, matrix(settling))
+        for line, row in enumerate(settling):
+            expected[row] = expected_rows[line]
+            needed[row] = needed_rows[line].tolist()
+    return [(tuple(expected[row].tolist()), availables[row]) for row in range(len(probabilities))]
+
+
 def supply_table(shapes: WeightedShapes, model: str, gpu_memory_mib: int) -> tuple[float, ...]:
     """E(h), h = 0..1000, on GPUs of this class under the learned shapes."""
     return supply_residue(ask_probabilities(shapes, model, gpu_memory_mib))[0]
