@@ -522,8 +522,9 @@ class Verbs:
         self.prioritize_asked = True
         pod, names, _ = _extender_args(doc)
         try:
-            # kube-scheduler adds nothing for a node missing from the list, exactly as for a 0: those are left out (in
-            # a burst onto an empty cluster that is nearly every node, and the reply shrinks from 500 entries to a few)
+            # kube-scheduler adds nothing for a node missing from the list, exactly as for a 0: those are left out
+            # where they are many (a burst onto an empty cluster: nearly every node, and the reply shrinks from 500
+            # entries to a few), kept where few (the hosts, and the reply's layout, stay as they were)
             hosts, scores = self.scheduler.scaled_scores(pod, names)
         except InvalidGpuRequest:
             return []

@@ -21,7 +21,13 @@ from hypothesis import strategies as st
 from kube_vgpu.dev.fixtures import gpu_node
 from kube_vgpu.extender import scheduler as scheduler_module
 from kube_vgpu.extender.cli import Extender, build, parse_args
-from kube_vgpu.extender.scheduler import PREPARED_CHANGES_MAX, FilterOutcome, Scheduler, _Scaling
+from kube_vgpu.extender.scheduler import (
+    PREPARED_CHANGES_MAX,
+    ZERO_SCORES_KEPT_SHARE,
+    FilterOutcome,
+    Scheduler,
+    _Scaling,
+)
 from kube_vgpu.extender.server import ScoreReplies
 from tests.extender.test_node_equivalence import (
     ASKS,
@@ -566,12 +572,31 @@ def test_over_http_prioritize_answers_from_what_the_filter_prepared(
     assert len(prepared) == 5 and all(made is not None for made in prepared)
 
 
-@settings(max_examples=300, deadline=None)
+@pytest.mark.parametrize(("raw", "expected"), [
+    # a quarter of the nodes at 0, or fewer: every node (a 0 adds what a missing node adds to kube-scheduler)
+    ([0.0, 0.0, 50.0, 60.0, 70.0, 80.0, 90.0, 100.0], [0, 0, 5, 6, 7, 8, 9, 10]),
+    # more: left out (a burst onto an empty cluster: most nodes at 0, a reply of a few)
+    ([10.0, 50.0, 100.0], [None, 4, 10]),
+    ([0.0, 0.0, 0.0, 60.0, 70.0, 80.0, 90.0, 100.0], [None, None, None, 6, 7, 8, 9, 10]),
+    ([5.0] * 8, [None] * 8),  # all equal: nothing to prefer
+])
+def test_the_nodes_at_0_are_kept_while_few(raw: list[float], expected: list[int | None]) -> None:
+    assert ZERO_SCORES_KEPT_SHARE == 0.25  # the cases' shares: 2 of 8 kept; 1 of 3 and 3 of 8 left out
+    names = [f"n{index}" for index in range(len(raw))]
+    hosts, scores = _Scaling.of(names, np.array(raw)).answer
+    assert dict(zip(hosts, scores, strict=True)) == {
+        name: score for name, score in zip(names, expected, strict=True) if score is not None}
+
+
+@settings(max_examples=400, deadline=None)
 @given(raw=st.lists(st.sampled_from([0.0, 12.5, 40.0, 50.0, 50.25, 61.0, 99.5, 100.0]), min_size=1, max_size=8),
-       changes=st.lists(st.tuples(st.integers(0, 7), st.floats(-10.0, 110.0, allow_nan=False)), max_size=4))
+       changes=st.lists(st.tuples(st.integers(0, 7), st.one_of(st.sampled_from([0.0, 2.0, 4.0, 12.5, 50.0]),
+                                                              st.floats(-10.0, 110.0, allow_nan=False))),
+                        max_size=6))
 def test_one_node_rescored_is_all_scaled_again(raw: list[float], changes: list[tuple[int, float]]) -> None:
-    """_Scaling.rescore, where it changes one node's scaled score alone, gives what scaling every node again gives;
-    where it cannot (the lowest or highest moves, a node joins or leaves the hosts), it says so."""
+    """_Scaling.rescore, where it changes one node's scaled score alone, gives what scaling every node again gives
+    (nodes falling to 0 or rising from it while the zeros are few enough to be kept among the hosts); where it
+    cannot (the lowest or highest moves, a node joins or leaves the hosts), it says so."""
     names = [f"n{index}" for index in range(len(raw))]
     values = np.array(raw)
     scaling = _Scaling.of(names, values)
