@@ -15,7 +15,7 @@ from kube_vgpu.extender.engine.policies import make_policy
 from kube_vgpu.extender.scheduler import STALE_REFRESH_PER_CALL, Scheduler
 from kube_vgpu.extender.sources.snapshot import SnapshotCluster
 from kube_vgpu.extender.state import ClusterState
-from tests.helpers import gpu_node, pod
+from tests.helpers import gpu_node, placed_nodes, pod
 
 
 def container(cpu: str | None, *, limits_only: bool = False, **extra: Any) -> dict[str, Any]:
@@ -181,14 +181,7 @@ def test_an_outdated_model_re_places_a_bounded_number_of_nodes_per_call(monkeypa
     state = ClusterState()
     cluster = SnapshotCluster(state, [gpu_node(name) for name in names])
     scheduler = Scheduler(state, cluster, node_policy="bfgd", gpu_policy="bfgd")
-    calls: list[str] = []
-    real_place = scheduler_module.place
-
-    def counting_place(node: Any, *args: Any, **kwargs: Any) -> Any:
-        calls.append(node.name)
-        return real_place(node, *args, **kwargs)
-
-    monkeypatch.setattr(scheduler_module, "place", counting_place)
+    calls = placed_nodes(monkeypatch)
     # counted per node: the nodes are identical, and equivalent nodes would otherwise share one placement
     monkeypatch.setattr(scheduler_module, "groupable", lambda *_: False)
     small = pod(memory_mib=1000)

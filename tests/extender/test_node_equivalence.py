@@ -21,7 +21,7 @@ from kube_vgpu.extender.engine.policies import make_policy
 from kube_vgpu.extender.scheduler import Scheduler, equivalence_key
 from kube_vgpu.extender.sources.snapshot import SnapshotCluster
 from kube_vgpu.extender.state import ClusterState
-from tests.helpers import pod
+from tests.helpers import placed_nodes, pod
 
 START_S = 1_800_000_000.0
 TTL_S = 120.0
@@ -176,7 +176,6 @@ def test_shared_results_decide_exactly_as_every_node_on_its_own(
 def test_equivalent_nodes_are_placed_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """A new request shape costs one placement per distinct node state, and each node's result carries its own
     name."""
-    from kube_vgpu.extender import scheduler as scheduler_module
 
     names = [f"n{i}" for i in range(30)]
     items: list[dict[str, Any]] = []
@@ -184,14 +183,7 @@ def test_equivalent_nodes_are_placed_once(monkeypatch: pytest.MonkeyPatch) -> No
         items.extend(node_items(name, 1, [0] * (index % 3), START_S))  # three distinct states
     clock = Clock()
     twin = Twin(clock, items, True)
-    calls: list[str] = []
-    real_place = scheduler_module.place
-
-    def counting_place(node: Any, *args: Any, **kwargs: Any) -> Any:
-        calls.append(node.name)
-        return real_place(node, *args, **kwargs)
-
-    monkeypatch.setattr(scheduler_module, "place", counting_place)
+    calls = placed_nodes(monkeypatch)
     pending = pod(gpus=1, memory_mib=4096, cores=10)
     assert twin.scheduler.filter(pending, names).passed == names
     assert len(calls) == 3

@@ -41,7 +41,7 @@ from tests.extender.test_node_equivalence import (
     nodes_strategy,
 )
 from tests.extender.test_node_equivalence import OpenGate as AnyGate
-from tests.helpers import pod
+from tests.helpers import placed_nodes, pod
 from tests.servers import serve
 
 changes_strategy = st.lists(
@@ -436,14 +436,7 @@ def test_a_filter_over_the_carried_answers_nodes_reads_only_those_changed(twin: 
     _, outcome, made = filtered_and_prepared(twin, "p", names)
     assert twin.scheduler._carry is not None and twin.scheduler._carry.order == outcome.passed
     order = outcome.passed
-    placed: list[str] = []
-    real_place = scheduler_module.place
-
-    def counting_place(node: Any, *args: Any, **kwargs: Any) -> Any:
-        placed.append(node.name)
-        return real_place(node, *args, **kwargs)
-
-    monkeypatch.setattr(scheduler_module, "place", counting_place)
+    placed = placed_nodes(monkeypatch)
     best = made[0][made[1].index(max(made[1]))]
     filler = pod("filler", gpus=1, memory_mib=1024, cores=1)  # a small pod: the node still fits the shape
     twin.scheduler.filter(filler, [best])

@@ -87,26 +87,8 @@ def residues_under(asks: Sequence[int], availabilities: Sequence[Sequence[float]
     is the one _residue_under computes; over arrays, h in runs as long as the smallest ask (no h of a run reads
     another's E). hsafgd builds the tables of all its nodes' levels in one call (~10x faster than one by one)."""
     rows = len(availabilities)
-    expected = np.tile(np.arange(MILLI_PER_GPU + 1, dtype=np.float64), (rows, 1))  # E(h) = h where no ask fits
-    if not asks or not rows:
-        return expected
     available = np.asarray(availabilities, dtype=np.float64).reshape(rows, len(asks))
-    kept = 1.0 - available  # (1 - a_s): as the scalar loop computes it
-    step = asks[0]
-    if step < 1 or list(asks) != sorted(asks):
-        raise ValueError("asks must be ascending and at least 1 milli")
-    for start in range(step, MILLI_PER_GPU + 1, step):
-        holes = np.arange(start, min(start + step, MILLI_PER_GPU + 1))
-        holes_f = holes.astype(np.float64)
-        best = expected[:, start:start + len(holes)].copy()
-        for column, ask in enumerate(asks):
-            if ask > holes[-1]:
-                break
-            a = available[:, column:column + 1]
-            value = a * expected[:, np.maximum(holes - ask, 0)] + kept[:, column:column + 1] * holes_f
-            best = np.where((holes >= ask) & (value < best - 1e-9), value, best)
-        expected[:, start:start + len(holes)] = best
-    return expected
+    return _residues_and_fillers(asks, available, fillers=False)[0]
 
 
 def supply_residue(
@@ -117,40 +99,51 @@ def supply_residue(
     available = dict.fromkeys(asks, 1.0)
     expected, needed = _residue_under(asks, available)
     for _ in range(max_rounds):
-        demand = dict.fromkeys(asks, 0.0)
-        for opener, p in probabilities.items():
-            if opener >= MILLI_PER_GPU:
-                continue  # a whole GPU leaves no hole
-            hole = MILLI_PER_GPU - opener
-            while hole > 0 and needed[hole]:
-                demand[needed[hole]] += p * opening_share
-                hole -= needed[hole]
-        # availability only falls: an ask found short stays short when the holes turn to another filler
-        updated = {
-            ask: min(available[ask], probabilities[ask] / demand[ask]) if demand[ask] > 0 else available[ask]
-            for ask in asks
-        }
-        if all(abs(updated[ask] - available[ask]) < 1e-9 for ask in asks):
+        updated = _next_availability(probabilities, available, needed, opening_share)
+        if updated is None:
             break
         available = updated
         expected, needed = _residue_under(asks, available)
     return tuple(expected), available
 
 
+def _next_availability(probabilities: dict[int, float], available: dict[int, float], needed: Sequence[int],
+                       opening_share: float) -> dict[int, float] | None:
+    """One round of the availability iteration (the module docstring): each ask's availability against the demand
+    the holes' fillers (needed) make for it; None where it has settled (the asks in available's order)."""
+    demand = dict.fromkeys(available, 0.0)
+    for opener, p in probabilities.items():
+        if opener >= MILLI_PER_GPU:
+            continue  # a whole GPU leaves no hole
+        hole = MILLI_PER_GPU - opener
+        while hole > 0 and needed[hole]:
+            demand[needed[hole]] += p * opening_share
+            hole -= needed[hole]
+    # availability only falls: an ask found short stays short when the holes turn to another filler
+    updated = {
+        ask: min(available[ask], probabilities[ask] / demand[ask]) if demand[ask] > 0 else available[ask]
+        for ask in available
+    }
+    if all(abs(updated[ask] - available[ask]) < 1e-9 for ask in available):
+        return None
+    return updated
+
+
 def _residues_and_fillers(
-    asks: Sequence[int], available: npt.NDArray[np.float64]
+    asks: Sequence[int], available: npt.NDArray[np.float64], fillers: bool = True
 ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
-    """_residue_under for many availabilities at once (one row each, in the order of asks, ascending): E(h) and the
-    filler hole h cannot do without, h = 0..1000, over arrays in runs of h as long as the smallest ask (as
-    residues_under), with the same float operations and comparisons in the same order of asks, so every value is
-    the one _residue_under computes. An ask a row lacks is given availability 0: its value a * E + 1 * h is then h,
-    which neither improves on nor ties with a filler's (below h - 1e-9)."""
+    """_residue_under for many availabilities at once (one row each, in the order of asks, ascending): E(h) and,
+    where fillers, the filler hole h cannot do without (else zeros), h = 0..1000, over arrays in runs of h as long
+    as the smallest ask (no h of a run reads another's E), with the same float operations and comparisons in the
+    same order of asks, so every value is the one _residue_under computes. An ask a row lacks is given
+    availability 0: its value a * E + 1 * h is then h, which neither improves on nor ties with a filler's (below
+    h - 1e-9)."""
     rows = len(available)
-    expected = np.tile(np.arange(MILLI_PER_GPU + 1, dtype=np.float64), (rows, 1))
+    expected = np.tile(np.arange(MILLI_PER_GPU + 1, dtype=np.float64), (rows, 1))  # E(h) = h where no ask fits
     needed = np.zeros((rows, MILLI_PER_GPU + 1), dtype=np.int64)
     if not asks or not rows:
         return expected, needed
-    kept = 1.0 - available
+    kept = 1.0 - available  # (1 - a_s): as the scalar loop computes it
     step = asks[0]
     if step < 1 or list(asks) != sorted(asks):
         raise ValueError("asks must be ascending and at least 1 milli")
@@ -167,12 +160,14 @@ def _residues_and_fillers(
                      + kept[:, column:column + 1] * holes_f)
             reached = holes >= ask
             better = reached & (value < best - 1e-9)
-            tie = reached & ~better & (filler != 0) & (value <= best + 1e-9)
+            if fillers:
+                tie = reached & ~better & (filler != 0) & (value <= best + 1e-9)
+                filler = np.where(better, ask, filler)
+                tied = np.where(better, False, tied | tie)
             best = np.where(better, value, best)
-            filler = np.where(better, ask, filler)
-            tied = np.where(better, False, tied | tie)
         expected[:, start:start + len(holes)] = best
-        needed[:, start:start + len(holes)] = np.where(tied, 0, filler)
+        if fillers:
+            needed[:, start:start + len(holes)] = np.where(tied, 0, filler)
     return expected, needed
 
 
@@ -203,20 +198,8 @@ def supply_residues(
     for _ in range(max_rounds):
         moved = []
         for row in settling:
-            row_probabilities, available, row_needed = probabilities[row], availables[row], needed[row]
-            demand = dict.fromkeys(available, 0.0)
-            for opener, p in row_probabilities.items():
-                if opener >= MILLI_PER_GPU:
-                    continue  # a whole GPU leaves no hole
-                hole = MILLI_PER_GPU - opener
-                while hole > 0 and row_needed[hole]:
-                    demand[row_needed[hole]] += p * opening_share
-                    hole -= row_needed[hole]
-            updated = {
-                ask: min(available[ask], row_probabilities[ask] / demand[ask]) if demand[ask] > 0 else available[ask]
-                for ask in available
-            }
-            if not all(abs(updated[ask] - available[ask]) < 1e-9 for ask in available):
+            updated = _next_availability(probabilities[row], availables[row], needed[row], opening_share)
+            if updated is not None:
                 availables[row] = updated
                 moved.append(row)
         settling = moved
