@@ -213,16 +213,6 @@ def _scaled(passed: list[str], raw: npt.NDArray[np.float64]) -> tuple[list[str],
 _NO_POSITIONS: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
 
 
-def _same_nodes(passed: list[str], previous: _PreparedScores) -> bool:
-    """Whether passed names the nodes of the previous prepared answer, in any order (its nodes are distinct)."""
-    if passed == previous.names or passed == previous.order:
-        return True
-    if len(passed) != len(previous.order):
-        return False
-    # as many distinct names, each one of the previous answer's: the same set
-    return all(map(previous.position_map().__contains__, passed)) and len(set(passed)) == len(passed)
-
-
 #: the nodes scaled to 0 are kept in prioritize's answer while they are at most this share of them. A 0 adds what a
 #: node missing from the answer adds to kube-scheduler: nothing. Kept, the hosts stay the same when a node's score
 #: falls to 0 or rises from it, and so does the reply's layout (server.ScoreReplies: a new one costs 1-3 ms at 5000
@@ -336,6 +326,22 @@ class _PreparedScores:
     def position(self, name: str) -> int:
         """name's position in order; -1 when not asked."""
         return self.position_map().get(name, -1)
+
+    def same_nodes(self, names: list[str]) -> bool:
+        """Whether names are this answer's nodes, in any order (its nodes are distinct): each name's position read
+        once, and every position met (a name given twice leaves one of them out)."""
+        order = self.order
+        if len(names) != len(order):
+            return False
+        if names == self.names or names == order:
+            return True
+        try:
+            asked = np.fromiter(map(self.position_map().__getitem__, names), dtype=np.int64, count=len(names))
+        except KeyError:
+            return False
+        seen = np.zeros(len(order), dtype=np.bool_)
+        seen[asked] = True
+        return bool(seen.all())
 
 
 @dataclass(slots=True)
@@ -829,7 +835,7 @@ class Scheduler:
         with state.lock:
             # the same nodes as the last answer prepared, in any order: computed in that answer's order, so the
             # reply keeps its layout (kube-scheduler's parallel filter plugins order the nodes anew every pod)
-            carry = self._carry if self._carry is not None and _same_nodes(passed, self._carry) else None
+            carry = self._carry if self._carry is not None and self._carry.same_nodes(passed) else None
             scored = self._scores_carried_over(carry, pod) if carry is not None else None
             if scored is None:
                 order = carry.order if carry is not None else passed
@@ -910,28 +916,18 @@ class Scheduler:
         prioritize then asks in, so the prepared answer carries over without matching a permutation again. None:
         judge the names as asked."""
         carry = self._carry
-        if (carry is None or len(names) != len(carry.order) or len(names) < CARRIED_MIN_NODES
-                or carry.answer is not answer or answer.refreshed is not carry.refreshed
-                or carry.journal_epoch != self.state.journal_epoch):
+        if (carry is None or len(names) < CARRIED_MIN_NODES or carry.answer is not answer
+                or answer.refreshed is not carry.refreshed or carry.journal_epoch != self.state.journal_epoch
+                or not carry.same_nodes(names)):
             return None
-        order = carry.order
         positions = carry.position_map()
-        if names != order:
-            try:
-                asked = np.fromiter(map(positions.__getitem__, names), dtype=np.int64, count=len(names))
-            except KeyError:
-                return None
-            seen = np.zeros(len(order), dtype=np.bool_)
-            seen[asked] = True
-            if not seen.all():  # a name given twice, so one of the answer's missing
-                return None
         journal = self.state.journal
         changed = dict.fromkeys(itertools.chain(journal[carry.journal_position:],
                                                 answer.refreshed[carry.refreshed_position:]))
         if len(changed) > CARRIED_CHANGES_MAX:
             return None
         placements = answer.passed
-        return order, [name for name in changed if name in positions and name not in placements]
+        return carry.order, [name for name in changed if name in positions and name not in placements]
 
     def _nodes_alone_decide(self) -> bool:
         """Whether a node's verdict for a pod depends on the node's state alone: no gate (quota) and no nomination
