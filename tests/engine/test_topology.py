@@ -7,13 +7,19 @@ from itertools import combinations
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kube_vgpu import protocol
 from kube_vgpu.dev.fixtures import synth_inventory
 from kube_vgpu.extender.engine.fit import place
 from kube_vgpu.extender.engine.model import NodeState, Placement, PlacementRequest
 from kube_vgpu.extender.engine.policies import DEFAULT_GPU_POLICY, DEFAULT_NODE_POLICY, make_policy
-from kube_vgpu.extender.engine.policies.topology import best_connected_set, set_quality
+from kube_vgpu.extender.engine.policies.topology import (
+    best_connected_positions,
+    best_connected_set,
+    set_quality,
+)
 from tests.helpers import pod
 
 #: every policy that must keep multi-GPU pods on well-connected GPUs: topology and the extender's defaults
@@ -94,3 +100,54 @@ def test_fractional_multi_gpu_pods_get_a_pair_too(policy: str) -> None:
     node = NodeState("n", synth_inventory("n", 8, "A100", 40960, "nvlink-pairs"))
     occupy(node, 0, 3)
     assert chosen(node, policy, gpus=2, memory_mib=8192, cores=10) in ([4, 5], [6, 7])
+
+
+def greedy_search(matrix: list[list[int]], candidates: list[int], count: int) -> list[int]:
+    """best_connected_set's search from every seed, without its shortcuts (the reference)."""
+    if count >= len(candidates):
+        return list(candidates)
+    best: list[int] = []
+    best_quality = (-1, -1)
+    for seed in candidates:
+        picked = [seed]
+        remaining = [c for c in candidates if c != seed]
+        while len(picked) < count:
+            pick = max(remaining, key=lambda c: (min(matrix[c][s] for s in picked), sum(matrix[c][s] for s in picked),
+                                                 -c))
+            picked.append(pick)
+            remaining.remove(pick)
+        quality = set_quality(matrix, picked)
+        if quality > best_quality:
+            best, best_quality = picked, quality
+    return best
+
+
+@st.composite
+def link_matrices(draw: st.DrawFn) -> list[list[int]]:
+    """8x8 link scores: uniform (NVSwitch, or none), a few values, or uniform but for one pair (or one direction)."""
+    kind = draw(st.sampled_from(["uniform", "random", "one-pair", "one-way"]))
+    base = draw(st.sampled_from([0, 10, 100, 118]))
+    matrix = [[0 if a == b else base for b in range(8)] for a in range(8)]
+    if kind == "random":
+        for a in range(8):
+            for b in range(a + 1, 8):
+                matrix[a][b] = matrix[b][a] = draw(st.sampled_from([0, 10, 40, 100]))
+    elif kind != "uniform":
+        a, b = draw(st.lists(st.integers(0, 7), min_size=2, max_size=2, unique=True))
+        matrix[a][b] = base + 1
+        if kind == "one-pair":
+            matrix[b][a] = base + 1
+    return matrix
+
+
+@settings(max_examples=300, deadline=None)
+@given(matrix=link_matrices(), candidates=st.lists(st.integers(0, 7), min_size=1, max_size=8, unique=True),
+       count=st.integers(1, 8))
+def test_best_connected_set_is_the_greedy_search(matrix: list[list[int]], candidates: list[int], count: int) -> None:
+    """The shortcut for candidates all linked alike (every set as good) gives the search's own answer, in its
+    order, for candidates in any order; and the memoised positions equal the search on sorted candidates."""
+    assert best_connected_set(matrix, candidates, count) == greedy_search(matrix, candidates, count)
+    positions = tuple(sorted(candidates))
+    link_id = -1 - abs(hash(tuple(map(tuple, matrix))))  # ids of its own (real ones are >= 0)
+    assert best_connected_positions(link_id, matrix, positions, count) == greedy_search(matrix, list(positions),
+                                                                                           count)

@@ -40,6 +40,11 @@ def best_connected_set(matrix: list[list[int]], candidates: Sequence[int], count
     """Greedy best-connected set of `count` positions among `candidates`."""
     if count >= len(candidates):
         return list(candidates)
+    if len(candidates) > 1 and _uniform_links(matrix, candidates):
+        # every set is as good as any other (NVSwitch, or no links): the search keeps its first seed's set, the
+        # first candidate and then the lowest positions (the tie-break -c), without its O(n^2 k) key calls
+        first = candidates[0]
+        return [first, *sorted(c for c in candidates if c != first)[: count - 1]]
     best: list[int] | None = None
     best_quality: tuple[int, int] = (-1, -1)
     for seed in candidates:
@@ -60,6 +65,36 @@ def best_connected_set(matrix: list[list[int]], candidates: Sequence[int], count
     return best
 
 
+def _uniform_links(matrix: list[list[int]], candidates: Sequence[int]) -> bool:
+    """Whether every pair of the candidates has the same link score, both ways."""
+    link = matrix[candidates[0]][candidates[1]]
+    for i, a in enumerate(candidates):
+        row = matrix[a]
+        for b in candidates[i + 1:]:
+            if row[b] != link or matrix[b][a] != link:
+                return False
+    return True
+
+
+#: (link matrix id, candidate positions, count) -> best_connected_set; nodes of one hardware type in one usage
+#: pattern share an entry, so a scan over thousands of alike nodes runs the greedy search a few times
+_BEST_SET_MEMO: dict[tuple[int, tuple[int, ...], int], list[int]] = {}
+
+
+def best_connected_positions(link_id: int, matrix: list[list[int]], positions: tuple[int, ...],
+                             count: int) -> list[int]:
+    """best_connected_set of sorted `positions`, memoised per link matrix (model.NodeState.link_id): the result
+    depends only on the matrix, the positions and the count. Callers must not mutate the list returned."""
+    key = (link_id, positions, count)
+    chosen = _BEST_SET_MEMO.get(key)
+    if chosen is None:
+        chosen = best_connected_set(matrix, positions, count)
+        if len(_BEST_SET_MEMO) > 100_000:  # bounded
+            _BEST_SET_MEMO.clear()
+        _BEST_SET_MEMO[key] = chosen
+    return chosen
+
+
 _gpu_index = attrgetter("index")
 
 
@@ -78,22 +113,10 @@ def least_damaging_gpu(node: NodeState, candidates: Sequence[GpuState], scratch:
     return min(candidates, key=damage)
 
 
-#: (link matrix id, candidate positions, count) -> best_connected_set; nodes of one hardware type in one usage
-#: pattern share an entry, so a scan over thousands of alike nodes runs the greedy search a few times
-_BEST_SET_MEMO: dict[tuple[int, tuple[int, ...], int], list[int]] = {}
-
-
 def best_connected_gpus(node: NodeState, candidates: Sequence[GpuState], count: int) -> list[GpuState]:
     """The best-connected `count` of the candidates (see best_connected_set)."""
     by_position = {gpu.position: gpu for gpu in candidates}
-    positions = tuple(sorted(by_position))
-    key = (node.link_id, positions, count)
-    chosen = _BEST_SET_MEMO.get(key)
-    if chosen is None:
-        chosen = best_connected_set(node.link_matrix, positions, count)
-        if len(_BEST_SET_MEMO) > 100_000:  # bounded
-            _BEST_SET_MEMO.clear()
-        _BEST_SET_MEMO[key] = chosen
+    chosen = best_connected_positions(node.link_id, node.link_matrix, tuple(sorted(by_position)), count)
     return [by_position[p] for p in chosen]
 
 
