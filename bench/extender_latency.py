@@ -11,7 +11,9 @@ Clusters (--cluster):
   * distinct: each node carries 8 1-GPU pods of random memory (20-60 GiB) and cores (30-70%), one per GPU (the
     `spread` policy): every node's state differs from every other's, the worst case for sharing work between nodes;
   * packed: each node runs one workload, 4 to 12 pods (8 on average) of one of four shapes, placed by the
-    extender's default policy (`bfgd`), as a cluster the extender filled itself looks: few distinct node states.
+    extender's default policy (`bfgd`), as a cluster the extender filled itself looks: few distinct node states;
+  * whole-gpu: each node runs 1-6 whole-GPU pods of random memory (a training cluster): every node's state its own,
+    its idle GPUs all alike (a fractional pod's choice among them is the topology tie-break on every node).
 
 Modes (--modes): `snapshot` serves the cluster from a snapshot file (`kube-vgpu extender --snapshot`), which also
 holds every Node and Pod object; `live` runs `kube-vgpu extender --kubeconfig` against a stand-in API server (a
@@ -110,7 +112,19 @@ def packed_cluster(nodes: int, seed: int = 7) -> list[dict[str, Any]]:
     return items
 
 
-CLUSTERS: dict[str, Callable[[int], list[dict[str, Any]]]] = {"distinct": half_full_cluster, "packed": packed_cluster}
+def whole_gpu_cluster(nodes: int, seed: int = 7) -> list[dict[str, Any]]:
+    """nodes x 8 A100-80GB, each running 1-6 whole-GPU pods (gpucores 100) of random memory: every node's state its
+    own, and its idle GPUs all alike (a training cluster)."""
+    rng = random.Random(seed)
+    items: list[dict[str, Any]] = []
+    for number in range(nodes):
+        pods = [(rng.randrange(20480, 81921, 1024), 100) for _ in range(rng.randint(1, 6))]
+        items.extend(_node_with_pods(f"gpu-node-{number:05d}", pods, "spread"))
+    return items
+
+
+CLUSTERS: dict[str, Callable[[int], list[dict[str, Any]]]] = {
+    "distinct": half_full_cluster, "packed": packed_cluster, "whole-gpu": whole_gpu_cluster}
 
 
 def shapes() -> dict[str, dict[str, Any]]:

@@ -8,7 +8,7 @@ being recomputed per request.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -226,6 +226,27 @@ class Placement:
     containers: tuple[ContainerPlacement, ...]
     usage: tuple[GpuUsage, ...]
     score: float = 0.0
+
+
+_NEW = object.__new__
+#: the slots' member descriptors: their __set__ stores a field without the frozen class's __setattr__
+_SLOT_DESCRIPTORS = vars(Placement)
+_SET_NODE_NAME: Callable[[Placement, str], None] = _SLOT_DESCRIPTORS["node_name"].__set__
+_SET_CONTAINERS: Callable[[Placement, tuple[ContainerPlacement, ...]], None] = _SLOT_DESCRIPTORS["containers"].__set__
+_SET_USAGE: Callable[[Placement, tuple[GpuUsage, ...]], None] = _SLOT_DESCRIPTORS["usage"].__set__
+_SET_SCORE: Callable[[Placement, float], None] = _SLOT_DESCRIPTORS["score"].__set__
+
+
+def new_placement(node_name: str, containers: tuple[ContainerPlacement, ...], usage: tuple[GpuUsage, ...],
+                  score: float) -> Placement:
+    """Placement(node_name, containers, usage, score), without the frozen dataclass's __init__ (an
+    object.__setattr__ call per field): a new request shape's batch builds one per node, 5000 in ~2 ms, not ~5."""
+    placement: Placement = _NEW(Placement)
+    _SET_NODE_NAME(placement, node_name)
+    _SET_CONTAINERS(placement, containers)
+    _SET_USAGE(placement, usage)
+    _SET_SCORE(placement, score)
+    return placement
 
 
 @dataclass(frozen=True, slots=True)
