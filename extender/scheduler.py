@@ -41,6 +41,7 @@ from kube_vgpu.extender.engine.model import (
     Placement,
     PlacementRequest,
     assignment_from_placement,
+    new_placement,
 )
 from kube_vgpu.extender.engine.policies import (
     DEFAULT_GPU_POLICY,
@@ -180,8 +181,8 @@ class _Answer:
     expires_s: float = math.inf
     passed: dict[str, Placement] = field(default_factory=dict)
     failed: dict[str, FitFailure] = field(default_factory=dict)
-    #: nodes whose verdicts were dropped for a reason the journal does not name (a result of an older model
-    #: re-placed), in order: a prepared prioritize answer carried over to the next pod reads them again as it does
+    #: nodes whose verdicts were dropped or replaced for a reason the journal does not name (a result of an older
+    #: model re-placed), in order: a prepared prioritize answer carried over to the next pod reads them again as it does
     #: the journal's (a new list past REFRESHED_LIMIT: the positions in the old one then mean nothing)
     refreshed: list[str] = field(default_factory=list)
 
@@ -408,6 +409,9 @@ class Scheduler:
         # holding results of an older model (see _outdated_nodes)
         self._key_epochs: dict[int, tuple[int, int]] = {}
         self._outdated: dict[int, list[str]] = {}
+        #: request keys whose outdated nodes the policy's batch placement has re-placed already: their lists hold
+        #: only the nodes it left to be re-placed one by one (_refresh_in_batch)
+        self._outdated_batched: set[int] = set()
         # request key -> (policies' epochs, equivalence key -> result of the node placed for that class)
         self._class_results: dict[int, _ClassResults] = {}
         # request key -> its answer (least recently used first)
@@ -497,9 +501,11 @@ class Scheduler:
             if known is not None or key in self._outdated:
                 # every node may hold a result of the older model: work through all of them, a few per filter
                 self._outdated.pop(key, None)
+                self._outdated_batched.discard(key)
                 if len(self._outdated) >= REFRESHING_SHAPES:
                     evicted = next(iter(self._outdated))
                     del self._outdated[evicted]
+                    self._outdated_batched.discard(evicted)
                     self._key_epochs[evicted] = (-1, -1)  # seen again: start over
                 self._outdated[key] = list(self.state.nodes)
         return self._outdated.get(key)
@@ -527,34 +533,35 @@ class Scheduler:
                     shared = classes[equivalence] = place(node, request, gpu_policy, node_policy)
                     return shared
                 if isinstance(shared, Placement) and shared.node_name != node.name:
-                    return Placement(node.name, shared.containers, shared.usage, shared.score)
+                    return new_placement(node.name, shared.containers, shared.usage, shared.score)
                 return shared
         return place(node, request, gpu_policy, node_policy)
 
     def _place_in_batch(self, names: list[str], failed_answers: Mapping[str, FitFailure], key: int,
                         classes: _ClassResults, request: PlacementRequest, policy: Policy, now: float,
-                        answer: _Answer | None) -> dict[str, Placement]:
+                        answer: _Answer | None) -> int:
         """Place the node-equivalence classes among `names` that the per-node loop would place one by one (no
         result cached, not placed for this shape yet, heartbeat fresh) with the policy's batch placement, if it has
         one, into `classes`; the loop then finds them there (caller holds the state lock). With the shape's
-        answer, the nodes that pass go into it as the loop would put them (their placement, the answer's expiry),
-        and are returned: the loop has nothing left to do for them."""
-        answered: dict[str, Placement] = {}
+        answer, the nodes that pass go into it as the loop would put them (their placement, the answer's expiry;
+        `names` holds none it passed before): how many, which the loop has nothing left to do for."""
         state = self.state
         journal_at = (state.journal_epoch, len(state.journal))
         if journal_at[0] == classes.batched_at[0] and journal_at[1] - classes.batched_at[1] < self.batch_min_nodes:
-            return answered  # too few nodes changed since the last look to make a batch
+            return 0  # too few nodes changed since the last look to make a batch
         classes.batched_at = journal_at
         results = classes.results
         nodes = state.nodes
         ttl = state.heartbeat_ttl_s
         todo: list[NodeState] = []
         equivalences: list[int] = []
-        heartbeats_s: list[float] = []
         #: the names as asked: the answer is keyed by them, as the loop keys it (the request's own strings, read
         #: contiguously by every later lookup; the nodes' names live scattered across the heap)
         asked: list[str] = []
         seen: set[int] = set()
+        #: the answer holds until the first of its nodes' heartbeats expires: the loop counts every node it judges,
+        #: passing or not, and judges the nodes the batch leaves to it itself
+        earliest_heartbeat_s = math.inf
         for name in names:
             node = nodes.get(name)
             if node is None or name in failed_answers or key in node.fit_cache:
@@ -562,33 +569,98 @@ class Scheduler:
             heartbeat_s = node.heartbeat_s
             if heartbeat_s is None or now - heartbeat_s > ttl:
                 continue
-            equivalence = equivalence_key(node)
+            equivalence = node.equivalence_key or equivalence_key(node)  # cached on the node (0: None) but once
             if equivalence is None or equivalence in results or equivalence in seen:
                 continue
             seen.add(equivalence)  # its twins among `names` get its result
             todo.append(node)
             equivalences.append(equivalence)
-            heartbeats_s.append(heartbeat_s)
             asked.append(name)
+            if heartbeat_s < earliest_heartbeat_s:
+                earliest_heartbeat_s = heartbeat_s
         if len(todo) < self.batch_min_nodes:
-            return answered
+            return 0
         placed = policy.place_batch(todo, request)
         if placed is None:
-            return answered
-        earliest_heartbeat_s = math.inf
-        for node, name, equivalence, heartbeat_s, result in zip(todo, asked, equivalences, heartbeats_s, placed,
-                                                                 strict=True):
-            if result is not None:  # else left to the per-node loop
-                results[equivalence] = node.fit_cache[key] = answered[name] = result
-                if heartbeat_s < earliest_heartbeat_s:
-                    earliest_heartbeat_s = heartbeat_s
-        if answer is None or not answered:
-            return {}
-        # as the loop does: the answer holds until the first of its nodes' heartbeats expires
-        if earliest_heartbeat_s + ttl < answer.expires_s:
+            return 0
+        if answer is None:
+            for node, equivalence, result in zip(todo, equivalences, placed, strict=True):
+                if result is not None:  # else left to the per-node loop
+                    results[equivalence] = node.fit_cache[key] = result
+            return 0
+        passed = answer.passed
+        before = len(passed)
+        for node, name, equivalence, result in zip(todo, asked, equivalences, placed, strict=True):
+            if result is not None:
+                results[equivalence] = node.fit_cache[key] = passed[name] = result
+        if len(passed) > before and earliest_heartbeat_s + ttl < answer.expires_s:
             answer.expires_s = earliest_heartbeat_s + ttl
-        answer.passed.update(answered)
-        return answered
+        return len(passed) - before
+
+    def _refresh_in_batch(self, outdated: list[str], key: int, request: PlacementRequest, policy: Policy,
+                          classes: dict[int, Placement | FitFailure]) -> None:
+        """Re-place the outdated nodes (results of this request shape under an older model) in one batch of the
+        policy's, where it has one, once per node-equivalence class as the filter does; `outdated` keeps only the
+        nodes the batch left to fit.place (where the pod does not fit, or what its arrays do not cover), which the
+        filter re-places a few per call (caller holds the state lock). One batch costs about a new shape's filter,
+        once; one by one, STALE_REFRESH_PER_CALL nodes (~1.3 ms at 5000 nodes) went on every filter of the shape
+        for ~300 pods after each change of the model."""
+        nodes = self.state.nodes
+        batch: list[NodeState] = []
+        batch_classes: list[int | None] = []
+        twins: list[tuple[NodeState, int]] = []  # of a class placed in the batch or before it
+        seen: set[int] = set()
+        for name in outdated:
+            node = nodes.get(name)
+            if node is None or key not in node.fit_cache:
+                continue
+            equivalence = node.equivalence_key or equivalence_key(node)  # cached on the node (0: None) but once
+            if equivalence is not None:
+                if equivalence in classes or equivalence in seen:
+                    twins.append((node, equivalence))
+                    continue
+                seen.add(equivalence)
+            batch.append(node)
+            batch_classes.append(equivalence)
+        placed = policy.place_batch(batch, request) if len(batch) >= self.batch_min_nodes else None
+        if placed is None:
+            return  # one by one, as without a batch
+        answer = self._answers.get(key)
+        left: list[str] = []
+        for node, equivalence, result in zip(batch, batch_classes, placed, strict=True):
+            if result is None:  # nor its twins: the filter places it alone
+                left.append(node.name)
+                continue
+            if equivalence is not None:
+                classes[equivalence] = result
+            self._refreshed(node, key, result, answer)
+        for node, equivalence in twins:
+            shared = classes.get(equivalence)
+            if shared is None:  # its class is left to fit.place
+                left.append(node.name)
+                continue
+            if isinstance(shared, Placement) and shared.node_name != node.name:
+                shared = new_placement(node.name, shared.containers, shared.usage, shared.score)
+            self._refreshed(node, key, shared, answer)
+        outdated[:] = left
+
+    @staticmethod
+    def _refreshed(node: NodeState, key: int, result: Placement | FitFailure, answer: _Answer | None) -> None:
+        """Record a node re-placed under the current model in a batch (_refresh_in_batch)."""
+        node.fit_cache[key] = result
+        if answer is None:
+            return
+        # a node the answer passed passes still (fit does not depend on the model): its new placement, as the
+        # filter would put it; prepared answers read its new score (refreshed)
+        name = node.name
+        if isinstance(result, Placement) and name in answer.passed:
+            answer.passed[name] = result
+        else:
+            answer.passed.pop(name, None)
+            answer.failed.pop(name, None)
+        if len(answer.refreshed) >= REFRESHED_LIMIT:
+            answer.refreshed = []
+        answer.refreshed.append(name)
 
     def _answer(self, key: int, now: float) -> _Answer:
         """The request shape's answer, brought up to date with the state's journal (caller holds the state lock)."""
@@ -672,6 +744,12 @@ class Scheduler:
                     class_results = self._classes_for(key, epochs)
                     classes = class_results.results
                 outdated = self._outdated_nodes(key, epochs)
+                if (outdated and refresh_budget > 0 and class_results is not None and node_policy is gpu_policy
+                        and key not in self._outdated_batched):
+                    self._outdated_batched.add(key)
+                    if len(outdated) >= COLLECTOR_PAUSE_MIN_NODES:
+                        burst.enter_context(collector_paused())
+                    self._refresh_in_batch(outdated, key, placement_request, node_policy, class_results.results)
                 budget_pops = refresh_budget * 4  # nodes without a result of this shape cost nothing to skip
                 while outdated and refresh_budget > 0 and budget_pops > 0:
                     budget_pops -= 1
@@ -688,6 +766,7 @@ class Scheduler:
                             stale_answer.failed.pop(node.name, None)
                 if outdated is not None and not outdated:
                     del self._outdated[key]
+                    self._outdated_batched.discard(key)
             names = node_names if isinstance(node_names, list) else list(node_names)
             todo = names
             answer = None
@@ -705,7 +784,7 @@ class Scheduler:
                     names, carried_todo = carried
                     todo = carried_todo
                 else:
-                    outcome.passed = [name for name in names if name in placements]
+                    outcome.passed = [name for name in names if name in placements] if placements else []
                     if len(outcome.passed) < len(names):
                         todo = [name for name in names if name not in placements] if outcome.passed else names
                     else:
@@ -719,10 +798,10 @@ class Scheduler:
                     names = ordered
                 todo = ordered
             if class_results is not None and len(todo) >= self.batch_min_nodes and node_policy is gpu_policy:
-                answered = self._place_in_batch(todo, failed_answers, key, class_results, placement_request,
-                                                node_policy, now, answer)
-                if answered:  # passing nodes the batch put in the shape's answer itself: the loop skips them
-                    todo = [name for name in todo if name not in answered]
+                if self._place_in_batch(todo, failed_answers, key, class_results, placement_request, node_policy,
+                                        now, answer):
+                    # passing nodes the batch put in the shape's answer itself (placements): the loop skips them
+                    todo = [name for name in todo if name not in placements]
                     judged_passes = True
             for name in todo:
                 known = failed_answers.get(name) if answer is not None else None
@@ -793,7 +872,9 @@ class Scheduler:
                 passing = all(name in placements for name in carried_todo)
                 outcome.passed = names.copy() if passing else [name for name in names if name in placements]
             elif judged_passes:  # in the order walked, with the nodes that answered from the shape's answer
-                outcome.passed = [name for name in names if name in placements]
+                # every node refused is named in failed or unresolvable: with none, every name passed
+                passing = not outcome.failed and not outcome.unresolvable
+                outcome.passed = names.copy() if passing else [name for name in names if name in placements]
             if not outcome.passed and preemptor is not None and uid and (gpu_failed or quota_failed):
                 preemptor.on_unplaced(pod, str(uid), request, placement_request, gpu_policy, node_policy,
                                       gpu_failed, quota_failed, outcome.failed)

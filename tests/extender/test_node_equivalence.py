@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -18,7 +19,7 @@ from kube_vgpu.dev.fixtures import gpu_pod_object, node_object, synth_inventory
 from kube_vgpu.extender.engine.fit import place
 from kube_vgpu.extender.engine.model import NodeState, Placement, PlacementRequest, assignment_from_placement
 from kube_vgpu.extender.engine.policies import make_policy
-from kube_vgpu.extender.scheduler import Scheduler, equivalence_key
+from kube_vgpu.extender.scheduler import Scheduler, _scaled, equivalence_key
 from kube_vgpu.extender.sources.snapshot import SnapshotCluster
 from kube_vgpu.extender.state import ClusterState
 from tests.helpers import placed_nodes, pod
@@ -274,6 +275,64 @@ def test_a_new_shape_on_many_distinct_nodes_is_placed_in_one_batch(monkeypatch: 
     placed.clear()
     assert twin.scheduler.filter(pod(**shape), names).passed == names
     assert batches == [count, count, count] and not placed
+
+
+def test_an_outdated_model_is_re_placed_in_one_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the learned model changes, the next filter of a shape re-places its nodes in one batch of bfgd's (once
+    per node-equivalence class: a twin takes its class's result) and the nodes the batch leaves (here: those the pod
+    does not fit) one by one within the per-call budget; every kept result, the answer and prioritize's scores are
+    then exactly the current model's, and the next pod of the shape places nothing."""
+    from kube_vgpu.extender import scheduler as scheduler_module
+    from kube_vgpu.extender.engine.policies.bfgd import BalancedFGD
+
+    count = scheduler_module.BATCH_MIN_NODES + 8
+    names = [f"n{i}" for i in range(count)]
+    items: list[dict[str, Any]] = []
+    for index, name in enumerate(names):
+        items.extend(node_items(name, index % 2, [3] if index % 5 == 0 else [], START_S))  # every 5th: 1 GPU held
+    items.extend(node_items("twin", 1, [], START_S))  # n1's twin, once its CPU is taken alike
+    clock = Clock()
+    twin = Twin(clock, items, True, batch=False)
+    scheduler = twin.scheduler
+    scheduler.batch_min_nodes = scheduler_module.BATCH_MIN_NODES
+    for index, name in enumerate(names):  # free CPU differs on every node: all states distinct
+        twin.state.upsert_pod(cpu_only_pod(f"c{index}", name, f"{index + 1}"))
+    twin.state.upsert_pod(cpu_only_pod("c-twin", "twin", "2"))
+    everyone = [*names, "twin"]
+    whole = {"gpus": 2, "cores": 100}  # two idle GPUs: the 2-GPU nodes with one held do not fit
+    unfit = [name for index, name in enumerate(names) if index % 2 == 0 and index % 5 == 0]
+    first = scheduler.filter(pod("first", **whole), everyone)
+    assert sorted(first.failed) == sorted(unfit)
+    policy = scheduler.default_node_policy
+    assert isinstance(policy, BalancedFGD)
+    epoch = policy.epoch()
+    for number in range(16):  # another workload: the next refresh changes the model
+        scheduler.filter(pod(f"w{number}", gpus=1, memory_mib=30000, cores=40), [])
+    assert policy.epoch() != epoch
+
+    placed = placed_nodes(monkeypatch)
+    batches: list[int] = []
+    real_batch = BalancedFGD.place_batch
+
+    def counting_batch(self: BalancedFGD, nodes: Any, request: Any) -> Any:
+        batches.append(len(nodes))
+        return real_batch(self, nodes, request)
+
+    monkeypatch.setattr(BalancedFGD, "place_batch", counting_batch)
+    pending = pod("after", **whole)
+    outcome = scheduler.filter(pending, everyone)
+    assert batches == [count]  # the twin took n1's result
+    assert sorted(placed) == sorted(unfit)  # left by the batch: one by one (fewer than the budget)
+    assert sorted(outcome.failed) == sorted(unfit) and sorted(outcome.passed) == sorted(set(everyone) - set(unfit))
+    request = scheduler._placement_request(pending, protocol.parse_pod_gpu_request(pending), policy, policy)
+    current = {name: place(twin.state.nodes[name], request, policy, policy) for name in everyone}
+    for name in everyone:
+        assert list(twin.state.nodes[name].fit_cache.values()) == [current[name]], name
+    expected = _scaled(outcome.passed, np.array([current[name].score for name in outcome.passed]))  # type: ignore[union-attr]
+    assert scheduler.scaled_scores(pending, outcome.passed) == expected
+    placed.clear()
+    assert scheduler.filter(pod("next", **whole), everyone).passed == outcome.passed
+    assert batches == [count] and not placed
 
 
 def test_a_shape_answered_by_a_batch_expires_with_the_first_stale_heartbeat() -> None:

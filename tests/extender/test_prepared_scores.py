@@ -81,9 +81,10 @@ def place_and_bind(twin: Twin, pending: dict[str, Any], asked: list[str]) -> str
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(nodes=nodes_strategy, steps=steps_strategy, rotate=st.booleans())
+@given(nodes=nodes_strategy, steps=steps_strategy, rotate=st.booleans(), batch=st.booleans())
 def test_a_prepared_answer_is_the_answer_computed_when_asked(
-    nodes: list[tuple[int, list[int]]], steps: list[tuple[int, str, list[tuple[Any, ...]], int]], rotate: bool
+    nodes: list[tuple[int, list[int]]], steps: list[tuple[int, str, list[tuple[Any, ...]], int]], rotate: bool,
+    batch: bool,
 ) -> None:
     """One extender: each pod filtered, its answer prepared (after some of the changes, or before all), the changes,
     then prioritize; its answer must be what prioritize computes at that moment with nothing prepared (as
@@ -98,7 +99,7 @@ def test_a_prepared_answer_is_the_answer_computed_when_asked(
     items: list[dict[str, Any]] = []
     for name, (hardware, running) in zip(names, nodes, strict=True):
         items.extend(node_items(name, hardware, running, START_S))
-    extender = Twin(clock, items, True)
+    extender = Twin(clock, items, True, batch=batch)  # batch: new shapes and outdated models in bfgd's batches
     scheduler = extender.scheduler
     bound: list[str] = []
     for step, (ask, cpu, changes, early) in enumerate(steps):
