@@ -162,6 +162,13 @@ def equivalence_key(node: NodeState) -> int | None:
     return key or None
 
 
+def _named_for(result: Placement | FitFailure, node_name: str) -> Placement | FitFailure:
+    """A node-equivalence class's result for one of its nodes: a placement under that node's own name."""
+    if isinstance(result, Placement) and result.node_name != node_name:
+        return new_placement(node_name, result.containers, result.usage, result.score)
+    return result
+
+
 def groupable(request: PlacementRequest, node_policy: Policy, gpu_policy: Policy) -> bool:
     """Whether nodes of one equivalence key get one result for this request (equivalence_key)."""
     selectors = request.gpu.selectors
@@ -185,6 +192,12 @@ class _Answer:
     #: model re-placed), in order: a prepared prioritize answer carried over to the next pod reads them again as it does
     #: the journal's (a new list past REFRESHED_LIMIT: the positions in the old one then mean nothing)
     refreshed: list[str] = field(default_factory=list)
+
+    def note_refreshed(self, name: str) -> None:
+        """Record a node whose verdict was dropped or replaced outside the journal (refreshed)."""
+        if len(self.refreshed) >= REFRESHED_LIMIT:
+            self.refreshed = []
+        self.refreshed.append(name)
 
 
 @dataclass(slots=True)
@@ -532,9 +545,7 @@ class Scheduler:
                 if shared is None:
                     shared = classes[equivalence] = place(node, request, gpu_policy, node_policy)
                     return shared
-                if isinstance(shared, Placement) and shared.node_name != node.name:
-                    return new_placement(node.name, shared.containers, shared.usage, shared.score)
-                return shared
+                return _named_for(shared, node.name)
         return place(node, request, gpu_policy, node_policy)
 
     def _place_in_batch(self, names: list[str], failed_answers: Mapping[str, FitFailure], key: int,
@@ -639,9 +650,7 @@ class Scheduler:
             if shared is None:  # its class is left to fit.place
                 left.append(node.name)
                 continue
-            if isinstance(shared, Placement) and shared.node_name != node.name:
-                shared = new_placement(node.name, shared.containers, shared.usage, shared.score)
-            self._refreshed(node, key, shared, answer)
+            self._refreshed(node, key, _named_for(shared, node.name), answer)
         outdated[:] = left
 
     @staticmethod
@@ -658,9 +667,7 @@ class Scheduler:
         else:
             answer.passed.pop(name, None)
             answer.failed.pop(name, None)
-        if len(answer.refreshed) >= REFRESHED_LIMIT:
-            answer.refreshed = []
-        answer.refreshed.append(name)
+        answer.note_refreshed(name)
 
     def _answer(self, key: int, now: float) -> _Answer:
         """The request shape's answer, brought up to date with the state's journal (caller holds the state lock)."""
@@ -759,9 +766,7 @@ class Scheduler:
                         refresh_budget -= 1
                         stale_answer = self._answers.get(key)
                         if stale_answer is not None:
-                            if len(stale_answer.refreshed) >= REFRESHED_LIMIT:
-                                stale_answer.refreshed = []
-                            stale_answer.refreshed.append(node.name)
+                            stale_answer.note_refreshed(node.name)
                             stale_answer.passed.pop(node.name, None)
                             stale_answer.failed.pop(node.name, None)
                 if outdated is not None and not outdated:
