@@ -173,6 +173,10 @@ def test_separate_probe_listener_serves_metrics_and_health(extender: Extender) -
     from kube_vgpu.extender.server import serve_probes
     from tests.servers import free_port
 
+    # one instant for both listeners: /state carries each node's heartbeat age, which would otherwise differ by the
+    # time between the two requests
+    frozen_now_s = extender.state.clock()
+    extender.state.clock = lambda: frozen_now_s
     port = free_port()
     server = serve_probes(extender.app.state.registry, extender.scheduler, "127.0.0.1", port)
     try:
