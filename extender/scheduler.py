@@ -443,8 +443,9 @@ class Scheduler:
         #: node name -> whose turn it is to write (extender/binding.py); binds to different nodes stay concurrent,
         #: and nothing waits on kubelet
         self.ordering = BindOrdering()
-        #: hooks for metrics: called with (verb outcome, FitFailure code)
-        self.on_rejection: Callable[[str], None] = lambda code: None
+        #: hook for metrics: called once per filter and rejection reason (a FitFailure code, "stale", "nominated",
+        #: "quota") with the number of nodes refused for it (per node, 1600 refusals cost ~3 ms of counter locks)
+        self.on_rejection: Callable[[str, int], None] = lambda code, count: None
 
     def enable_preemption(self, evictor: Evictor, *, inline: bool = False,
                           max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> None:
@@ -740,6 +741,7 @@ class Scheduler:
                 self.nominations.expire()
             pod_priority = _priority(pod) if held_nodes else 0
             gpu_failed: list[str] = []  # nodes refused for GPU reasons only: where preemption could help
+            rejected: dict[str, int] = {}  # nodes refused per reason (on_rejection), counted once the walk is done
             quota_failed: list[tuple[str, Placement]] = []  # GPUs fit, the quota gate refused
             if preemptor is not None and uid and self.nominations.by_preemptor:
                 preemptor.before_filter(str(uid))
@@ -812,7 +814,7 @@ class Scheduler:
                 known = failed_answers.get(name) if answer is not None else None
                 if known is not None:
                     (outcome.unresolvable if known.unresolvable else outcome.failed)[name] = known.reason
-                    self.on_rejection(known.code)
+                    rejected[known.code] = rejected.get(known.code, 0) + 1
                     if not known.unresolvable:
                         gpu_failed.append(name)
                     continue
@@ -832,7 +834,7 @@ class Scheduler:
                 if heartbeat_s is None or now - heartbeat_s > ttl:
                     age = "never" if heartbeat_s is None else f"{now - heartbeat_s:.0f} s ago"
                     outcome.failed[name] = f"GPU inventory stale (last heartbeat {age})"
-                    self.on_rejection("stale")
+                    rejected["stale"] = rejected.get("stale", 0) + 1
                     continue
                 result = node.fit_cache.get(key) if cacheable else None
                 if result is None:
@@ -849,7 +851,7 @@ class Scheduler:
                         judged_passes = True  # placements is the answer's: recorded below
                 if isinstance(result, FitFailure):
                     (outcome.unresolvable if result.unresolvable else outcome.failed)[name] = result.reason
-                    self.on_rejection(result.code)
+                    rejected[result.code] = rejected.get(result.code, 0) + 1
                     if not result.unresolvable:
                         gpu_failed.append(name)
                     continue
@@ -858,7 +860,7 @@ class Scheduler:
                                           node_policy)
                     if held:
                         outcome.failed[name] = held
-                        self.on_rejection("nominated")
+                        rejected["nominated"] = rejected.get("nominated", 0) + 1
                         continue
                 gate_reason = None
                 for gate in self.gates:
@@ -867,12 +869,14 @@ class Scheduler:
                         break
                 if gate_reason:
                     outcome.failed[name] = gate_reason
-                    self.on_rejection("quota")
+                    rejected["quota"] = rejected.get("quota", 0) + 1
                     quota_failed.append((name, result))
                     continue
                 if answer is None:
                     outcome.passed.append(name)
                 placements[name] = result
+            for code, count in rejected.items():
+                self.on_rejection(code, count)
             if carried_todo is not None:  # the last prepared answer's nodes, in its order
                 passing = all(name in placements for name in carried_todo)
                 outcome.passed = names.copy() if passing else [name for name in names if name in placements]

@@ -375,11 +375,11 @@ class ExtenderMetrics:
     bad_requests: Counter
     rejection_children: dict[str, Any] = field(default_factory=dict)
 
-    def count_rejection(self, code: str) -> None:
+    def count_rejection(self, code: str, count: int) -> None:
         child = self.rejection_children.get(code)
         if child is None:
             child = self.rejection_children[code] = self.rejections.labels(code)
-        child.inc()
+        child.inc(count)
 
 
 def extender_metrics(scheduler: Scheduler, *, per_pod_gpu: bool = True) -> ExtenderMetrics:

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kube_vgpu import protocol
 from kube_vgpu.extender.cli import Extender, build, parse_args
@@ -167,6 +168,26 @@ def test_health_ready_metrics_state(client: httpx.Client) -> None:
     assert 'kube_vgpu_gpu_memory_mib{gpu="0",model="Tesla-T4",node="t4-0"' in metrics
     state: dict[str, Any] = client.get("/state").json()
     assert {n["name"] for n in state["nodes"]} == set(NAMES)
+
+
+def test_rejections_are_counted_per_node_refused(client: httpx.Client) -> None:
+    """kube_vgpu_extender_rejections_total counts every node a filter refused, by reason, whether the node was
+    judged afresh or answered from the shape's kept verdicts (counted once per reason and filter, not per node)."""
+
+    def rejections() -> dict[str, float]:
+        families = text_string_to_metric_families(client.get("/metrics").text)
+        family = next(f for f in families if f.name == "kube_vgpu_extender_rejections")
+        return {s.labels["reason"]: s.value for s in family.samples if s.name.endswith("_total")}
+
+    too_big = pod(memory_mib=99999)
+    client.post("/filter", json={"Pod": too_big, "NodeNames": NAMES})
+    assert rejections()["memory"] == 3
+    client.post("/filter", json={"Pod": too_big, "NodeNames": [*NAMES, "ghost"]})  # kept verdicts; one unknown node
+    assert rejections()["memory"] == 6
+    reply = client.post("/filter", json={"Pod": pod(memory_mib=40000, cores=50), "NodeNames": NAMES}).json()
+    assert list(reply["FailedAndUnresolvableNodes"]) == ["t4-0"]
+    counted = rejections()
+    assert counted["memory"] == 7 and sum(counted.values()) == 7
 
 
 def test_separate_probe_listener_serves_metrics_and_health(extender: Extender) -> None:
