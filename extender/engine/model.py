@@ -8,9 +8,9 @@ being recomputed per request.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from kube_vgpu.protocol import (
     CORES_PER_GPU,
@@ -218,9 +218,10 @@ def peak_usage(node: NodeState, phases: Iterable[Iterable[tuple[int, int, int]]]
     return tuple(GpuUsage(position, v[0], v[1], v[2], bool(v[3])) for position, v in sorted(peak.items()))
 
 
-@dataclass(frozen=True, slots=True)
-class Placement:
-    """Where a pod's vGPUs go on one node, with the node's score under the policy that chose it."""
+class Placement(NamedTuple):
+    """Where a pod's vGPUs go on one node, with the node's score under the policy that chose it. A named tuple, not
+    a frozen dataclass: as immutable, and a new request shape's batch builds one per node (new_placement), 5000 in
+    ~2 ms, against ~7 ms through a frozen dataclass's slots."""
 
     node_name: str
     containers: tuple[ContainerPlacement, ...]
@@ -228,25 +229,15 @@ class Placement:
     score: float = 0.0
 
 
-_NEW = object.__new__
-#: the slots' member descriptors: their __set__ stores a field without the frozen class's __setattr__
-_SLOT_DESCRIPTORS = vars(Placement)
-_SET_NODE_NAME: Callable[[Placement, str], None] = _SLOT_DESCRIPTORS["node_name"].__set__
-_SET_CONTAINERS: Callable[[Placement, tuple[ContainerPlacement, ...]], None] = _SLOT_DESCRIPTORS["containers"].__set__
-_SET_USAGE: Callable[[Placement, tuple[GpuUsage, ...]], None] = _SLOT_DESCRIPTORS["usage"].__set__
-_SET_SCORE: Callable[[Placement, float], None] = _SLOT_DESCRIPTORS["score"].__set__
+#: tuple.__new__, for loops that build many named tuples (Placement) without their own __new__, a Python call
+NEW_TUPLE = tuple.__new__
 
 
 def new_placement(node_name: str, containers: tuple[ContainerPlacement, ...], usage: tuple[GpuUsage, ...],
                   score: float) -> Placement:
-    """Placement(node_name, containers, usage, score), without the frozen dataclass's __init__ (an
-    object.__setattr__ call per field): a new request shape's batch builds one per node, 5000 in ~2 ms, not ~5."""
-    placement: Placement = _NEW(Placement)
-    _SET_NODE_NAME(placement, node_name)
-    _SET_CONTAINERS(placement, containers)
-    _SET_USAGE(placement, usage)
-    _SET_SCORE(placement, score)
-    return placement
+    """Placement(node_name, containers, usage, score) without the named tuple's own __new__ (a Python call); hot
+    loops inline the same NEW_TUPLE call."""
+    return NEW_TUPLE(Placement, (node_name, containers, usage, score))
 
 
 @dataclass(frozen=True, slots=True)

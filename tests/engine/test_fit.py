@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import pytest
@@ -174,9 +173,9 @@ def test_gpu_with_pods_outside_kube_vgpu_counts_as_fully_used() -> None:
     assert isinstance(failure, FitFailure) and "outside kube-vgpu (ml/rogue)" in failure.reason
 
 
-def test_new_placement_is_the_dataclass_built_faster() -> None:
+def test_new_placement_is_placement_built_faster() -> None:
     """new_placement (the batch placement's constructor) makes what Placement(...) makes: equal, hashed alike,
-    every field set, and as frozen."""
+    every field set, and as immutable."""
     node = node_with([(4000, 20, 1)])
     built = place(node, PlacementRequest(protocol.parse_pod_gpu_request(pod(memory_mib=2000, cores=10))), BINPACK,
                   BINPACK)
@@ -184,7 +183,7 @@ def test_new_placement_is_the_dataclass_built_faster() -> None:
     fast = new_placement(built.node_name, built.containers, built.usage, built.score)
     assert type(fast) is Placement
     assert fast == built and hash(fast) == hash(built)
-    assert [getattr(fast, f.name) for f in dataclasses.fields(Placement)] == [
+    assert [getattr(fast, name) for name in Placement._fields] == [
         built.node_name, built.containers, built.usage, built.score]
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(AttributeError):
         fast.score = 1.0  # type: ignore[misc]

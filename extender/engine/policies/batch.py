@@ -31,7 +31,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import numpy as np
 import numpy.typing as npt
 
-from kube_vgpu.extender.engine.model import ContainerPlacement, GpuUsage, Placement, new_placement
+from kube_vgpu.extender.engine.model import NEW_TUPLE, ContainerPlacement, GpuUsage, Placement
 from kube_vgpu.extender.engine.policies.base import Scratch
 from kube_vgpu.extender.engine.policies.topology import (
     BEST_LINK_SCORE,
@@ -379,14 +379,17 @@ def _place_group(  # noqa: C901 - one vectorised pass, in fit.place's order
             fill = 0.5 * memory_sum / total_memory + 0.5 * cores_sum / max(cores * width, 1)
             scores = scores + 0.5 * fill  # bfgd.FILL_TIE_BREAK (no GPU memory: a fill of 0.0, nothing to add)
 
-    built: dict[tuple[int, ...], tuple[tuple[ContainerPlacement, ...], tuple[GpuUsage, ...]]] = {}
+    built: dict[tuple[int, ...] | None, tuple[tuple[ContainerPlacement, ...], tuple[GpuUsage, ...]] | None] = {
+        None: None}
     for where in set(chosen):
         if where is not None:
             devices = tuple((p, need_memory, taken_cores) for p in where)
             usage = tuple(GpuUsage(p, need_memory, taken_cores, 1, exclusive) for p in sorted(where))
             built[where] = ((ContainerPlacement(container, devices),), usage)
-    return [new_placement(node.name, *built[where], score) if fit and where is not None else None
-            for node, where, score, fit in zip(nodes, chosen, scores.tolist(), placeable.tolist(), strict=True)]
+    # Placement(...) inlined (new_placement): 5000 nodes in ~2 ms, not ~7
+    return [NEW_TUPLE(Placement, (node.name, made[0], made[1], score)) if fit and made is not None else None
+            for node, made, score, fit in zip(nodes, map(built.__getitem__, chosen), scores.tolist(),
+                                              placeable.tolist(), strict=True)]
 
 
 #: (link matrix id, candidate bits, idle bits) -> _least_damaging's position: the same on every node with that
