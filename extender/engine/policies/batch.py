@@ -22,6 +22,7 @@ import math
 import os
 from array import array
 from collections.abc import Sequence
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Protocol
 
 # numpy's BLAS is never used here: one thread instead of one per core (each with its buffers) in the extender; set
@@ -266,6 +267,10 @@ def _columns_of(row: tuple[tuple[int, str, int, int], bytes] | None) -> bytes:
     return b"" if row is None else row[1]
 
 
+_CPU_TOTAL = attrgetter("cpu_milli_total")
+_CPU_USED = attrgetter("cpu_milli_used")
+
+
 def _place_group(  # noqa: C901 - one vectorised pass, in fit.place's order
     nodes: list[NodeState], columns: Ints, model: str, memory_mib: int, cores: int, request: PlacementRequest,
     container: ContainerGpuRequest, policy: BalancedFGD, holes: HoleTerm | None,
@@ -276,8 +281,8 @@ def _place_group(  # noqa: C901 - one vectorised pass, in fit.place's order
     vgpus = columns[:, :, 2]
     max_vgpus = columns[:, :, 3]
     usable = columns[:, :, 4] == 1
-    cpu_total = np.fromiter((node.cpu_milli_total for node in nodes), dtype=np.int64, count=count)
-    cpu_used = np.fromiter((node.cpu_milli_used for node in nodes), dtype=np.int64, count=count)
+    cpu_total = np.fromiter(map(_CPU_TOTAL, nodes), dtype=np.int64, count=count)
+    cpu_used = np.fromiter(map(_CPU_USED, nodes), dtype=np.int64, count=count)
     cpu_known = cpu_total > 0  # policies._milli.frag_cpu_free_milli
     cpu_free = np.where(cpu_known, cpu_total - cpu_used, 1 << 40)
     cpu_after = np.where(cpu_known, cpu_free - request.cpu_milli, cpu_free)
@@ -329,9 +334,8 @@ def _place_group(  # noqa: C901 - one vectorised pass, in fit.place's order
                 if node.has_links:  # else the lowest index, already picked
                     picked[row] = _least_damaging(node, tied_bits[row], idle_bits[row])
         gains = np.take_along_axis(each, picked[:, None], axis=1)[:, 0]
-        shapes = [(position,) for position in range(width)]
-        for row, position in enumerate(picked.tolist()):
-            chosen[row] = shapes[position]
+        shapes: list[tuple[int, ...] | None] = [(position,) for position in range(width)]
+        chosen = list(map(shapes.__getitem__, picked.tolist()))
     else:
         # choose_whole: the lowest-index fitting GPUs, or on nodes with links the best-connected ones
         fit_bits = (fits @ bit).tolist()
