@@ -24,9 +24,10 @@ import math
 import operator
 import re
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -88,6 +89,9 @@ PREPARED_CHANGES_MAX = 8
 CARRIED_CHANGES_MAX = 64
 #: a shape's answer's refreshed nodes (_Answer.refreshed) before that list starts over
 REFRESHED_LIMIT = 20_000
+#: request shapes whose last filter's outcome is kept for the next one (_RepeatedFilter: each holds the names asked,
+#: ~0.3 MB at 5000 nodes); the pods of a burst interleave a few shapes
+REPEATED_SHAPES = 4
 #: nodes asked from which a filter checks whether they are the last prepared answer's (fewer: judged as asked)
 CARRIED_MIN_NODES = 32
 #: nodes to judge in one filter (a new request shape at scale) from which the cyclic collector is off meanwhile and
@@ -169,6 +173,23 @@ def _named_for(result: Placement | FitFailure, node_name: str) -> Placement | Fi
     return result
 
 
+def _store_placed(nodes: list[NodeState], names: list[str], equivalences: list[int], placed: list[Placement | None],
+                  key: int, results: dict[int, Placement | FitFailure], passed: dict[str, Placement]) -> None:
+    """A batch's placements, each in its node-equivalence class's results, its node's fit cache and the shape's
+    answer (passed, keyed by names); a node placed None is left to the per-node loop."""
+    if None in placed:
+        for node, name, equivalence, result in zip(nodes, names, equivalences, placed, strict=True):
+            if result is not None:
+                results[equivalence] = node.fit_cache[key] = passed[name] = result
+        return
+    # every node placed (the usual new shape): two of the three stores in C
+    placements = cast(list[Placement], placed)
+    results.update(zip(equivalences, placements, strict=True))
+    passed.update(zip(names, placements, strict=True))
+    for node, placement in zip(nodes, placements, strict=True):
+        node.fit_cache[key] = placement
+
+
 def groupable(request: PlacementRequest, node_policy: Policy, gpu_policy: Policy) -> bool:
     """Whether nodes of one equivalence key get one result for this request (equivalence_key)."""
     selectors = request.gpu.selectors
@@ -198,6 +219,79 @@ class _Answer:
         if len(self.refreshed) >= REFRESHED_LIMIT:
             self.refreshed = []
         self.refreshed.append(name)
+
+
+@dataclass(slots=True)
+class _RepeatedFilter:
+    """A filter's outcome, for the next filter of its shape that asks the same nodes in any order (kube-scheduler
+    asks for every node its own plugins pass, pod after pod): that filter judges again only the nodes changed since
+    (the state's journal, the answer's refreshed list) and keeps the rest of this outcome. Where many nodes cannot
+    take the pod (4-GPU pods on a cluster of whole-GPU jobs: ~1600 of 5000) each filter walked, reported and counted
+    every one of them again. Kept only for an outcome that passed some node and answered from its shape's answer,
+    as of the answer's journal position (no gate or nomination refuses a node, so a node's verdict is its state's)."""
+
+    answer: _Answer
+    refreshed: list[str]
+    refreshed_position: int
+    journal_epoch: int
+    journal_position: int
+    #: the nodes as asked (distinct), and each one's position there, built when first needed
+    asked: list[str]
+    passed: list[str]
+    failed: dict[str, str]
+    unresolvable: dict[str, str]
+    #: each refused node's rejection code (FitFailure codes, "stale"): what on_rejection counts
+    codes: dict[str, str]
+    #: the nodes refused for a stale heartbeat: judged again every time (their reason tells its age)
+    stale: list[str]
+    positions: dict[str, int] | None = None
+
+    def same_nodes(self, names: list[str]) -> bool:
+        """Whether names are the nodes asked, in any order, all distinct (a name asked twice is answered twice: such
+        a filter is never repeated)."""
+        asked = self.asked
+        if len(names) != len(asked):
+            return False
+        positions = self.position_map()  # (carried over from the filter repeated, if any: the same nodes)
+        if len(positions) != len(asked):
+            return False
+        return names is asked or names == asked or _permutation_of(names, positions)
+
+    def position_map(self) -> dict[str, int]:
+        """Each node asked and a position (the last, for a name asked twice), built once."""
+        positions = self.positions
+        if positions is None:
+            positions = self.positions = dict(zip(self.asked, itertools.count()))
+        return positions
+
+
+def _repeated_passes(last: _RepeatedFilter, changed: list[str], passed_now: Mapping[str, Placement]) -> list[str]:
+    """A repeated filter's passing nodes (_RepeatedFilter): the last filter's, in its order, less the changed nodes
+    that no longer pass, then the changed nodes that pass now and did not then; its very list while none changed
+    its verdict (the prepared prioritize answer then carries over with one list comparison)."""
+    failed_then, unresolvable_then = last.failed, last.unresolvable
+    gone = {name for name in changed
+            if name not in passed_now and name not in failed_then and name not in unresolvable_then}
+    new = [name for name in changed if name in passed_now and (name in failed_then or name in unresolvable_then)]
+    if not gone and not new:
+        return last.passed
+    passed = [name for name in last.passed if name not in gone] if gone else last.passed.copy()
+    passed += new
+    return passed
+
+
+def _permutation_of(names: list[str], positions: dict[str, int]) -> bool:
+    """Whether names are the keys of positions (distinct names, positions 0..n-1) in any order: each name's position
+    read once, and every position met (a name given twice leaves one of them out)."""
+    if len(names) != len(positions):
+        return False
+    try:
+        asked = np.fromiter(map(positions.__getitem__, names), dtype=np.int64, count=len(names))
+    except KeyError:
+        return False
+    seen = np.zeros(len(positions), dtype=np.bool_)
+    seen[asked] = True
+    return bool(seen.all())
 
 
 @dataclass(slots=True)
@@ -349,13 +443,7 @@ class _PreparedScores:
             return False
         if names == self.names or names == order:
             return True
-        try:
-            asked = np.fromiter(map(self.position_map().__getitem__, names), dtype=np.int64, count=len(names))
-        except KeyError:
-            return False
-        seen = np.zeros(len(order), dtype=np.bool_)
-        seen[asked] = True
-        return bool(seen.all())
+        return _permutation_of(names, self.position_map())
 
 
 @dataclass(slots=True)
@@ -429,6 +517,9 @@ class Scheduler:
         self._class_results: dict[int, _ClassResults] = {}
         # request key -> its answer (least recently used first)
         self._answers: dict[int, _Answer] = {}
+        #: request key -> its last filter's outcome, for the next one of the shape that asks the same nodes
+        #: (_RepeatedFilter), for the REPEATED_SHAPES shapes filtered last (least recently filtered first)
+        self._last_filters: dict[int, _RepeatedFilter] = {}
         # the last _evaluate's policies, answer and pod, when it answered from a shape's answer (else None)
         self._answered_by: tuple[Policy, Policy, _Answer, Mapping[str, Any]] | None = None
         self._prepared: _PreparedScores | None = None
@@ -602,9 +693,7 @@ class Scheduler:
             return 0
         passed = answer.passed
         before = len(passed)
-        for node, name, equivalence, result in zip(todo, asked, equivalences, placed, strict=True):
-            if result is not None:
-                results[equivalence] = node.fit_cache[key] = passed[name] = result
+        _store_placed(todo, asked, equivalences, placed, key, results, passed)
         if len(passed) > before and earliest_heartbeat_s + ttl < answer.expires_s:
             answer.expires_s = earliest_heartbeat_s + ttl
         return len(passed) - before
@@ -693,8 +782,11 @@ class Scheduler:
     # --- filter / prioritize ----------------------------------------------------------------------
     # complexity: filter's per-node loop, inlined on purpose: it runs for every node of every pod
     def _evaluate(  # noqa: C901
-        self, pod: Mapping[str, Any], node_names: Iterable[str], refresh_budget: int = 0
+        self, pod: Mapping[str, Any], node_names: Iterable[str], refresh_budget: int = 0, repeatable: bool = False
     ) -> tuple[FilterOutcome, dict[str, Placement]]:
+        """The filter's outcome for the pod on node_names, and the passing nodes' placements. refresh_budget: results
+        of an older model to re-place on the way; repeatable: kube-scheduler's filter, whose outcome the next filter
+        of the shape may repeat (_RepeatedFilter)."""
         outcome = FilterOutcome()
         placements: dict[str, Placement] = {}
         self._answered_by = None
@@ -741,7 +833,7 @@ class Scheduler:
                 self.nominations.expire()
             pod_priority = _priority(pod) if held_nodes else 0
             gpu_failed: list[str] = []  # nodes refused for GPU reasons only: where preemption could help
-            rejected: dict[str, int] = {}  # nodes refused per reason (on_rejection), counted once the walk is done
+            rejected: dict[str, int] = {}  # nodes refused by a nomination or a gate (on_rejection)
             quota_failed: list[tuple[str, Placement]] = []  # GPUs fit, the quota gate refused
             if preemptor is not None and uid and self.nominations.by_preemptor:
                 preemptor.before_filter(str(uid))
@@ -775,10 +867,14 @@ class Scheduler:
                     del self._outdated[key]
                     self._outdated_batched.discard(key)
             names = node_names if isinstance(node_names, list) else list(node_names)
+            asked = names
             todo = names
             answer = None
             failed_answers: dict[str, FitFailure] = {}
             carried_todo: list[str] | None = None
+            repeated: _RepeatedFilter | None = None  # the last filter's outcome, kept but for the changed nodes
+            codes: dict[str, str] = {}  # each refused node's rejection code, counted once the walk is done
+            stale: list[str] = []  # nodes refused for a stale heartbeat
             if cacheable and self.share_results and not self.gates and not held_nodes:
                 # every fitting node passes: the nodes already judged for this shape answer from its _Answer
                 answer = self._answer(key, now)
@@ -790,6 +886,16 @@ class Scheduler:
                 if carried is not None:  # the nodes the last prepared answer passed: only its changed ones are read
                     names, carried_todo = carried
                     todo = carried_todo
+                elif repeatable and (last := self._repeated_filter(key, names, answer)) is not None:
+                    # the nodes the last filter asked: its outcome, but for the changed ones, judged below
+                    repeated, todo = last
+                    outcome.failed = repeated.failed.copy()
+                    outcome.unresolvable = repeated.unresolvable.copy()
+                    codes = repeated.codes.copy()
+                    for name in todo:
+                        outcome.failed.pop(name, None)
+                        outcome.unresolvable.pop(name, None)
+                        codes.pop(name, None)
                 else:
                     outcome.passed = [name for name in names if name in placements] if placements else []
                     if len(outcome.passed) < len(names):
@@ -814,7 +920,7 @@ class Scheduler:
                 known = failed_answers.get(name) if answer is not None else None
                 if known is not None:
                     (outcome.unresolvable if known.unresolvable else outcome.failed)[name] = known.reason
-                    rejected[known.code] = rejected.get(known.code, 0) + 1
+                    codes[name] = known.code
                     if not known.unresolvable:
                         gpu_failed.append(name)
                     continue
@@ -834,7 +940,8 @@ class Scheduler:
                 if heartbeat_s is None or now - heartbeat_s > ttl:
                     age = "never" if heartbeat_s is None else f"{now - heartbeat_s:.0f} s ago"
                     outcome.failed[name] = f"GPU inventory stale (last heartbeat {age})"
-                    rejected["stale"] = rejected.get("stale", 0) + 1
+                    codes[name] = "stale"
+                    stale.append(name)
                     continue
                 result = node.fit_cache.get(key) if cacheable else None
                 if result is None:
@@ -851,7 +958,7 @@ class Scheduler:
                         judged_passes = True  # placements is the answer's: recorded below
                 if isinstance(result, FitFailure):
                     (outcome.unresolvable if result.unresolvable else outcome.failed)[name] = result.reason
-                    rejected[result.code] = rejected.get(result.code, 0) + 1
+                    codes[name] = result.code
                     if not result.unresolvable:
                         gpu_failed.append(name)
                     continue
@@ -875,15 +982,30 @@ class Scheduler:
                 if answer is None:
                     outcome.passed.append(name)
                 placements[name] = result
+            for code, count in Counter(codes.values()).items():
+                self.on_rejection(code, count)
             for code, count in rejected.items():
                 self.on_rejection(code, count)
-            if carried_todo is not None:  # the last prepared answer's nodes, in its order
+            if repeated is not None:
+                outcome.passed = _repeated_passes(repeated, todo, placements)
+                if not outcome.passed:  # every node it passed changed: those refused for their GPUs, in its order
+                    gpu_failed = [name for name, code in codes.items() if code != "stale" and name in outcome.failed]
+            elif carried_todo is not None:  # the last prepared answer's nodes, in its order
                 passing = all(name in placements for name in carried_todo)
                 outcome.passed = names.copy() if passing else [name for name in names if name in placements]
             elif judged_passes:  # in the order walked, with the nodes that answered from the shape's answer
                 # every node refused is named in failed or unresolvable: with none, every name passed
                 passing = not outcome.failed and not outcome.unresolvable
                 outcome.passed = names.copy() if passing else [name for name in names if name in placements]
+            if repeatable:
+                self._last_filters.pop(key, None)
+            if repeatable and answer is not None and carried_todo is None and outcome.passed:
+                if len(self._last_filters) >= REPEATED_SHAPES:
+                    del self._last_filters[next(iter(self._last_filters))]
+                self._last_filters[key] = _RepeatedFilter(
+                    answer, answer.refreshed, len(answer.refreshed), answer.journal_epoch, answer.journal_position,
+                    asked, outcome.passed, outcome.failed, outcome.unresolvable, codes, stale,
+                    repeated.positions if repeated is not None else None)
             if not outcome.passed and preemptor is not None and uid and (gpu_failed or quota_failed):
                 preemptor.on_unplaced(pod, str(uid), request, placement_request, gpu_policy, node_policy,
                                       gpu_failed, quota_failed, outcome.failed)
@@ -892,7 +1014,7 @@ class Scheduler:
         return outcome, placements
 
     def filter(self, pod: Mapping[str, Any], node_names: Iterable[str]) -> FilterOutcome:
-        return self._evaluate(pod, node_names, STALE_REFRESH_PER_CALL)[0]
+        return self._evaluate(pod, node_names, STALE_REFRESH_PER_CALL, repeatable=True)[0]
 
     def prioritize(self, pod: Mapping[str, Any], node_names: Iterable[str]) -> list[tuple[str, int]]:
         """Every node's score, 0..MAX_EXTENDER_SCORE, in the order asked."""
@@ -1018,6 +1140,23 @@ class Scheduler:
             return None
         placements = answer.passed
         return carry.order, [name for name in changed if name in positions and name not in placements]
+
+    def _repeated_filter(self, key: int, names: list[str], answer: _Answer
+                         ) -> tuple[_RepeatedFilter, list[str]] | None:
+        """Where names are the nodes the shape's last filter asked (in any order), and it answered from the shape's
+        answer as it is now (caller holds the state lock): that filter's outcome and the nodes asked to judge again,
+        those changed since and those stale (few: else None, judge the names as asked)."""
+        last = self._last_filters.get(key)
+        if (last is None or last.answer is not answer or answer.refreshed is not last.refreshed
+                or last.journal_epoch != self.state.journal_epoch or not last.same_nodes(names)):
+            return None
+        changed = dict.fromkeys(itertools.chain(self.state.journal[last.journal_position:],
+                                                answer.refreshed[last.refreshed_position:]))
+        if len(changed) > CARRIED_CHANGES_MAX:
+            return None
+        positions = last.position_map()
+        return last, [*(name for name in changed if name in positions),
+                      *(name for name in last.stale if name not in changed)]
 
     def _nodes_alone_decide(self) -> bool:
         """Whether a node's verdict for a pod depends on the node's state alone: no gate (quota) and no nomination

@@ -115,14 +115,18 @@ class Twin:
                                    share_results=share_results, batch_min_nodes=1 if batch else 1 << 30)
 
     def schedule(self, pending: dict[str, Any], names: list[str]) -> tuple[Any, ...]:
+        """The pod filtered, prioritized and bound to the best node (the highest score, then the first name: one
+        choice whatever order the filter replied in), and what each verb answered as kube-scheduler reads it: the
+        nodes and their scores in no order (a filter repeating the last one replies in that one's order)."""
         outcome = self.scheduler.filter(pending, names)
         scores = self.scheduler.prioritize(pending, outcome.passed)
         nonzero = self.scheduler.nonzero_scores(pending, outcome.passed)
-        best = max(scores, key=lambda pair: pair[1])[0] if scores else None
+        best = min(scores, key=lambda pair: (-pair[1], pair[0]))[0] if scores else None
         if best is not None:
             meta = pending["metadata"]
             self.scheduler.bind(meta["namespace"], meta["name"], meta["uid"], best)
-        return outcome.passed, outcome.failed, outcome.unresolvable, outcome.error, scores, nonzero, best
+        return (sorted(outcome.passed), outcome.failed, outcome.unresolvable, outcome.error, dict(scores),
+                dict(nonzero), best)
 
 
 @pytest.mark.parametrize("policy", ["bfgd", "hsafgd"])  # the default; the look-ahead that reads host memory

@@ -7,7 +7,8 @@ stands for."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from tests.extender.test_node_equivalence import (
     ASKS,
     HARDWARE,
     START_S,
+    TTL_S,
     Clock,
     Twin,
     cpu_only_pod,
@@ -265,6 +267,8 @@ def test_an_answer_carried_over_in_another_order_is_brought_up_to_date_in_its_ow
     _, outcome, made = filtered_and_prepared(twin, "p", names)
     second = pod("q", gpus=1, memory_mib=8192, cores=20)
     reordered = list(reversed(names))
+    assert twin.scheduler.filter(second, reordered).passed == outcome.passed  # a repeated filter: in its order
+    twin.scheduler._last_filters.clear()  # not repeated (as where other nodes changed): the reply in the order asked
     passed = twin.scheduler.filter(second, reordered).passed
     carried = twin.scheduler.prepare_scores(second, passed)
     assert carried is not None and carried[0] == made[0] and passed != outcome.passed  # the first pod's order
@@ -339,6 +343,9 @@ def test_a_filter_over_the_carried_answers_nodes_decides_as_every_node_on_its_ow
     for name, (hardware, running) in zip(names, nodes, strict=True):
         items.extend(node_items(name, hardware, running, START_S))
     prepared, alone = Twin(clock, items, True), Twin(clock, items, False)
+    rejections: tuple[Counter[str], Counter[str]] = (Counter(), Counter())
+    for twin, counted in zip((prepared, alone), rejections, strict=True):
+        twin.scheduler.on_rejection = counting_into(counted)
     bound: list[str] = []
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(scheduler_module, "CARRIED_MIN_NODES", 2)  # the few nodes here are a carried answer too
@@ -356,11 +363,21 @@ def test_a_filter_over_the_carried_answers_nodes_decides_as_every_node_on_its_ow
             assert sorted(outcome.passed) == sorted(expected.passed), f"step {step}"
             assert (outcome.failed, outcome.unresolvable, outcome.error) == (
                 expected.failed, expected.unresolvable, expected.error), f"step {step}"
+            assert rejections[0] == rejections[1], f"step {step}"  # every node refused counted, by reason
             prepared.scheduler.prepare_scores(pending, outcome.passed)
             for number, change in enumerate(changes):
                 apply_on_both(prepared, alone, change, f"{step}-{number}", nodes, bound)
             if bind_on_both(prepared, alone, pending, asked) is not None:
                 bound.append(pending["metadata"]["uid"])
+
+
+def counting_into(counted: Counter[str]) -> Callable[[str, int], None]:
+    """An on_rejection hook adding each filter's rejections to counted."""
+
+    def count(code: str, how_many: int) -> None:
+        counted[code] += how_many
+
+    return count
 
 
 def apply_on_both(prepared: Twin, alone: Twin, change: tuple[Any, ...], name: str,
@@ -607,3 +624,58 @@ def test_one_node_rescored_is_all_scaled_again(raw: list[float], changes: list[t
             continue
         assert scaling.answer == _Scaling.of(names, values).answer
         assert scaling.answer[0] is hosts  # the hosts list kept (a reply for it keeps its layout: ScoreReplies)
+
+
+def test_a_repeated_filter_judges_again_only_the_nodes_changed_since(twin: Twin,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next pod of a shape asks the nodes the last filter asked, in another order, some of which cannot take
+    it: the filter repeats the last outcome, its passing list itself and every refusal with its reason, counted
+    again, judging no node; a node a bind fills moves from the passing list to the refused, and back once freed,
+    judged alone each time; a node whose heartbeat is stale is judged every time (its reason tells the age), and a
+    node the extender does not know stays refused."""
+    names = [*sorted(twin.state.nodes), "ghost"]
+    counted: Counter[str] = Counter()
+    twin.scheduler.on_rejection = counting_into(counted)
+    clock = twin.state.clock
+    assert isinstance(clock, Clock)
+    stale = "n5"
+    twin.state.upsert_node(hardware_node(stale, 5 % len(HARDWARE), clock.now - TTL_S - 10))
+
+    def four_gpus(name: str) -> dict[str, Any]:
+        return pod(name, gpus=4, memory_mib=10240, cores=10)
+
+    first = twin.scheduler.filter(four_gpus("p"), names)
+    assert first.passed and first.unresolvable and len(first.failed) >= 2
+    assert first.failed["ghost"].startswith("not known") and first.failed[stale].endswith("(last heartbeat 130 s ago)")
+    once = counted.copy()
+    assert once["stale"] == 1 and sum(once.values()) == len(first.failed) + len(first.unresolvable) - 1  # not ghost
+
+    placed = placed_nodes(monkeypatch)
+    clock.now += 5
+    second = twin.scheduler.filter(four_gpus("q"), random.Random(1).sample(names, len(names)))
+    assert placed == [] and second.passed is first.passed
+    assert second.unresolvable == first.unresolvable
+    assert second.failed == {**first.failed, stale: "GPU inventory stale (last heartbeat 135 s ago)"}
+    assert counted == once + once
+
+    filled = first.passed[0]
+    hogs: list[str] = []
+    for number in range(8):  # 4-GPU pods of another shape onto one node until it takes no more
+        hog = pod(f"hog{number}", gpus=4, memory_mib=20480, cores=10)
+        if not twin.scheduler.filter(hog, [filled]).passed:
+            break
+        twin.scheduler.bind("default", hog["metadata"]["name"], hog["metadata"]["uid"], filled)
+        hogs.append(hog["metadata"]["uid"])
+    placed.clear()
+    third = twin.scheduler.filter(four_gpus("r"), list(reversed(names)))
+    assert placed == [filled] and third.passed == first.passed[1:] and filled in third.failed
+    assert {name: third.failed[name] for name in first.failed} == second.failed
+
+    assert hogs
+    for uid in hogs:
+        twin.state.delete_pod(uid)
+    placed.clear()
+    fourth = twin.scheduler.filter(four_gpus("s"), names)
+    # (judged alone: as its state is again the one placed first, its node-equivalence class's result answers)
+    assert set(placed) <= {filled} and fourth.passed == [*first.passed[1:], filled]
+    assert fourth.failed == {**second.failed, stale: "GPU inventory stale (last heartbeat 135 s ago)"}
