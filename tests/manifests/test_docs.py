@@ -226,7 +226,8 @@ def test_the_documented_rejection_reasons_are_the_codes_filter_counts() -> None:
     fit = (ROOT / "extender" / "engine" / "fit.py").read_text()
     scheduler = (ROOT / "extender" / "scheduler.py").read_text()
     codes = set(re.findall(r'code="([a-z-]+)"', fit)) | set(re.findall(r'"([a-z-]+)"\)\s*$', fit, flags=re.M))
-    codes |= set(re.findall(r'rejected\["([a-z-]+)"\]', scheduler))  # stale inventory, quota
+    codes |= set(re.findall(r'rejected\["([a-z-]+)"\]', scheduler))  # nomination, quota
+    codes |= set(re.findall(r'codes\[name\] = "([a-z-]+)"', scheduler))  # stale inventory
     codes -= {"host"}  # the simulator's CPU/memory check
     row = next(line for line in text("operations.md").splitlines() if "kube_vgpu_extender_rejections_total" in line)
     values = row.split("|")[3].split("(", 1)[1]  # `reason` (`count`, `memory`, ...)
