@@ -205,10 +205,12 @@ def print_tails(timeline: list[dict[str, Any]]) -> None:
         if not every or not inside:
             continue
         slow_s = every[int(len(every) * 0.99)]
+        # back-to-back polls (metrics-continuous) may leave no verb outside every poll's window
+        outside_text = (f"p50 {percentile(outside, 50) * 1e3:5.2f} p99 {percentile(outside, 99) * 1e3:6.2f} ms, "
+                        f"{sum(s >= slow_s for s in outside)} of them") if outside else "none"
         print(f"  {label:22s} during: {len(inside):5d} verbs, p50 {percentile(inside, 50) * 1e3:5.2f} p99 "
               f"{percentile(inside, 99) * 1e3:6.2f} ms, {sum(s >= slow_s for s in inside)} of the slowest 1%; "
-              f"outside: {len(outside):5d}, p50 {percentile(outside, 50) * 1e3:5.2f} p99 "
-              f"{percentile(outside, 99) * 1e3:6.2f} ms, {sum(s >= slow_s for s in outside)} of them")
+              f"outside: {len(outside):5d}, {outside_text}")
         if rendering:
             print(f"  {'':22s} of those during, before the reply's first byte (the render): {len(rendering)} verbs, "
                   f"p50 {percentile(rendering, 50) * 1e3:5.2f} p99 {percentile(rendering, 99) * 1e3:6.2f} ms, "
