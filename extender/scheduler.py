@@ -1098,9 +1098,8 @@ class Scheduler:
                 or state.clock() > answer.expires_s):
             return None
         # as of the filter (the shape's answer's journal position): changes since, prioritize reads (_prepared_for)
-        changed = {*state.journal[previous.journal_position:answer.journal_position],
-                   *answer.refreshed[previous.refreshed_position:]}
-        if len(changed) > CARRIED_CHANGES_MAX:
+        changed = self._changed_since(answer, previous.journal_position, previous.refreshed_position)
+        if changed is None:
             return None
         raw = previous.raw.copy()
         scaling = previous.scaling.copy()
@@ -1132,14 +1131,22 @@ class Scheduler:
                 or answer.refreshed is not carry.refreshed or carry.journal_epoch != self.state.journal_epoch
                 or not carry.same_nodes(names)):
             return None
-        positions = carry.position_map()
-        journal = self.state.journal
-        changed = dict.fromkeys(itertools.chain(journal[carry.journal_position:],
-                                                answer.refreshed[carry.refreshed_position:]))
-        if len(changed) > CARRIED_CHANGES_MAX:
+        changed = self._changed_since(answer, carry.journal_position, carry.refreshed_position)
+        if changed is None:
             return None
+        positions = carry.position_map()
         placements = answer.passed
         return carry.order, [name for name in changed if name in positions and name not in placements]
+
+    def _changed_since(self, answer: _Answer, journal_position: int, refreshed_position: int
+                       ) -> dict[str, None] | None:
+        """The nodes whose verdicts in the shape's answer changed since a carried or repeated answer was taken from
+        it (caller holds the state lock): the state's journal from its position up to the answer's, then the
+        answer's refreshed list from its position; each once, in order. None: more than CARRIED_CHANGES_MAX, so
+        judging afresh is cheaper."""
+        changed = dict.fromkeys(itertools.chain(self.state.journal[journal_position:answer.journal_position],
+                                                answer.refreshed[refreshed_position:]))
+        return None if len(changed) > CARRIED_CHANGES_MAX else changed
 
     def _repeated_filter(self, key: int, names: list[str], answer: _Answer
                          ) -> tuple[_RepeatedFilter, list[str]] | None:
@@ -1150,9 +1157,8 @@ class Scheduler:
         if (last is None or last.answer is not answer or answer.refreshed is not last.refreshed
                 or last.journal_epoch != self.state.journal_epoch or not last.same_nodes(names)):
             return None
-        changed = dict.fromkeys(itertools.chain(self.state.journal[last.journal_position:],
-                                                answer.refreshed[last.refreshed_position:]))
-        if len(changed) > CARRIED_CHANGES_MAX:
+        changed = self._changed_since(answer, last.journal_position, last.refreshed_position)
+        if changed is None:
             return None
         positions = last.position_map()
         return last, [*(name for name in changed if name in positions),
