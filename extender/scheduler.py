@@ -24,7 +24,7 @@ import math
 import operator
 import re
 import threading
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
@@ -182,12 +182,50 @@ def _store_placed(nodes: list[NodeState], names: list[str], equivalences: list[i
             if result is not None:
                 results[equivalence] = node.fit_cache[key] = passed[name] = result
         return
-    # every node placed (the usual new shape): two of the three stores in C
+    # every node placed (the usual new shape): the three stores in C
     placements = cast(list[Placement], placed)
     results.update(zip(equivalences, placements, strict=True))
     passed.update(zip(names, placements, strict=True))
-    for node, placement in zip(nodes, placements, strict=True):
-        node.fit_cache[key] = placement
+    _consume(map(operator.setitem, map(_FIT_CACHE, nodes), itertools.repeat(key), placements))
+
+
+_FIT_CACHE = operator.attrgetter("fit_cache")
+_HEARTBEAT = operator.attrgetter("heartbeat_s")
+_EQUIVALENCE = operator.attrgetter("equivalence_key")
+#: runs an iterator to its end, keeping nothing
+_consume: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
+
+
+def _whole_batch(names: list[str], nodes: Mapping[str, NodeState], failed_answers: Mapping[str, FitFailure],
+                 key: int, results: Mapping[int, Placement | FitFailure], now: float, ttl: float,
+                 ) -> tuple[list[NodeState], list[int], float] | None:
+    """(nodes, their equivalence keys, the earliest heartbeat) when every name asked is a node for the batch, as
+    Scheduler._place_in_batch's loop would take it: known, not refused for the shape, no result cached, heartbeat
+    fresh, its own equivalence class not placed yet. Read in C, pass by pass; None: one is not (the loop sorts
+    them out)."""
+    if failed_answers and not failed_answers.keys().isdisjoint(names):
+        return None
+    found = list(map(nodes.get, names))
+    if None in found:
+        return None
+    todo = cast(list[NodeState], found)
+    heartbeats = list(map(_HEARTBEAT, todo))
+    if None in heartbeats:
+        return None
+    earliest_heartbeat_s = min(heartbeats, default=math.inf)
+    if now - earliest_heartbeat_s > ttl:  # the loop's test, on the oldest
+        return None
+    if any(map(operator.contains, map(_FIT_CACHE, todo), itertools.repeat(key))):
+        return None
+    equivalences: list[Any] = list(map(_EQUIVALENCE, todo))
+    if not all(equivalences):  # computed as the loop does (a node changed since its last: None; of no class: 0)
+        equivalences = [equivalence or equivalence_key(node) for node, equivalence in zip(todo, equivalences,
+                                                                                          strict=True)]
+        if None in equivalences:
+            return None
+    if len(set(equivalences)) != len(equivalences) or not results.keys().isdisjoint(equivalences):
+        return None
+    return todo, equivalences, earliest_heartbeat_s
 
 
 def groupable(request: PlacementRequest, node_policy: Policy, gpu_policy: Policy) -> bool:
@@ -665,22 +703,27 @@ class Scheduler:
         #: the answer holds until the first of its nodes' heartbeats expires: the loop counts every node it judges,
         #: passing or not, and judges the nodes the batch leaves to it itself
         earliest_heartbeat_s = math.inf
-        for name in names:
-            node = nodes.get(name)
-            if node is None or name in failed_answers or key in node.fit_cache:
-                continue
-            heartbeat_s = node.heartbeat_s
-            if heartbeat_s is None or now - heartbeat_s > ttl:
-                continue
-            equivalence = node.equivalence_key or equivalence_key(node)  # cached on the node (0: None) but once
-            if equivalence is None or equivalence in results or equivalence in seen:
-                continue
-            seen.add(equivalence)  # its twins among `names` get its result
-            todo.append(node)
-            equivalences.append(equivalence)
-            asked.append(name)
-            if heartbeat_s < earliest_heartbeat_s:
-                earliest_heartbeat_s = heartbeat_s
+        batch = _whole_batch(names, nodes, failed_answers, key, results, now, ttl)
+        if batch is not None:  # the usual new shape: every node asked is one to place (read in C, no loop)
+            todo, equivalences, earliest_heartbeat_s = batch
+            asked = names
+        else:
+            for name in names:
+                node = nodes.get(name)
+                if node is None or name in failed_answers or key in node.fit_cache:
+                    continue
+                heartbeat_s = node.heartbeat_s
+                if heartbeat_s is None or now - heartbeat_s > ttl:
+                    continue
+                equivalence = node.equivalence_key or equivalence_key(node)  # cached on the node (0: None) but once
+                if equivalence is None or equivalence in results or equivalence in seen:
+                    continue
+                seen.add(equivalence)  # its twins among `names` get its result
+                todo.append(node)
+                equivalences.append(equivalence)
+                asked.append(name)
+                if heartbeat_s < earliest_heartbeat_s:
+                    earliest_heartbeat_s = heartbeat_s
         if len(todo) < self.batch_min_nodes:
             return 0
         placed = policy.place_batch(todo, request)
