@@ -56,6 +56,7 @@ from kube_vgpu.extender.gangs import DEFAULT_TIMEOUT_S as DEFAULT_GANG_TIMEOUT_S
 from kube_vgpu.extender.gangs import Gang, GangKey, GangTracker, InvalidGang, Member, gang_of
 from kube_vgpu.extender.gates import Gate
 from kube_vgpu.extender.gcpolicy import collector_paused
+from kube_vgpu.extender.node_columns import REBUILD_SHARE, NodeColumns
 from kube_vgpu.extender.preemption.evict import Evictor
 from kube_vgpu.extender.preemption.executor import DEFAULT_MAX_IN_FLIGHT, EvictionExecutor
 from kube_vgpu.extender.preemption.nominations import Nominations
@@ -558,6 +559,8 @@ class Scheduler:
         #: request key -> its last filter's outcome, for the next one of the shape that asks the same nodes
         #: (_RepeatedFilter), for the REPEATED_SHAPES shapes filtered last (least recently filtered first)
         self._last_filters: dict[int, _RepeatedFilter] = {}
+        #: what the last new shape's batch read of its nodes, kept for the next (node_columns)
+        self._node_columns: NodeColumns | None = None
         # the last _evaluate's policies, answer and pod, when it answered from a shape's answer (else None)
         self._answered_by: tuple[Policy, Policy, _Answer, Mapping[str, Any]] | None = None
         self._prepared: _PreparedScores | None = None
@@ -703,10 +706,17 @@ class Scheduler:
         #: the answer holds until the first of its nodes' heartbeats expires: the loop counts every node it judges,
         #: passing or not, and judges the nodes the batch leaves to it itself
         earliest_heartbeat_s = math.inf
-        batch = _whole_batch(names, nodes, failed_answers, key, results, now, ttl)
+        gathered = None
+        batch = self._kept_batch(names, failed_answers, key, results, now, ttl)
+        if batch is None:
+            batch = _whole_batch(names, nodes, failed_answers, key, results, now, ttl)
+            if batch is not None and len(names) >= self.batch_min_nodes:  # kept for the next new shape
+                self._node_columns = NodeColumns.gather(list(names), batch[0], batch[1], *journal_at)
         if batch is not None:  # the usual new shape: every node asked is one to place (read in C, no loop)
             todo, equivalences, earliest_heartbeat_s = batch
             asked = names
+            if self._node_columns is not None:
+                gathered = self._node_columns.group_columns()
         else:
             for name in names:
                 node = nodes.get(name)
@@ -726,7 +736,7 @@ class Scheduler:
                     earliest_heartbeat_s = heartbeat_s
         if len(todo) < self.batch_min_nodes:
             return 0
-        placed = policy.place_batch(todo, request)
+        placed = policy.place_batch(todo, request, gathered)
         if placed is None:
             return 0
         if answer is None:
@@ -785,6 +795,35 @@ class Scheduler:
                 continue
             self._refreshed(node, key, _named_for(shared, node.name), answer)
         outdated[:] = left
+
+    def _kept_batch(self, names: list[str], failed_answers: Mapping[str, FitFailure], key: int,
+                    results: Mapping[int, Placement | FitFailure], now: float, ttl: float,
+                    ) -> tuple[list[NodeState], list[int], float] | None:
+        """_whole_batch's answer read from the columns kept of these very nodes (node_columns), patched from the
+        journal (caller holds the state lock); None: none kept for them, or the per-node reading decides."""
+        kept = self._node_columns
+        if kept is None:
+            return None
+        state = self.state
+        journal_epoch, position = state.journal_epoch, len(state.journal)
+        if (kept.journal_epoch != journal_epoch or len(kept.names) != len(names) or kept.names != names
+                or position - kept.journal_position > REBUILD_SHARE * len(names)
+                or not kept.patch(state.journal[kept.journal_position:position], state.nodes, equivalence_key,
+                                  journal_epoch, position)):
+            self._node_columns = None
+            return None
+        heartbeats = kept.heartbeats
+        earliest_heartbeat_s = float(heartbeats.min())  # NaN where a node has none
+        if not now - earliest_heartbeat_s <= ttl or not kept.all_distinct_classes():
+            return None
+        if failed_answers and not failed_answers.keys().isdisjoint(names):
+            return None
+        if results and not results.keys().isdisjoint(kept.equivalences):
+            return None
+        todo = kept.nodes
+        if any(map(operator.contains, map(_FIT_CACHE, todo), itertools.repeat(key))):
+            return None
+        return todo, kept.equivalences, earliest_heartbeat_s
 
     @staticmethod
     def _refreshed(node: NodeState, key: int, result: Placement | FitFailure, answer: _Answer | None) -> None:

@@ -250,9 +250,9 @@ def test_a_new_shape_on_many_distinct_nodes_is_placed_in_one_batch(monkeypatch: 
         placed.append(node.name)
         return real_place(node, *args, **kwargs)
 
-    def counting_batch(self: BalancedFGD, nodes: Any, request: Any) -> Any:
+    def counting_batch(self: BalancedFGD, nodes: Any, request: Any, gathered: Any = None) -> Any:
         batches.append(len(nodes))
-        return real_batch(self, nodes, request)
+        return real_batch(self, nodes, request, gathered)
 
     monkeypatch.setattr(scheduler_module, "place", counting_place)
     monkeypatch.setattr(BalancedFGD, "place_batch", counting_batch)
@@ -318,9 +318,9 @@ def test_an_outdated_model_is_re_placed_in_one_batch(monkeypatch: pytest.MonkeyP
     batches: list[int] = []
     real_batch = BalancedFGD.place_batch
 
-    def counting_batch(self: BalancedFGD, nodes: Any, request: Any) -> Any:
+    def counting_batch(self: BalancedFGD, nodes: Any, request: Any, gathered: Any = None) -> Any:
         batches.append(len(nodes))
-        return real_batch(self, nodes, request)
+        return real_batch(self, nodes, request, gathered)
 
     monkeypatch.setattr(BalancedFGD, "place_batch", counting_batch)
     pending = pod("after", **whole)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
     from kube_vgpu.extender.engine.model import GpuState, NodeState, Placement, PlacementRequest
+    from kube_vgpu.extender.engine.policies.batch import GroupColumns
     from kube_vgpu.protocol import ContainerGpuRequest
 
 
@@ -79,10 +80,12 @@ class Policy:
     def score(self, node: NodeState, request: PlacementRequest, placement: Placement) -> float:
         return 0.0
 
-    def place_batch(self, nodes: Sequence[NodeState], request: PlacementRequest) -> list[Placement | None] | None:
+    def place_batch(self, nodes: Sequence[NodeState], request: PlacementRequest,
+                    gathered: GroupColumns | None = None) -> list[Placement | None] | None:
         """Optional: fit.place(node, request, self, self) of many nodes at once, exactly (policies.batch), with None
         for each node it leaves to fit.place; None when the policy offers no batch placement (the default). The
-        scheduler uses it for a request shape's first pods, where every node is placed."""
+        scheduler uses it for a request shape's first pods, where every node is placed. gathered: what the batch
+        reads of the nodes (all of one group), as the caller keeps it."""
         return None
 
 

@@ -24,7 +24,7 @@ from array import array
 from collections.abc import Sequence
 from itertools import repeat
 from operator import attrgetter, itemgetter
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 # numpy's BLAS is never used here: one thread instead of one per core (each with its buffers) in the extender; set
 # before numpy is imported, which reads it once
@@ -81,9 +81,20 @@ class HoleTerm(Protocol):
         ...
 
 
-#: per GPU in a node's row (_node_row): used memory MiB, used cores, used vGPUs, vGPU slots, usable (healthy, not
+#: per GPU in a node's row (node_row): used memory MiB, used cores, used vGPUs, vGPU slots, usable (healthy, not
 #: in MIG mode, not held by a pod outside kube-vgpu: 1, else 0)
-_GPU_COLUMNS = 5
+GPU_COLUMNS = 5
+
+
+class GroupColumns(NamedTuple):
+    """What the batch reads of nodes all of one group, gathered by the caller (extender.node_columns keeps them
+    from one pod to the next): the group (GPUs, model, memory MiB, cores), each node's GPU columns [node, GPU,
+    GPU_COLUMNS] and host CPU (allocatable and requested, milli)."""
+
+    group: tuple[int, str, int, int]
+    columns: Ints
+    cpu_total: Ints
+    cpu_used: Ints
 
 
 def batch_container(request: PlacementRequest) -> ContainerGpuRequest | None:
@@ -100,15 +111,15 @@ def batch_container(request: PlacementRequest) -> ContainerGpuRequest | None:
 def node_group(node: NodeState) -> tuple[int, str, int, int] | None:
     """(GPUs, model, memory MiB, cores) of a node whose GPUs are all alike and nothing else (MIG, outside pods),
     or None: the node is left to fit.place."""
-    row = _node_row(node)
+    row = node_row(node)
     return None if row is None else row[0]
 
 
-def _node_row(node: NodeState) -> tuple[tuple[int, str, int, int], bytes] | None:
-    """The node's group and its GPUs' columns (_GPU_COLUMNS int64 each), once per version of the node: a new
+def node_row(node: NodeState) -> tuple[tuple[int, str, int, int], bytes] | None:
+    """The node's group and its GPUs' columns (GPU_COLUMNS int64 each), once per version of the node: a new
     request shape then reads 5000 nodes' GPUs as one join of bytes instead of 40,000 objects' attributes."""
     cache = node.version_cache
-    row: tuple[tuple[int, str, int, int], bytes] | None = cache.get(_node_row, _NO_ROW)
+    row: tuple[tuple[int, str, int, int], bytes] | None = cache.get(node_row, _NO_ROW)
     if row is _NO_ROW:
         row = None
         gpus = node.gpus
@@ -123,7 +134,7 @@ def _node_row(node: NodeState) -> tuple[tuple[int, str, int, int], bytes] | None
                            1 if gpu.healthy and not gpu.mig_mode and not gpu.exclusive_holders else 0)
             else:
                 row = ((len(gpus), model, memory_mib, cores), array("q", values).tobytes())
-        cache[_node_row] = row
+        cache[node_row] = row
     return row
 
 
@@ -229,17 +240,25 @@ def quantised_gains(before: Floats, after: Floats) -> Ints:
 
 def place_batch(
     nodes: Sequence[NodeState], request: PlacementRequest, policy: BalancedFGD, holes: HoleTerm | None = None,
+    gathered: GroupColumns | None = None,
 ) -> list[Placement | None]:
     """fit.place(node, request, policy, policy) for each node where the array rules cover it, else None. holes: the
-    policy's look-ahead term (the same object as the policy) when its measure has one."""
+    policy's look-ahead term (the same object as the policy) when its measure has one; gathered: the nodes' columns
+    as the caller keeps them (all of one group), instead of reading each node's."""
     results: list[Placement | None] = [None] * len(nodes)
     container = batch_container(request)
     if container is None:
         return results
+    if gathered is not None:
+        width, model, memory_mib, cores = gathered.group
+        if holes is not None:
+            holes.prepare_classes([(model, memory_mib)])
+        return _place_group(list(nodes), gathered.columns, gathered.cpu_total, gathered.cpu_used, model, memory_mib,
+                            cores, request, container, policy, holes)
     # each node's row as kept for its version, read in C; the nodes changed since their last row are computed
-    rows: list[Any] = list(map(dict.get, map(_VERSION_CACHE, nodes), repeat(_node_row), repeat(_NO_ROW)))
+    rows: list[Any] = list(map(dict.get, map(_VERSION_CACHE, nodes), repeat(node_row), repeat(_NO_ROW)))
     if _NO_ROW in rows:
-        rows = [_node_row(node) if row is _NO_ROW else row for node, row in zip(nodes, rows, strict=True)]
+        rows = [node_row(node) if row is _NO_ROW else row for node, row in zip(nodes, rows, strict=True)]
     coverable = None not in rows
     kinds = set(map(_GROUP, rows)) if coverable else set(map(_group_of, rows))
     if holes is not None:
@@ -248,17 +267,19 @@ def place_batch(
     if kind is not None:  # the usual cluster: every node of one kind, in one pass
         width, model, memory_mib, cores = kind
         columns = np.frombuffer(b"".join(map(_COLUMNS, rows)), dtype=np.int64).reshape(
-            len(rows), width, _GPU_COLUMNS)
-        return _place_group(list(nodes), columns, model, memory_mib, cores, request, container, policy, holes)
+            len(rows), width, GPU_COLUMNS)
+        return _place_group(list(nodes), columns, _cpu_of(nodes, _CPU_TOTAL), _cpu_of(nodes, _CPU_USED), model,
+                            memory_mib, cores, request, container, policy, holes)
     groups: dict[tuple[int, str, int, int], list[int]] = {}
     for number, row in enumerate(rows):
         if row is not None:
             groups.setdefault(row[0], []).append(number)
     for (width, model, memory_mib, cores), numbers in groups.items():
         columns = np.frombuffer(b"".join(_columns_of(rows[i]) for i in numbers), dtype=np.int64).reshape(
-            len(numbers), width, _GPU_COLUMNS)
-        placed = _place_group([nodes[i] for i in numbers], columns, model, memory_mib, cores, request, container,
-                              policy, holes)
+            len(numbers), width, GPU_COLUMNS)
+        members = [nodes[i] for i in numbers]
+        placed = _place_group(members, columns, _cpu_of(members, _CPU_TOTAL), _cpu_of(members, _CPU_USED), model,
+                              memory_mib, cores, request, container, policy, holes)
         for number, placement in zip(numbers, placed, strict=True):
             results[number] = placement
     return results
@@ -282,9 +303,13 @@ _CPU_TOTAL = attrgetter("cpu_milli_total")
 _CPU_USED = attrgetter("cpu_milli_used")
 
 
+def _cpu_of(nodes: Sequence[NodeState], attribute: attrgetter[int]) -> Ints:
+    return np.fromiter(map(attribute, nodes), dtype=np.int64, count=len(nodes))
+
+
 def _place_group(  # noqa: C901 - one vectorised pass, in fit.place's order
-    nodes: list[NodeState], columns: Ints, model: str, memory_mib: int, cores: int, request: PlacementRequest,
-    container: ContainerGpuRequest, policy: BalancedFGD, holes: HoleTerm | None,
+    nodes: list[NodeState], columns: Ints, cpu_total: Ints, cpu_used: Ints, model: str, memory_mib: int, cores: int,
+    request: PlacementRequest, container: ContainerGpuRequest, policy: BalancedFGD, holes: HoleTerm | None,
 ) -> list[Placement | None]:
     count, width, _ = columns.shape
     used_memory = columns[:, :, 0]
@@ -292,8 +317,6 @@ def _place_group(  # noqa: C901 - one vectorised pass, in fit.place's order
     vgpus = columns[:, :, 2]
     max_vgpus = columns[:, :, 3]
     usable = columns[:, :, 4] == 1
-    cpu_total = np.fromiter(map(_CPU_TOTAL, nodes), dtype=np.int64, count=count)
-    cpu_used = np.fromiter(map(_CPU_USED, nodes), dtype=np.int64, count=count)
     cpu_known = cpu_total > 0  # policies._milli.frag_cpu_free_milli
     cpu_free = np.where(cpu_known, cpu_total - cpu_used, 1 << 40)
     cpu_after = np.where(cpu_known, cpu_free - request.cpu_milli, cpu_free)

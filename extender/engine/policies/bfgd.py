@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 from kube_vgpu.extender.engine.fragmentation import task_shape
 from kube_vgpu.extender.engine.policies.base import Scratch, node_fill_after
-from kube_vgpu.extender.engine.policies.batch import place_batch
+from kube_vgpu.extender.engine.policies.batch import GroupColumns, place_batch
 from kube_vgpu.extender.engine.policies.fgd import FragPolicyBase
 from kube_vgpu.extender.engine.policies.topology import best_connected_gpus, connectivity, least_damaging_gpu
 from kube_vgpu.extender.engine.shares import ask_share_milli
@@ -146,8 +146,9 @@ class BalancedFGD(FragPolicyBase):
             return min(shared, key=lambda g: (g.free_memory_mib - scratch.memory_mib[g.position], g.index))
         return least_damaging_gpu(node, tied, scratch)
 
-    def place_batch(self, nodes: Sequence[NodeState], request: PlacementRequest) -> list[Placement | None] | None:
-        return place_batch(nodes, request, self)
+    def place_batch(self, nodes: Sequence[NodeState], request: PlacementRequest,
+                    gathered: GroupColumns | None = None) -> list[Placement | None] | None:
+        return place_batch(nodes, request, self, gathered=gathered)
 
     def score(self, node: NodeState, request: PlacementRequest, placement: Placement) -> float:
         score = super().score(node, request, placement)

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kube_vgpu.extender.engine.fragmentation import WeightedShapes
-from kube_vgpu.extender.engine.policies.batch import Bools, HoleTables, Ints, place_batch
+from kube_vgpu.extender.engine.policies.batch import Bools, GroupColumns, HoleTables, Ints, place_batch
 from kube_vgpu.extender.engine.policies.bfgd import BalancedFGD
 from kube_vgpu.extender.engine.policies.fgd import quantised_gain, sigmoid
 from kube_vgpu.extender.engine.shares import MILLI_PER_GPU
@@ -164,10 +164,11 @@ class LookaheadFGD(BalancedFGD):
             extra += table[f] if 0 <= f <= MILLI_PER_GPU else table[0 if f < 0 else MILLI_PER_GPU]
         return base + self.lookahead_weight * extra
 
-    def place_batch(self, nodes: Sequence[NodeState], request: PlacementRequest) -> list[Placement | None] | None:
+    def place_batch(self, nodes: Sequence[NodeState], request: PlacementRequest,
+                    gathered: GroupColumns | None = None) -> list[Placement | None] | None:
         if not self.quantised:
             return None  # policies.batch scores by the quantised gain only: fit.place on every node
-        return place_batch(nodes, request, self, self if self.lookahead_weight else None)
+        return place_batch(nodes, request, self, self if self.lookahead_weight else None, gathered)
 
     def hole_tables(
         self, nodes: Sequence[NodeState], model: str, memory_mib: int, cpu_known: Bools, cpu_free: Ints,

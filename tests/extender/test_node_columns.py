@@ -1,0 +1,224 @@
+"""The columns a new request shape's batch reads, kept from one new shape to the next (extender.node_columns):
+patched from the state's change journal, they decide exactly as reading every node afresh, through binds, pods
+without GPUs (host CPU), heartbeats fresh and expired, the clock, pod deletions, nodes deleted and added back and a
+node whose GPUs change kind; and they are what the next new shape reads."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kube_vgpu.extender.engine.model import NodeState
+from kube_vgpu.extender.engine.policies.batch import node_row
+from kube_vgpu.extender.node_columns import NodeColumns
+from kube_vgpu.extender.scheduler import equivalence_key
+from tests.extender.test_node_equivalence import (
+    ASKS,
+    START_S,
+    TTL_S,
+    Clock,
+    Twin,
+    cpu_only_pod,
+    hardware_node,
+    node_items,
+)
+from tests.helpers import pod
+
+#: HARDWARE's 8-GPU kind: every node of one group, as the columns need
+EIGHT_GPUS = 3
+#: HARDWARE's 2-GPU kind: a node changed to it leaves the group
+TWO_GPUS = 0
+
+
+def distinct_cluster(count: int, running: list[list[int]]) -> tuple[list[str], list[dict[str, Any]]]:
+    """count 8-GPU nodes, each with its running pods and a pod without GPUs asking its own number of CPUs (every
+    node its own node-equivalence class)."""
+    names = [f"n{index}" for index in range(count)]
+    items: list[dict[str, Any]] = []
+    for index, name in enumerate(names):
+        items.extend(node_items(name, EIGHT_GPUS, running[index % len(running)] if running else [], START_S))
+        items.append(cpu_only_pod(f"own-{name}", name, str(index + 1)))
+    return names, items
+
+
+def assert_current(columns: NodeColumns, twin: Twin) -> None:
+    """Every kept value is the node's own, as the state holds it now."""
+    nodes = twin.state.nodes
+    for position, name in enumerate(columns.names):
+        node = nodes[name]
+        row = node_row(node)
+        assert columns.nodes[position] is node
+        assert row is not None and row[0] == columns.group and columns.columns[position].tobytes() == row[1]
+        assert columns.cpu_total[position] == node.cpu_milli_total
+        assert columns.cpu_used[position] == node.cpu_milli_used
+        assert columns.heartbeats[position] == node.heartbeat_s
+        assert columns.equivalences[position] == columns.equivalence_array[position] == equivalence_key(node)
+
+
+def kept_reads(twin: Twin) -> list[bool]:
+    """Records, for each new shape's batch of the twin's scheduler, whether it read the kept columns, and checks
+    that what it read was current."""
+    reads: list[bool] = []
+    scheduler = twin.scheduler
+    real = scheduler._kept_batch
+
+    def recording(*args: Any) -> Any:
+        result = real(*args)
+        reads.append(result is not None)
+        if result is not None:
+            assert scheduler._node_columns is not None
+            assert_current(scheduler._node_columns, twin)
+        return result
+
+    scheduler._kept_batch = recording  # type: ignore[method-assign]
+    return reads
+
+
+def test_the_next_new_shape_reads_the_kept_columns_patched_for_the_nodes_changed_since() -> None:
+    names, items = distinct_cluster(40, [[0], [1, 2], []])
+    clock = Clock()
+    kept, alone = Twin(clock, items, True, batch=True), Twin(clock, items, False)
+    reads = kept_reads(kept)
+    scheduler = kept.scheduler
+
+    def both(step: int, memory_mib: int) -> None:
+        pending = pod(f"p{step}", gpus=1, memory_mib=memory_mib, cores=10)
+        assert kept.schedule(pending, names) == alone.schedule(pending, names), step
+
+    both(0, 4096)
+    columns = scheduler._node_columns
+    assert reads == [False] and columns is not None and columns.names == names
+    # binds (from the schedules), a pod without GPUs, a heartbeat: the next new shape patches those nodes
+    both(1, 5000)
+    for twin in (kept, alone):
+        twin.state.upsert_pod(cpu_only_pod("busy", "n7", "50"))  # 58 CPUs: a class of its own
+        twin.state.upsert_node(hardware_node("n9", EIGHT_GPUS, START_S + 5))
+    both(2, 6000)
+    assert reads == [False, True, True] and scheduler._node_columns is columns  # each read checked current
+    assert columns.cpu_used[names.index("n7")] == 58_000 and columns.heartbeats[names.index("n9")] == START_S + 5
+    # an expired heartbeat: the kept columns say so, the loop decides (the node is refused)
+    for twin in (kept, alone):
+        twin.state.upsert_node(hardware_node(names[0], EIGHT_GPUS, clock.now - TTL_S - 1))
+    both(3, 7000)
+    assert reads[-1] is False and scheduler._node_columns is columns
+    for twin in (kept, alone):
+        twin.state.upsert_node(hardware_node(names[0], EIGHT_GPUS, clock.now))
+    both(4, 8000)
+    assert reads[-1] is True
+    # a node gone: the columns are dropped and gathered again for the new list
+    for twin in (kept, alone):
+        twin.state.delete_node("n3")
+    names.remove("n3")
+    both(5, 9000)
+    assert reads[-1] is False and scheduler._node_columns is not columns
+    # a node whose GPUs change kind leaves the group: no columns kept, each node read as before
+    for twin in (kept, alone):
+        twin.state.upsert_node(hardware_node("n5", TWO_GPUS, clock.now))
+    both(6, 10000)
+    both(7, 11000)
+    assert reads[-2:] == [False, False] and scheduler._node_columns is None
+
+
+def test_columns_are_gathered_only_for_nodes_all_of_one_group() -> None:
+    eight = NodeState("a", None)
+    names, items = distinct_cluster(3, [[0]])
+    twin = Twin(Clock(), items, True, batch=True)
+    nodes = [twin.state.nodes[name] for name in names]
+    keys = [equivalence_key(node) for node in nodes]
+    gathered = NodeColumns.gather(names, nodes, keys, 0, 0)
+    assert gathered is not None and gathered.group == (8, "NVIDIA-A100-SXM4-80GB", 81920, 100)
+    assert gathered.columns.shape == (3, 8, 5) and gathered.all_distinct_classes()
+    assert NodeColumns.gather([*names, "a"], [*nodes, eight], [*keys, None], 0, 0) is None  # no GPUs: no row
+    two = Twin(Clock(), node_items("b", TWO_GPUS, [], START_S), True).state.nodes["b"]
+    assert NodeColumns.gather([*names, "b"], [*nodes, two], [*keys, equivalence_key(two)], 0, 0) is None
+    twins = NodeColumns.gather([names[0], names[0]], [nodes[0], nodes[0]], [keys[0], keys[0]], 0, 0)
+    assert twins is not None and not twins.all_distinct_classes()
+    assert NodeColumns.gather([], [], [], 0, 0) is None
+
+
+operations_strategy = st.lists(
+    st.one_of(
+        st.tuples(st.just("pod"), st.integers(0, len(ASKS) - 1), st.integers(0, 3)),
+        st.tuples(st.just("heartbeat"), st.integers(0, 9), st.sampled_from([0.0, 100.0])),
+        st.tuples(st.just("time"), st.sampled_from([30.0, 130.0]), st.just(0)),
+        st.tuples(st.just("delete"), st.integers(0, 200), st.just(0)),
+        st.tuples(st.just("cpu"), st.integers(0, 9), st.sampled_from(["1", "3", "20"])),
+        st.tuples(st.just("node-delete"), st.integers(0, 9), st.just(0)),
+        st.tuples(st.just("node-add"), st.integers(0, 9), st.sampled_from([EIGHT_GPUS, TWO_GPUS])),
+    ),
+    min_size=1, max_size=40,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(running=st.lists(st.lists(st.integers(0, 3), max_size=3), min_size=1, max_size=4),
+       operations=operations_strategy)
+def test_kept_columns_decide_exactly_as_every_node_on_its_own(
+    running: list[list[int]], operations: list[tuple[Any, ...]]
+) -> None:
+    names, items = distinct_cluster(10, running)
+    clock = Clock()
+    kept, alone = Twin(clock, items, True, batch=True), Twin(clock, items, False)
+    twins = (kept, alone)
+    kept_reads(kept)  # each read of the kept columns checked current
+    present = list(names)
+    bound: list[str] = []
+    for step, operation in enumerate(operations):
+        kind, which, value = operation
+        if kind == "pod":
+            count, memory, cores = ASKS[which]
+            # most pods a shape of their own (a new shape: a batch over every node), some a shape seen before
+            pending = pod(f"p{step}", gpus=count, memory_mib=memory + (step if value else 0), cores=cores)
+            asked = [name for name in names if name in present]
+            decided = kept.schedule(pending, asked)
+            assert decided == alone.schedule(pending, asked), f"step {step}: {operation}"
+            if decided[-1] is not None:
+                bound.append(pending["metadata"]["uid"])
+        elif kind == "heartbeat" and names[which] in present:
+            fresh = hardware_node(names[which], EIGHT_GPUS, clock.now - value)
+            for twin in twins:
+                twin.state.upsert_node(fresh)
+        elif kind == "time":
+            clock.now += which
+        elif kind == "cpu":
+            cpu_pod = cpu_only_pod(f"c{step}", names[which], value)
+            for twin in twins:
+                twin.state.upsert_pod(cpu_pod)
+        elif kind == "delete" and bound:
+            uid = bound.pop(which % len(bound))
+            for twin in twins:
+                twin.state.delete_pod(uid)
+        elif kind == "node-delete" and names[which] in present:
+            present.remove(names[which])
+            for twin in twins:
+                twin.state.delete_node(names[which])
+        elif kind == "node-add":
+            if names[which] not in present:
+                present.append(names[which])
+            node = hardware_node(names[which], value, clock.now)
+            for twin in twins:
+                twin.state.upsert_node(node)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_kept_columns_are_read_in_long_histories(seed: int) -> None:
+    """The property above reads the kept columns (a history of new shapes where they serve most of them)."""
+    import random
+
+    rng = random.Random(seed)
+    names, items = distinct_cluster(40, [[0], [1], []])
+    clock = Clock()
+    kept, alone = Twin(clock, items, True, batch=True), Twin(clock, items, False)
+    reads = kept_reads(kept)
+    for step in range(30):
+        if rng.random() < 0.3:  # a heartbeat (the binds of the pods change GPUs)
+            renewed = hardware_node(rng.choice(names), EIGHT_GPUS, clock.now + step)
+            for twin in (kept, alone):
+                twin.state.upsert_node(renewed)
+        count, memory, cores = ASKS[rng.randrange(len(ASKS))]
+        pending = pod(f"p{step}", gpus=count, memory_mib=memory + step, cores=cores)
+        assert kept.schedule(pending, names) == alone.schedule(pending, names), step
+    assert sum(reads) >= len(reads) // 2
