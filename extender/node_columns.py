@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kube_vgpu.extender.engine.policies.batch import GPU_COLUMNS, GroupColumns, node_row
+from kube_vgpu.extender.engine.policies.batch import COLUMN_DTYPE, GPU_COLUMNS, GroupColumns, node_row
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
@@ -49,7 +49,7 @@ class NodeColumns:
         self.group = group
         width = group[0]
         count = len(nodes)
-        self.columns = np.zeros((count, width, GPU_COLUMNS), dtype=np.int64)
+        self.columns = np.zeros((count, width, GPU_COLUMNS), dtype=COLUMN_DTYPE)
         self.cpu_total = np.zeros(count, dtype=np.int64)
         self.cpu_used = np.zeros(count, dtype=np.int64)
         self.heartbeats = np.zeros(count, dtype=np.float64)
@@ -75,7 +75,7 @@ class NodeColumns:
         if any(row[0] != group for row in rows if row is not None):
             return None
         made = cls(names, nodes, group, journal_epoch, journal_position)
-        made.columns = np.frombuffer(b"".join(row[1] for row in rows if row is not None), dtype=np.int64).reshape(
+        made.columns = np.frombuffer(b"".join(row[1] for row in rows if row is not None), dtype=COLUMN_DTYPE).reshape(
             len(rows), group[0], GPU_COLUMNS).copy()  # patched in place later: a writable copy
         made.cpu_total = np.fromiter(map(_CPU_TOTAL, nodes), dtype=np.int64, count=len(nodes))
         made.cpu_used = np.fromiter(map(_CPU_USED, nodes), dtype=np.int64, count=len(nodes))
@@ -112,7 +112,7 @@ class NodeColumns:
             self.equivalences[position] = equivalence_of(node) or 0
         if positions:  # the arrays written once for all the nodes read again
             changed_nodes = [self.nodes[position] for position in positions]
-            self.columns[positions] = np.frombuffer(b"".join(rows), dtype=np.int64).reshape(
+            self.columns[positions] = np.frombuffer(b"".join(rows), dtype=COLUMN_DTYPE).reshape(
                 len(positions), self.group[0], GPU_COLUMNS)
             self.cpu_total[positions] = list(map(_CPU_TOTAL, changed_nodes))
             self.cpu_used[positions] = list(map(_CPU_USED, changed_nodes))

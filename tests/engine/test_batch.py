@@ -181,3 +181,44 @@ def test_quantised_gains_at_the_steps_are_math_exps() -> None:
     differences = np.array([d + e for d in steps for e in (-1e-12, 0.0, 1e-12)] + [0.0, 5000.0, -5000.0])
     gains = quantised_gains(differences, np.zeros_like(differences))
     assert gains.tolist() == [quantised_gain(float(d), 0.0) for d in differences]
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize(("name", "options"), BATCHED)
+def test_columns_gathered_by_the_caller_place_as_each_node_read(seed: int, name: str, options: dict[str, object]
+                                                                ) -> None:
+    """The extender keeps a new shape's columns from one shape to the next (extender.node_columns) and hands them
+    to the batch: the same placements as the batch reading each node (so fit.place's), on nodes all of one group."""
+    from kube_vgpu.extender.node_columns import NodeColumns
+
+    rng = random.Random(seed)
+    nodes = []
+    while len(nodes) < 40:  # random_node's states, of its one most common group
+        node = random_node(rng, f"node-{len(nodes)}")
+        if node_group(node) == (8, "A100", 81920, 100):
+            nodes.append(node)
+    gathered = NodeColumns.gather([node.name for node in nodes], nodes, list(range(1, 41)), 0, 0)
+    assert gathered is not None
+    policy = learned_policy(rng, name, **options)
+    for _ in range(25):
+        request = random_request(rng)
+        assert policy.place_batch(nodes, request, gathered.group_columns()) == policy.place_batch(nodes, request)
+
+
+def test_sums_and_products_beyond_32_bits_are_taken_in_64() -> None:
+    """The columns are 32-bit; on a GPU of 3 TiB (memory x 1000 > 2^31) the batch computes in 64 bits: fit.place's
+    results still."""
+    rng = random.Random(9)
+    policy = learned_policy(rng)
+    nodes = []
+    for number in range(12):
+        node = NodeState(f"n{number}", synth_inventory("n", 4, "HUGE", 3_145_728, "pcie"), cpu_milli_total=64000)
+        if number % 3:
+            node.apply_usage((GpuUsage(number % 4, 1_048_576 * (number % 3), 10 * (number % 4), 1, False),))
+        node.touch()
+        nodes.append(node)
+    asks: list[dict[str, int]] = [{"memory_mib": 500_000}, {"memory_mib": 1_048_576}, {"memory_percent": 90}]
+    for ask in asks:
+        for gpus in (1, 2):
+            request = PlacementRequest(protocol.parse_pod_gpu_request(pod(gpus=gpus, cores=10, **ask)))
+            assert check(policy, nodes, request) >= 1
