@@ -992,6 +992,7 @@ class Scheduler:
                 if todo is names:  # and answered in it: the prepared answer then reads them so too
                     names = ordered
                 todo = ordered
+            judged = todo  # every node judged below, the batch's included (a repeated filter's changed nodes)
             if class_results is not None and len(todo) >= self.batch_min_nodes and node_policy is gpu_policy:
                 if self._place_in_batch(todo, failed_answers, key, class_results, placement_request, node_policy,
                                         now, answer):
@@ -1069,7 +1070,7 @@ class Scheduler:
             for code, count in rejected.items():
                 self.on_rejection(code, count)
             if repeated is not None:
-                outcome.passed = _repeated_passes(repeated, todo, placements)
+                outcome.passed = _repeated_passes(repeated, judged, placements)
                 if not outcome.passed:  # every node it passed changed: those refused for their GPUs, in its order
                     gpu_failed = [name for name, code in codes.items() if code != "stale" and name in outcome.failed]
             elif carried_todo is not None:  # the last prepared answer's nodes, in its order

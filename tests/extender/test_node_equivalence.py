@@ -388,3 +388,23 @@ class OpenGate:
 
     def stop(self) -> None:
         return None
+
+
+def test_a_repeated_filter_passes_a_node_the_batch_judged_again() -> None:
+    """Found by the property above (batch placement for any number of nodes): the last filter refused n0 for a
+    stale heartbeat and passed n1; then n1 took the pod and n0's heartbeat came back. The repeated filter judges
+    both again, in one batch: both pass (the batch's nodes were left out of what it compared with the last)."""
+    clock = Clock()
+    names = ["n0", "n1"]
+    items = node_items("n0", 0, [], START_S) + node_items("n1", 0, [0], START_S)
+    batched, alone = Twin(clock, items, True, batch=True), Twin(clock, items, False)
+    clock.now += TTL_S + 10
+    for twin in (batched, alone):
+        twin.state.upsert_node(hardware_node("n1", 0, clock.now))
+    count, memory, cores = ASKS[0]
+    first = [twin.schedule(pod("p0", gpus=count, memory_mib=memory, cores=cores), names) for twin in (batched, alone)]
+    assert first[0] == first[1] and first[0][0] == ["n1"]
+    for twin in (batched, alone):
+        twin.state.upsert_node(hardware_node("n0", 0, clock.now))
+    second = [twin.schedule(pod("p1", gpus=count, memory_mib=memory, cores=cores), names) for twin in (batched, alone)]
+    assert second[0] == second[1] and second[0][0] == names
