@@ -994,10 +994,12 @@ class Scheduler:
                 todo = ordered
             judged = todo  # every node judged below, the batch's included (a repeated filter's changed nodes)
             if class_results is not None and len(todo) >= self.batch_min_nodes and node_policy is gpu_policy:
-                if self._place_in_batch(todo, failed_answers, key, class_results, placement_request, node_policy,
-                                        now, answer):
-                    # passing nodes the batch put in the shape's answer itself (placements): the loop skips them
-                    todo = [name for name in todo if name not in placements]
+                batch_passed = self._place_in_batch(todo, failed_answers, key, class_results, placement_request,
+                                                    node_policy, now, answer)
+                if batch_passed:
+                    # passing nodes the batch put in the shape's answer itself (placements): the loop skips them (as
+                    # many new answers as names: every name, each once)
+                    todo = [] if batch_passed == len(todo) else [name for name in todo if name not in placements]
                     judged_passes = True
             for name in todo:
                 known = failed_answers.get(name) if answer is not None else None
