@@ -39,8 +39,8 @@ class NodeColumns:
     """The batch inputs of a list of nodes, all of one group (GPUs alike, nothing left to fit.place), by position in
     the list: GPU columns, host CPU, heartbeat (NaN: none) and node-equivalence key (0: of no class)."""
 
-    __slots__ = ("columns", "cpu_total", "cpu_used", "equivalence_array", "equivalences", "group", "heartbeats", "index",
-                 "journal_epoch", "journal_position", "names", "nodes")
+    __slots__ = ("columns", "cpu_total", "cpu_used", "equivalence_array", "equivalences", "group", "heartbeats",
+                 "index", "journal_epoch", "journal_position", "names", "nodes")
 
     def __init__(self, names: list[str], nodes: list[NodeState], group: tuple[int, str, int, int],
                  journal_epoch: int, journal_position: int) -> None:

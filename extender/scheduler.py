@@ -193,6 +193,8 @@ def _store_placed(nodes: list[NodeState], names: list[str], equivalences: list[i
 _FIT_CACHE = operator.attrgetter("fit_cache")
 _HEARTBEAT = operator.attrgetter("heartbeat_s")
 _EQUIVALENCE = operator.attrgetter("equivalence_key")
+#: Scheduler._kept_batch: the kept columns say the per-node loop decides
+_LOOP_DECIDES = object()
 #: runs an iterator to its end, keeping nothing
 _consume: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
 
@@ -227,6 +229,38 @@ def _whole_batch(names: list[str], nodes: Mapping[str, NodeState], failed_answer
     if len(set(equivalences)) != len(equivalences) or not results.keys().isdisjoint(equivalences):
         return None
     return todo, equivalences, earliest_heartbeat_s
+
+
+def _batch_by_loop(names: list[str], nodes: Mapping[str, NodeState], failed_answers: Mapping[str, FitFailure],
+                   key: int, results: Mapping[int, Placement | FitFailure], now: float, ttl: float,
+                   ) -> tuple[list[NodeState], list[int], float, list[str]]:
+    """The nodes among names for Scheduler._place_in_batch, read one by one: known, not refused for the shape, no
+    result cached, heartbeat fresh, the first of its node-equivalence class not placed yet (its twins among names
+    get its result). (nodes, their equivalence keys, the earliest of their heartbeats, their names as asked: the
+    answer is keyed by them, as the filter's loop keys it.) The answer holds until the first of its nodes'
+    heartbeats expires."""
+    todo: list[NodeState] = []
+    equivalences: list[int] = []
+    asked: list[str] = []
+    seen: set[int] = set()
+    earliest_heartbeat_s = math.inf
+    for name in names:
+        node = nodes.get(name)
+        if node is None or name in failed_answers or key in node.fit_cache:
+            continue
+        heartbeat_s = node.heartbeat_s
+        if heartbeat_s is None or now - heartbeat_s > ttl:
+            continue
+        equivalence = node.equivalence_key or equivalence_key(node)  # cached on the node (0: None) but once
+        if equivalence is None or equivalence in results or equivalence in seen:
+            continue
+        seen.add(equivalence)
+        todo.append(node)
+        equivalences.append(equivalence)
+        asked.append(name)
+        if heartbeat_s < earliest_heartbeat_s:
+            earliest_heartbeat_s = heartbeat_s
+    return todo, equivalences, earliest_heartbeat_s, asked
 
 
 def groupable(request: PlacementRequest, node_policy: Policy, gpu_policy: Policy) -> bool:
@@ -697,43 +731,24 @@ class Scheduler:
         results = classes.results
         nodes = state.nodes
         ttl = state.heartbeat_ttl_s
-        todo: list[NodeState] = []
-        equivalences: list[int] = []
-        #: the names as asked: the answer is keyed by them, as the loop keys it (the request's own strings, read
-        #: contiguously by every later lookup; the nodes' names live scattered across the heap)
-        asked: list[str] = []
-        seen: set[int] = set()
-        #: the answer holds until the first of its nodes' heartbeats expires: the loop counts every node it judges,
-        #: passing or not, and judges the nodes the batch leaves to it itself
-        earliest_heartbeat_s = math.inf
         gathered = None
-        batch = self._kept_batch(names, failed_answers, key, results, now, ttl)
-        if batch is None:
+        kept = self._kept_batch(names, failed_answers, key, results, now, ttl)
+        batch = None if kept is _LOOP_DECIDES else cast(tuple[list[NodeState], list[int], float] | None, kept)
+        if batch is not None:  # read from the columns kept of these nodes
+            assert self._node_columns is not None
+            gathered = self._node_columns.group_columns()
+        elif kept is None:  # none kept of them: every node read, and kept for the next new shape
             batch = _whole_batch(names, nodes, failed_answers, key, results, now, ttl)
-            if batch is not None and len(names) >= self.batch_min_nodes:  # kept for the next new shape
+            if batch is not None and len(names) >= self.batch_min_nodes:
                 self._node_columns = NodeColumns.gather(list(names), batch[0], batch[1], *journal_at)
-        if batch is not None:  # the usual new shape: every node asked is one to place (read in C, no loop)
+                if self._node_columns is not None:
+                    gathered = self._node_columns.group_columns()
+        if batch is not None:  # the usual new shape: every node asked is one to place
             todo, equivalences, earliest_heartbeat_s = batch
             asked = names
-            if self._node_columns is not None:
-                gathered = self._node_columns.group_columns()
         else:
-            for name in names:
-                node = nodes.get(name)
-                if node is None or name in failed_answers or key in node.fit_cache:
-                    continue
-                heartbeat_s = node.heartbeat_s
-                if heartbeat_s is None or now - heartbeat_s > ttl:
-                    continue
-                equivalence = node.equivalence_key or equivalence_key(node)  # cached on the node (0: None) but once
-                if equivalence is None or equivalence in results or equivalence in seen:
-                    continue
-                seen.add(equivalence)  # its twins among `names` get its result
-                todo.append(node)
-                equivalences.append(equivalence)
-                asked.append(name)
-                if heartbeat_s < earliest_heartbeat_s:
-                    earliest_heartbeat_s = heartbeat_s
+            todo, equivalences, earliest_heartbeat_s, asked = _batch_by_loop(names, nodes, failed_answers, key,
+                                                                              results, now, ttl)
         if len(todo) < self.batch_min_nodes:
             return 0
         placed = policy.place_batch(todo, request, gathered)
@@ -798,9 +813,10 @@ class Scheduler:
 
     def _kept_batch(self, names: list[str], failed_answers: Mapping[str, FitFailure], key: int,
                     results: Mapping[int, Placement | FitFailure], now: float, ttl: float,
-                    ) -> tuple[list[NodeState], list[int], float] | None:
+                    ) -> tuple[list[NodeState], list[int], float] | object | None:
         """_whole_batch's answer read from the columns kept of these very nodes (node_columns), patched from the
-        journal (caller holds the state lock); None: none kept for them, or the per-node reading decides."""
+        journal (caller holds the state lock); None: none kept for them; _LOOP_DECIDES: they say not every node
+        is one to place (the per-node loop sorts them out, no other reading of them needed)."""
         kept = self._node_columns
         if kept is None:
             return None
@@ -815,14 +831,14 @@ class Scheduler:
         heartbeats = kept.heartbeats
         earliest_heartbeat_s = float(heartbeats.min())  # NaN where a node has none
         if not now - earliest_heartbeat_s <= ttl or not kept.all_distinct_classes():
-            return None
+            return _LOOP_DECIDES
         if failed_answers and not failed_answers.keys().isdisjoint(names):
-            return None
+            return _LOOP_DECIDES
         if results and not results.keys().isdisjoint(kept.equivalences):
-            return None
+            return _LOOP_DECIDES
         todo = kept.nodes
         if any(map(operator.contains, map(_FIT_CACHE, todo), itertools.repeat(key))):
-            return None
+            return _LOOP_DECIDES
         return todo, kept.equivalences, earliest_heartbeat_s
 
     @staticmethod

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kube_vgpu.extender import scheduler as scheduler_module
 from kube_vgpu.extender.engine.model import NodeState
 from kube_vgpu.extender.engine.policies.batch import node_row
 from kube_vgpu.extender.node_columns import NodeColumns
@@ -67,17 +68,18 @@ def kept_reads(twin: Twin) -> list[bool]:
 
     def recording(*args: Any) -> Any:
         result = real(*args)
-        reads.append(result is not None)
+        reads.append(isinstance(result, tuple))  # else None (none kept) or the loop decides
         if result is not None:
             assert scheduler._node_columns is not None
             assert_current(scheduler._node_columns, twin)
         return result
 
-    scheduler._kept_batch = recording  # type: ignore[method-assign]
+    scheduler._kept_batch = recording  # type: ignore[method-assign, assignment]
     return reads
 
 
-def test_the_next_new_shape_reads_the_kept_columns_patched_for_the_nodes_changed_since() -> None:
+def test_the_next_new_shape_reads_the_kept_columns_patched_for_the_nodes_changed_since(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     names, items = distinct_cluster(40, [[0], [1, 2], []])
     clock = Clock()
     kept, alone = Twin(clock, items, True, batch=True), Twin(clock, items, False)
@@ -99,11 +101,20 @@ def test_the_next_new_shape_reads_the_kept_columns_patched_for_the_nodes_changed
     both(2, 6000)
     assert reads == [False, True, True] and scheduler._node_columns is columns  # each read checked current
     assert columns.cpu_used[names.index("n7")] == 58_000 and columns.heartbeats[names.index("n9")] == START_S + 5
-    # an expired heartbeat: the kept columns say so, the loop decides (the node is refused)
+    # an expired heartbeat: the kept columns say so, the loop decides (the node is refused) without reading every
+    # node again first
+    whole_reads: list[int] = []
+    real_whole = scheduler_module._whole_batch
+
+    def counting_whole(names: list[str], *args: Any) -> Any:
+        whole_reads.append(len(names))
+        return real_whole(names, *args)
+
+    monkeypatch.setattr(scheduler_module, "_whole_batch", counting_whole)
     for twin in (kept, alone):
         twin.state.upsert_node(hardware_node(names[0], EIGHT_GPUS, clock.now - TTL_S - 1))
     both(3, 7000)
-    assert reads[-1] is False and scheduler._node_columns is columns
+    assert reads[-1] is False and scheduler._node_columns is columns and not whole_reads
     for twin in (kept, alone):
         twin.state.upsert_node(hardware_node(names[0], EIGHT_GPUS, clock.now))
     both(4, 8000)
@@ -177,30 +188,38 @@ def test_kept_columns_decide_exactly_as_every_node_on_its_own(
             assert decided == alone.schedule(pending, asked), f"step {step}: {operation}"
             if decided[-1] is not None:
                 bound.append(pending["metadata"]["uid"])
-        elif kind == "heartbeat" and names[which] in present:
-            fresh = hardware_node(names[which], EIGHT_GPUS, clock.now - value)
-            for twin in twins:
-                twin.state.upsert_node(fresh)
-        elif kind == "time":
-            clock.now += which
-        elif kind == "cpu":
-            cpu_pod = cpu_only_pod(f"c{step}", names[which], value)
-            for twin in twins:
-                twin.state.upsert_pod(cpu_pod)
-        elif kind == "delete" and bound:
-            uid = bound.pop(which % len(bound))
-            for twin in twins:
-                twin.state.delete_pod(uid)
-        elif kind == "node-delete" and names[which] in present:
-            present.remove(names[which])
-            for twin in twins:
-                twin.state.delete_node(names[which])
-        elif kind == "node-add":
-            if names[which] not in present:
-                present.append(names[which])
-            node = hardware_node(names[which], value, clock.now)
-            for twin in twins:
-                twin.state.upsert_node(node)
+        else:
+            apply_change(twins, clock, names, present, bound, step, operation)
+
+
+def apply_change(twins: tuple[Twin, ...], clock: Clock, names: list[str], present: list[str], bound: list[str],
+                 step: int, operation: tuple[Any, ...]) -> None:
+    """One change of the history other than a pod, to every twin alike."""
+    kind, which, value = operation
+    if kind == "heartbeat" and names[which] in present:
+        fresh = hardware_node(names[which], EIGHT_GPUS, clock.now - value)
+        for twin in twins:
+            twin.state.upsert_node(fresh)
+    elif kind == "time":
+        clock.now += which
+    elif kind == "cpu":
+        cpu_pod = cpu_only_pod(f"c{step}", names[which], value)
+        for twin in twins:
+            twin.state.upsert_pod(cpu_pod)
+    elif kind == "delete" and bound:
+        uid = bound.pop(which % len(bound))
+        for twin in twins:
+            twin.state.delete_pod(uid)
+    elif kind == "node-delete" and names[which] in present:
+        present.remove(names[which])
+        for twin in twins:
+            twin.state.delete_node(names[which])
+    elif kind == "node-add":
+        if names[which] not in present:
+            present.append(names[which])
+        node = hardware_node(names[which], value, clock.now)
+        for twin in twins:
+            twin.state.upsert_node(node)
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
