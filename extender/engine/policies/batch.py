@@ -85,7 +85,8 @@ class HoleTerm(Protocol):
 #: in MIG mode, not held by a pod outside kube-vgpu: 1, else 0)
 GPU_COLUMNS = 5
 #: the columns' integers: 32 bits hold every value (MiB, cores, counts), and half the bytes of 64 make the arrays'
-#: passes faster; sums are taken in 64 bits (numpy's default for smaller integers), products checked (_free_share)
+#: passes faster; sums are taken in 64 bits (numpy's default for smaller integers); a batch whose products could
+#: overflow them computes in 64 bits (_place_group)
 COLUMN_DTYPE = np.int32
 _COLUMN_TYPECODE = "i"
 assert array(_COLUMN_TYPECODE).itemsize == np.dtype(COLUMN_DTYPE).itemsize
