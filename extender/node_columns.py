@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import math
 from operator import attrgetter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from kube_vgpu.extender.engine.policies.batch import COLUMN_DTYPE, GPU_COLUMNS, GroupColumns, node_row
+from kube_vgpu.extender.engine.policies.batch import COLUMN_DTYPE, GPU_COLUMNS, Floats, GroupColumns, Ints, node_row
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
@@ -89,9 +89,7 @@ class NodeColumns:
               equivalence_of: Callable[[NodeState], int | None], journal_epoch: int, journal_position: int) -> bool:
         """Read again the nodes named in `changed` (the journal since the last patch; names not in the list are
         skipped): False where one is gone or no longer of the group (the columns are then of no use)."""
-        index = self.index
-        if index is None:
-            index = self.index = dict(zip(self.names, range(len(self.names)), strict=True))
+        index = self._index()
         positions: list[int] = []
         rows: list[bytes] = []
         for name in dict.fromkeys(changed):
@@ -121,14 +119,45 @@ class NodeColumns:
         self.journal_position = journal_position
         return True
 
+    def select(self, names: list[str]) -> Selected | None:
+        """The kept values of these nodes, in this order (kube-scheduler asks each pod the nodes its own plugins
+        passed: the list kept, or part of it); None where one is not among the nodes kept."""
+        if names is self.names or names == self.names:
+            return Selected(self.nodes, self.equivalences, self.heartbeats, self.equivalence_array,
+                            GroupColumns(self.group, self.columns, self.cpu_total, self.cpu_used))
+        index = self._index()
+        try:
+            positions = list(map(index.__getitem__, names))
+        except KeyError:
+            return None
+        nodes = list(map(self.nodes.__getitem__, positions))
+        equivalences = list(map(self.equivalences.__getitem__, positions))
+        return Selected(nodes, equivalences, self.heartbeats[positions], self.equivalence_array[positions],
+                        GroupColumns(self.group, self.columns[positions], self.cpu_total[positions],
+                                     self.cpu_used[positions]))
+
+    def _index(self) -> dict[str, int]:
+        index = self.index
+        if index is None:
+            index = self.index = dict(zip(self.names, range(len(self.names)), strict=True))
+        return index
+
+
+class Selected(NamedTuple):
+    """Kept values of some of the nodes (NodeColumns.select), in the order asked."""
+
+    nodes: list[NodeState]
+    #: their node-equivalence keys (0: of no class)
+    equivalences: list[int]
+    #: their heartbeats (NaN: none)
+    heartbeats: Floats
+    equivalence_array: Ints
+    gathered: GroupColumns
+
     def all_distinct_classes(self) -> bool:
         """Whether every node is of a node-equivalence class, and no two of the same."""
         ordered = np.sort(self.equivalence_array)  # sorted and compared: np.unique takes ~15x as long
         return bool(ordered.all()) and bool((ordered[1:] != ordered[:-1]).all())
-
-    def group_columns(self) -> GroupColumns:
-        """What policies.batch reads of the nodes, gathered."""
-        return GroupColumns(self.group, self.columns, self.cpu_total, self.cpu_used)
 
 
 _HEARTBEAT = attrgetter("heartbeat_s")

@@ -51,6 +51,7 @@ from kube_vgpu.extender.engine.policies import (
     Policy,
     make_policy,
 )
+from kube_vgpu.extender.engine.policies.batch import GroupColumns
 from kube_vgpu.extender.fence import LeaderFence
 from kube_vgpu.extender.gangs import DEFAULT_TIMEOUT_S as DEFAULT_GANG_TIMEOUT_S
 from kube_vgpu.extender.gangs import Gang, GangKey, GangTracker, InvalidGang, Member, gang_of
@@ -731,18 +732,20 @@ class Scheduler:
         results = classes.results
         nodes = state.nodes
         ttl = state.heartbeat_ttl_s
-        gathered = None
+        gathered: GroupColumns | None = None
+        batch: tuple[list[NodeState], list[int], float] | None = None
         kept = self._kept_batch(names, failed_answers, key, results, now, ttl)
-        batch = None if kept is _LOOP_DECIDES else cast(tuple[list[NodeState], list[int], float] | None, kept)
-        if batch is not None:  # read from the columns kept of these nodes
-            assert self._node_columns is not None
-            gathered = self._node_columns.group_columns()
-        elif kept is None:  # none kept of them: every node read, and kept for the next new shape
+        if isinstance(kept, tuple):  # read from the columns kept of these nodes
+            todo, equivalences, earliest_heartbeat_s, gathered = kept
+            batch = todo, equivalences, earliest_heartbeat_s
+        elif kept is None:  # not all of them kept: every node read, and kept for the next new shape if more
             batch = _whole_batch(names, nodes, failed_answers, key, results, now, ttl)
-            if batch is not None and len(names) >= self.batch_min_nodes:
-                self._node_columns = NodeColumns.gather(list(names), batch[0], batch[1], *journal_at)
-                if self._node_columns is not None:
-                    gathered = self._node_columns.group_columns()
+            known = self._node_columns
+            if batch is not None and len(names) >= max(self.batch_min_nodes, len(known.names) if known else 0):
+                columns = NodeColumns.gather(list(names), batch[0], batch[1], *journal_at)
+                if columns is not None:
+                    self._node_columns = columns
+                    gathered = GroupColumns(columns.group, columns.columns, columns.cpu_total, columns.cpu_used)
         if batch is not None:  # the usual new shape: every node asked is one to place
             todo, equivalences, earliest_heartbeat_s = batch
             asked = names
@@ -813,33 +816,35 @@ class Scheduler:
 
     def _kept_batch(self, names: list[str], failed_answers: Mapping[str, FitFailure], key: int,
                     results: Mapping[int, Placement | FitFailure], now: float, ttl: float,
-                    ) -> tuple[list[NodeState], list[int], float] | object | None:
-        """_whole_batch's answer read from the columns kept of these very nodes (node_columns), patched from the
-        journal (caller holds the state lock); None: none kept for them; _LOOP_DECIDES: they say not every node
-        is one to place (the per-node loop sorts them out, no other reading of them needed)."""
+                    ) -> tuple[list[NodeState], list[int], float, GroupColumns] | object | None:
+        """_whole_batch's answer, and the batch's columns, read from the columns kept of these nodes (node_columns:
+        the list a new shape was walked in, or part of it), patched from the journal (caller holds the state
+        lock); None: none kept for all of them; _LOOP_DECIDES: they say not every node is one to place (the
+        per-node loop sorts them out, no other reading of them needed)."""
         kept = self._node_columns
         if kept is None:
             return None
         state = self.state
         journal_epoch, position = state.journal_epoch, len(state.journal)
-        if (kept.journal_epoch != journal_epoch or len(kept.names) != len(names) or kept.names != names
-                or position - kept.journal_position > REBUILD_SHARE * len(names)
+        if (kept.journal_epoch != journal_epoch or position - kept.journal_position > REBUILD_SHARE * len(kept.names)
                 or not kept.patch(state.journal[kept.journal_position:position], state.nodes, equivalence_key,
                                   journal_epoch, position)):
             self._node_columns = None
             return None
-        heartbeats = kept.heartbeats
-        earliest_heartbeat_s = float(heartbeats.min())  # NaN where a node has none
-        if not now - earliest_heartbeat_s <= ttl or not kept.all_distinct_classes():
+        selected = kept.select(names)
+        if selected is None:
+            return None
+        earliest_heartbeat_s = float(selected.heartbeats.min())  # NaN where a node has none
+        if not now - earliest_heartbeat_s <= ttl or not selected.all_distinct_classes():
             return _LOOP_DECIDES
         if failed_answers and not failed_answers.keys().isdisjoint(names):
             return _LOOP_DECIDES
-        if results and not results.keys().isdisjoint(kept.equivalences):
+        if results and not results.keys().isdisjoint(selected.equivalences):
             return _LOOP_DECIDES
-        todo = kept.nodes
+        todo = selected.nodes
         if any(map(operator.contains, map(_FIT_CACHE, todo), itertools.repeat(key))):
             return _LOOP_DECIDES
-        return todo, kept.equivalences, earliest_heartbeat_s
+        return todo, selected.equivalences, earliest_heartbeat_s, selected.gathered
 
     @staticmethod
     def _refreshed(node: NodeState, key: int, result: Placement | FitFailure, answer: _Answer | None) -> None:

@@ -197,12 +197,18 @@ def test_columns_gathered_by_the_caller_place_as_each_node_read(seed: int, name:
         node = random_node(rng, f"node-{len(nodes)}")
         if node_group(node) == (8, "A100", 81920, 100):
             nodes.append(node)
-    gathered = NodeColumns.gather([node.name for node in nodes], nodes, list(range(1, 41)), 0, 0)
-    assert gathered is not None
+    names = [node.name for node in nodes]
+    kept = NodeColumns.gather(names, nodes, list(range(1, 41)), 0, 0)
+    assert kept is not None
     policy = learned_policy(rng, name, **options)
-    for _ in range(25):
+    for number in range(25):
+        asked = names if number % 2 else sorted(rng.sample(names, 25))  # the list kept, or part of it
+        selected = kept.select(asked)
+        assert selected is not None
+        nodes_asked = selected.nodes
+        assert [node.name for node in nodes_asked] == asked
         request = random_request(rng)
-        assert policy.place_batch(nodes, request, gathered.group_columns()) == policy.place_batch(nodes, request)
+        assert policy.place_batch(nodes_asked, request, selected.gathered) == policy.place_batch(nodes_asked, request)
 
 
 def test_sums_and_products_beyond_32_bits_are_taken_in_64() -> None:
