@@ -28,8 +28,9 @@ if TYPE_CHECKING:
 
     from kube_vgpu.extender.engine.model import NodeState
 
-#: more nodes changed than this share of the list: gathered again in full (one pass, no per-node patching)
-REBUILD_SHARE = 0.25
+#: more journal entries since than this share of the list: gathered again in full (one pass, no per-node patching);
+#: a heartbeat alone costs ~1 us to patch (every node journals one per heartbeat period: 5000 per 30 s)
+REBUILD_SHARE = 1.0
 
 _CPU_TOTAL = attrgetter("cpu_milli_total")
 _CPU_USED = attrgetter("cpu_milli_used")
@@ -40,7 +41,7 @@ class NodeColumns:
     the list: GPU columns, host CPU, heartbeat (NaN: none) and node-equivalence key (0: of no class)."""
 
     __slots__ = ("columns", "cpu_total", "cpu_used", "equivalence_array", "equivalences", "group", "heartbeats",
-                 "index", "journal_epoch", "journal_position", "names", "nodes")
+                 "index", "journal_epoch", "journal_position", "names", "nodes", "versions")
 
     def __init__(self, names: list[str], nodes: list[NodeState], group: tuple[int, str, int, int],
                  journal_epoch: int, journal_position: int) -> None:
@@ -58,6 +59,9 @@ class NodeColumns:
         self.equivalence_array = np.zeros(count, dtype=np.int64)
         #: name -> position, built when a node is first patched
         self.index: dict[str, int] | None = None
+        #: each node's version (NodeState.version) as read: a node journaled but not touched since changed only its
+        #: heartbeat
+        self.versions: list[int] = [node.version for node in nodes]
         self.journal_epoch = journal_epoch
         self.journal_position = journal_position
 
@@ -92,6 +96,9 @@ class NodeColumns:
         index = self._index()
         positions: list[int] = []
         rows: list[bytes] = []
+        beat_positions: list[int] = []
+        beats: list[float] = []
+        versions = self.versions
         for name in dict.fromkeys(changed):
             position = index.get(name)
             if position is None:
@@ -99,6 +106,13 @@ class NodeColumns:
             node = nodes.get(name)
             if node is None:
                 return False
+            if node is self.nodes[position] and node.version == versions[position]:
+                # not touched since: only its heartbeat may have changed (every node's, every heartbeat period)
+                beat = node.heartbeat_s
+                beat_positions.append(position)
+                beats.append(math.nan if beat is None else beat)
+                continue
+            versions[position] = node.version
             row = node_row(node)
             if row is None or row[0] != self.group:
                 return False
@@ -108,6 +122,8 @@ class NodeColumns:
             beat = node.heartbeat_s
             self.heartbeats[position] = math.nan if beat is None else beat
             self.equivalences[position] = equivalence_of(node) or 0
+        if beat_positions:
+            self.heartbeats[beat_positions] = beats
         if positions:  # the arrays written once for all the nodes read again
             changed_nodes = [self.nodes[position] for position in positions]
             self.columns[positions] = np.frombuffer(b"".join(rows), dtype=COLUMN_DTYPE).reshape(

@@ -123,6 +123,19 @@ def test_the_next_new_shape_reads_the_kept_columns_patched_for_the_nodes_changed
     # kube-scheduler's own plugins passed part of the nodes: that part of the kept columns, in the order asked
     both(41, 8100, names[::3])
     assert reads[-1] is True and scheduler._node_columns is columns
+    # most nodes' heartbeats (the device plugins' period): patched, heartbeats only (the nodes' versions unchanged;
+    # more journal entries than nodes kept would gather them again)
+    versions = list(columns.versions)
+    renewed = names[:35]
+    for twin in (kept, alone):
+        for name in renewed:
+            twin.state.upsert_node(hardware_node(name, EIGHT_GPUS, clock.now + 1))
+    both(42, 8200)
+    assert reads[-1] is True and scheduler._node_columns is columns
+    bound_since = [position for position, (old, new) in enumerate(zip(versions, columns.versions, strict=True))
+                   if old != new]
+    assert len(bound_since) <= 2  # the nodes the last two pods were bound to: their rows read again
+    assert all(columns.heartbeats[names.index(name)] == clock.now + 1 for name in renewed)
     # a node gone: the columns are dropped and gathered again for the new list
     for twin in (kept, alone):
         twin.state.delete_node("n3")
