@@ -16,12 +16,19 @@ heartbeat by a node update, which journals it too; an added or deleted node is j
 from __future__ import annotations
 
 import math
-from operator import attrgetter
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import numpy as np
 
-from kube_vgpu.extender.engine.policies.batch import COLUMN_DTYPE, GPU_COLUMNS, Floats, GroupColumns, Ints, node_row
+from kube_vgpu.extender.engine.policies.batch import (
+    COLUMN_DTYPE,
+    GPU_COLUMNS,
+    Floats,
+    GroupColumns,
+    Ints,
+    host_cpu,
+    node_row,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
@@ -32,8 +39,6 @@ if TYPE_CHECKING:
 #: a heartbeat alone costs ~1 us to patch (every node journals one per heartbeat period: 5000 per 30 s)
 REBUILD_SHARE = 1.0
 
-_CPU_TOTAL = attrgetter("cpu_milli_total")
-_CPU_USED = attrgetter("cpu_milli_used")
 
 
 class NodeColumns:
@@ -43,21 +48,18 @@ class NodeColumns:
     __slots__ = ("columns", "cpu_total", "cpu_used", "equivalence_array", "equivalences", "group", "heartbeats",
                  "index", "journal_epoch", "journal_position", "names", "nodes", "versions")
 
-    def __init__(self, names: list[str], nodes: list[NodeState], group: tuple[int, str, int, int],
-                 journal_epoch: int, journal_position: int) -> None:
+    def __init__(self, names: list[str], nodes: list[NodeState], group: tuple[int, str, int, int], columns: Ints,
+                 equivalences: list[int], journal_epoch: int, journal_position: int) -> None:
         self.names = names
         self.nodes = nodes
         self.group = group
-        width = group[0]
-        count = len(nodes)
-        self.columns = np.zeros((count, width, GPU_COLUMNS), dtype=COLUMN_DTYPE)
-        self.cpu_total = np.zeros(count, dtype=np.int64)
-        self.cpu_used = np.zeros(count, dtype=np.int64)
-        self.heartbeats = np.zeros(count, dtype=np.float64)
+        self.columns = columns
+        self.cpu_total, self.cpu_used = host_cpu(nodes)
+        self.heartbeats = np.fromiter(map(_heartbeat, nodes), dtype=np.float64, count=len(nodes))
         #: node-equivalence keys, also as a list (the scheduler's results are keyed by the ints)
-        self.equivalences: list[int] = [0] * count
-        self.equivalence_array = np.zeros(count, dtype=np.int64)
-        #: name -> position, built when a node is first patched
+        self.equivalences = equivalences
+        self.equivalence_array = np.array(equivalences, dtype=np.int64)
+        #: name -> position, built when first needed
         self.index: dict[str, int] | None = None
         #: each node's version (NodeState.version) as read: a node journaled but not touched since changed only its
         #: heartbeat
@@ -73,31 +75,23 @@ class NodeColumns:
         rows = list(map(node_row, nodes))
         if not rows or None in rows:
             return None
-        first = rows[0]
-        assert first is not None
-        group = first[0]
-        if any(row[0] != group for row in rows if row is not None):
+        kept_rows = cast(list[tuple[tuple[int, str, int, int], bytes]], rows)
+        group = kept_rows[0][0]
+        if any(row[0] != group for row in kept_rows):
             return None
-        made = cls(names, nodes, group, journal_epoch, journal_position)
-        made.columns = np.frombuffer(b"".join(row[1] for row in rows if row is not None), dtype=COLUMN_DTYPE).reshape(
+        columns = np.frombuffer(b"".join(row[1] for row in kept_rows), dtype=COLUMN_DTYPE).reshape(
             len(rows), group[0], GPU_COLUMNS).copy()  # patched in place later: a writable copy
-        made.cpu_total = np.fromiter(map(_CPU_TOTAL, nodes), dtype=np.int64, count=len(nodes))
-        made.cpu_used = np.fromiter(map(_CPU_USED, nodes), dtype=np.int64, count=len(nodes))
-        made.heartbeats = np.array([math.nan if beat is None else beat for beat in map(_HEARTBEAT, nodes)],
-                                   dtype=np.float64)
-        made.equivalences = [equivalence or 0 for equivalence in equivalences]
-        made.equivalence_array = np.array(made.equivalences, dtype=np.int64)
-        return made
+        return cls(names, nodes, group, columns, [equivalence or 0 for equivalence in equivalences], journal_epoch,
+                   journal_position)
 
     def patch(self, changed: Sequence[str], nodes: Mapping[str, NodeState],
               equivalence_of: Callable[[NodeState], int | None], journal_epoch: int, journal_position: int) -> bool:
         """Read again the nodes named in `changed` (the journal since the last patch; names not in the list are
         skipped): False where one is gone or no longer of the group (the columns are then of no use)."""
         index = self._index()
-        positions: list[int] = []
+        positions: list[int] = []  # nodes touched since: everything read again
         rows: list[bytes] = []
-        beat_positions: list[int] = []
-        beats: list[float] = []
+        beat_positions: list[int] = []  # every node named: its heartbeat
         versions = self.versions
         for name in dict.fromkeys(changed):
             position = index.get(name)
@@ -106,41 +100,38 @@ class NodeColumns:
             node = nodes.get(name)
             if node is None:
                 return False
+            beat_positions.append(position)
             if node is self.nodes[position] and node.version == versions[position]:
-                # not touched since: only its heartbeat may have changed (every node's, every heartbeat period)
-                beat = node.heartbeat_s
-                beat_positions.append(position)
-                beats.append(math.nan if beat is None else beat)
-                continue
-            versions[position] = node.version
+                continue  # not touched since: only its heartbeat may have changed (every node's, every period)
             row = node_row(node)
             if row is None or row[0] != self.group:
                 return False
+            versions[position] = node.version
             self.nodes[position] = node
+            self.equivalences[position] = equivalence_of(node) or 0
             positions.append(position)
             rows.append(row[1])
-            beat = node.heartbeat_s
-            self.heartbeats[position] = math.nan if beat is None else beat
-            self.equivalences[position] = equivalence_of(node) or 0
-        if beat_positions:
-            self.heartbeats[beat_positions] = beats
-        if positions:  # the arrays written once for all the nodes read again
-            changed_nodes = [self.nodes[position] for position in positions]
+        if beat_positions:  # the arrays written once for all the nodes read again
+            self.heartbeats[beat_positions] = list(map(_heartbeat, map(self.nodes.__getitem__, beat_positions)))
+        if positions:
             self.columns[positions] = np.frombuffer(b"".join(rows), dtype=COLUMN_DTYPE).reshape(
                 len(positions), self.group[0], GPU_COLUMNS)
-            self.cpu_total[positions] = list(map(_CPU_TOTAL, changed_nodes))
-            self.cpu_used[positions] = list(map(_CPU_USED, changed_nodes))
-            self.equivalence_array[positions] = [self.equivalences[position] for position in positions]
+            self.cpu_total[positions], self.cpu_used[positions] = host_cpu(list(map(self.nodes.__getitem__,
+                                                                                    positions)))
+            self.equivalence_array[positions] = list(map(self.equivalences.__getitem__, positions))
         self.journal_epoch = journal_epoch
         self.journal_position = journal_position
         return True
+
+    def gathered(self) -> GroupColumns:
+        """What policies.batch reads of every node kept."""
+        return GroupColumns(self.group, self.columns, self.cpu_total, self.cpu_used)
 
     def select(self, names: list[str]) -> Selected | None:
         """The kept values of these nodes, in this order (kube-scheduler asks each pod the nodes its own plugins
         passed: the list kept, or part of it); None where one is not among the nodes kept."""
         if names is self.names or names == self.names:
-            return Selected(self.nodes, self.equivalences, self.heartbeats, self.equivalence_array,
-                            GroupColumns(self.group, self.columns, self.cpu_total, self.cpu_used))
+            return Selected(self.nodes, self.equivalences, self.heartbeats, self.equivalence_array, self.gathered())
         index = self._index()
         try:
             positions = list(map(index.__getitem__, names))
@@ -159,6 +150,11 @@ class NodeColumns:
         return index
 
 
+def _heartbeat(node: NodeState) -> float:
+    beat = node.heartbeat_s
+    return math.nan if beat is None else beat
+
+
 class Selected(NamedTuple):
     """Kept values of some of the nodes (NodeColumns.select), in the order asked."""
 
@@ -175,5 +171,3 @@ class Selected(NamedTuple):
         ordered = np.sort(self.equivalence_array)  # sorted and compared: np.unique takes ~15x as long
         return bool(ordered.all()) and bool((ordered[1:] != ordered[:-1]).all())
 
-
-_HEARTBEAT = attrgetter("heartbeat_s")

@@ -207,8 +207,6 @@ def _whole_batch(names: list[str], nodes: Mapping[str, NodeState], failed_answer
     Scheduler._place_in_batch's loop would take it: known, not refused for the shape, no result cached, heartbeat
     fresh, its own equivalence class not placed yet. Read in C, pass by pass; None: one is not (the loop sorts
     them out)."""
-    if failed_answers and not failed_answers.keys().isdisjoint(names):
-        return None
     found = list(map(nodes.get, names))
     if None in found:
         return None
@@ -219,7 +217,7 @@ def _whole_batch(names: list[str], nodes: Mapping[str, NodeState], failed_answer
     earliest_heartbeat_s = min(heartbeats, default=math.inf)
     if now - earliest_heartbeat_s > ttl:  # the loop's test, on the oldest
         return None
-    if any(map(operator.contains, map(_FIT_CACHE, todo), itertools.repeat(key))):
+    if not _none_judged(names, todo, failed_answers, key):
         return None
     equivalences: list[Any] = list(map(_EQUIVALENCE, todo))
     if not all(equivalences):  # computed as the loop does (a node changed since its last: None; of no class: 0)
@@ -230,6 +228,15 @@ def _whole_batch(names: list[str], nodes: Mapping[str, NodeState], failed_answer
     if len(set(equivalences)) != len(equivalences) or not results.keys().isdisjoint(equivalences):
         return None
     return todo, equivalences, earliest_heartbeat_s
+
+
+def _none_judged(names: list[str], nodes: list[NodeState], failed_answers: Mapping[str, FitFailure], key: int
+                 ) -> bool:
+    """Whether none of these nodes (names: theirs) has a verdict for the shape yet: not refused in its answer, no
+    result in its fit cache."""
+    if failed_answers and not failed_answers.keys().isdisjoint(names):
+        return False
+    return not any(map(operator.contains, map(_FIT_CACHE, nodes), itertools.repeat(key)))
 
 
 def _batch_by_loop(names: list[str], nodes: Mapping[str, NodeState], failed_answers: Mapping[str, FitFailure],
@@ -745,7 +752,7 @@ class Scheduler:
                 columns = NodeColumns.gather(list(names), batch[0], batch[1], *journal_at)
                 if columns is not None:
                     self._node_columns = columns
-                    gathered = GroupColumns(columns.group, columns.columns, columns.cpu_total, columns.cpu_used)
+                    gathered = columns.gathered()
         if batch is not None:  # the usual new shape: every node asked is one to place
             todo, equivalences, earliest_heartbeat_s = batch
             asked = names
@@ -837,14 +844,11 @@ class Scheduler:
         earliest_heartbeat_s = float(selected.heartbeats.min())  # NaN where a node has none
         if not now - earliest_heartbeat_s <= ttl or not selected.all_distinct_classes():
             return _LOOP_DECIDES
-        if failed_answers and not failed_answers.keys().isdisjoint(names):
-            return _LOOP_DECIDES
         if results and not results.keys().isdisjoint(selected.equivalences):
             return _LOOP_DECIDES
-        todo = selected.nodes
-        if any(map(operator.contains, map(_FIT_CACHE, todo), itertools.repeat(key))):
+        if not _none_judged(names, selected.nodes, failed_answers, key):
             return _LOOP_DECIDES
-        return todo, selected.equivalences, earliest_heartbeat_s, selected.gathered
+        return selected.nodes, selected.equivalences, earliest_heartbeat_s, selected.gathered
 
     @staticmethod
     def _refreshed(node: NodeState, key: int, result: Placement | FitFailure, answer: _Answer | None) -> None:

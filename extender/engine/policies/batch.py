@@ -274,8 +274,8 @@ def place_batch(
         width, model, memory_mib, cores = kind
         columns = np.frombuffer(b"".join(map(_COLUMNS, rows)), dtype=COLUMN_DTYPE).reshape(
             len(rows), width, GPU_COLUMNS)
-        return _place_group(list(nodes), columns, _cpu_of(nodes, _CPU_TOTAL), _cpu_of(nodes, _CPU_USED), model,
-                            memory_mib, cores, request, container, policy, holes)
+        return _place_group(list(nodes), columns, *host_cpu(nodes), model, memory_mib, cores, request, container,
+                            policy, holes)
     groups: dict[tuple[int, str, int, int], list[int]] = {}
     for number, row in enumerate(rows):
         if row is not None:
@@ -284,8 +284,8 @@ def place_batch(
         columns = np.frombuffer(b"".join(_columns_of(rows[i]) for i in numbers), dtype=COLUMN_DTYPE).reshape(
             len(numbers), width, GPU_COLUMNS)
         members = [nodes[i] for i in numbers]
-        placed = _place_group(members, columns, _cpu_of(members, _CPU_TOTAL), _cpu_of(members, _CPU_USED), model,
-                              memory_mib, cores, request, container, policy, holes)
+        placed = _place_group(members, columns, *host_cpu(members), model, memory_mib, cores, request, container,
+                              policy, holes)
         for number, placement in zip(numbers, placed, strict=True):
             results[number] = placement
     return results
@@ -309,8 +309,11 @@ _CPU_TOTAL = attrgetter("cpu_milli_total")
 _CPU_USED = attrgetter("cpu_milli_used")
 
 
-def _cpu_of(nodes: Sequence[NodeState], attribute: attrgetter[int]) -> Ints:
-    return np.fromiter(map(attribute, nodes), dtype=np.int64, count=len(nodes))
+def host_cpu(nodes: Sequence[NodeState]) -> tuple[Ints, Ints]:
+    """The nodes' allocatable and requested milli-CPU, as the batch reads them."""
+    count = len(nodes)
+    return (np.fromiter(map(_CPU_TOTAL, nodes), dtype=np.int64, count=count),
+            np.fromiter(map(_CPU_USED, nodes), dtype=np.int64, count=count))
 
 
 def _place_group(  # noqa: C901 - one vectorised pass, in fit.place's order
