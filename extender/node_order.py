@@ -5,7 +5,13 @@ every pod (`findNodesThatPassFilters` collects them with an atomic counter). Wal
 node's data at a random place in memory, and its reply, which kube-scheduler asks prioritize in, changes order pod
 after pod. Walked in the order the nodes arrived in the state, the reads follow memory (a new request shape costs
 ~30 % less at 5000 nodes) and the reply keeps one order, so prioritize's prepared answer carries over without
-matching a permutation. Pure: no I/O, no locking (the state's lock covers it)."""
+matching a permutation.
+
+The names are ranked under copies of their strings, made together (NodeOrder._compact), so that they lie next to
+each other in memory, in rank order: looking up the 5000 fresh strings of a request compares each with its copy,
+and the ordered list returned holds the copies, so both touch a few hundred kilobytes in order, not 5000 strings
+spread over a heap of Node and Pod objects (~0.5 ms of ~1.5 at 5000 nodes). Pure: no I/O, no locking (the state's
+lock covers it)."""
 
 from __future__ import annotations
 
@@ -18,6 +24,11 @@ import numpy.typing as npt
 MIN_NODES = 32
 #: unknown names sort after every node
 _UNKNOWN_RANK = 1 << 62
+
+
+def _copy(name: str) -> str:
+    """A new string object equal to name (slicing or joining a str returns the str itself)."""
+    return name.encode("utf-8", "surrogatepass").decode("utf-8", "surrogatepass")
 
 
 class NodeOrder:
@@ -56,10 +67,14 @@ class NodeOrder:
 
     def in_order(self, names: list[str]) -> list[str]:
         """names in rank order (the list itself when already so, or shorter than MIN_NODES), the names of no node
-        last as given; a name given twice stays twice. A reordered list holds the nodes' own strings."""
+        last as given; a name given twice stays twice. A reordered list holds the order's own copies of the
+        nodes' names."""
         count = len(names)
         if count < MIN_NODES:
             return names
+        names_array = self._names_array
+        if names_array is None:
+            names_array = self._compact()
         try:
             ranks = np.fromiter(map(self.rank.__getitem__, names), dtype=np.int64, count=count)
         except KeyError:
@@ -72,11 +87,18 @@ class NodeOrder:
         ranks_in_order = np.flatnonzero(asked)
         if len(ranks_in_order) != count:  # a name given twice
             return self._sorted(names, ranks)
-        names_array = self._names_array
-        if names_array is None:
-            names_array = self._names_array = np.array(self._names, dtype=np.object_)
         in_order: list[str] = names_array[ranks_in_order].tolist()
         return in_order
+
+    def _compact(self) -> npt.NDArray[np.object_]:
+        """Rank the nodes under new copies of their names, made one after another (so mostly adjacent in memory),
+        in rank order, and return them as an array (in_order indexes it by rank). Once after nodes were added or
+        removed: ~1 ms at 5000 nodes."""
+        copies = [None if name is None else _copy(name) for name in self._names]
+        self._names = copies
+        self.rank = {name: rank for rank, name in enumerate(copies) if name is not None}
+        names_array = self._names_array = np.array(copies, dtype=np.object_)
+        return names_array
 
     def _in_order_with_unknown(self, names: list[str]) -> list[str]:
         ranks = np.fromiter(map(self.rank.get, names, itertools.repeat(_UNKNOWN_RANK)), dtype=np.int64,

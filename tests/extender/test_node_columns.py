@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kube_vgpu import protocol
 from kube_vgpu.extender import scheduler as scheduler_module
 from kube_vgpu.extender.engine.model import NodeState
 from kube_vgpu.extender.engine.policies.batch import node_row
@@ -148,6 +149,41 @@ def test_the_next_new_shape_reads_the_kept_columns_patched_for_the_nodes_changed
     both(6, 10000)
     both(7, 11000)
     assert reads[-2:] == [False, False] and scheduler._node_columns is None
+
+
+def test_only_a_request_key_judged_again_looks_for_results_in_the_nodes_caches(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    names, items = distinct_cluster(40, [[0], [1, 2], []])
+    clock = Clock()
+    kept, alone = Twin(clock, items, True, batch=True), Twin(clock, items, False)
+    scheduler = kept.scheduler
+    looked: list[bool] = []
+    real = scheduler_module._none_judged
+
+    def recording(*args: Any) -> bool:
+        looked.append(real(*args))
+        return looked[-1]
+
+    monkeypatch.setattr(scheduler_module, "_none_judged", recording)
+    first = pod("p0", gpus=1, memory_mib=4096, cores=10)
+    assert kept.schedule(first, names) == alone.schedule(first, names)
+    assert looked == []  # a new key: no node can hold a result under it (gathered, then placed in one batch)
+    # the shape's answer and class results gone (other shapes took the answer's place; a change of the learned model
+    # starts the classes afresh): the nodes' caches still hold its results, which the loop takes
+    scheduler._answers.clear()
+    scheduler._class_results.clear()
+    again = pod("p1", gpus=1, memory_mib=4096, cores=10)
+    assert kept.schedule(again, names) == alone.schedule(again, names)
+    assert looked == [False]
+    # a key made but first judged by another (a gang's plan, under the state lock): judged again afterwards
+    shape = pod("p2", gpus=1, memory_mib=6000, cores=10)
+    request = scheduler._placement_request(shape, protocol.parse_pod_gpu_request(shape), scheduler.default_node_policy,
+                                           scheduler.default_gpu_policy)
+    key = scheduler._cache_key(request, scheduler.default_node_policy, scheduler.default_gpu_policy)
+    assert scheduler._cache_key(request, scheduler.default_node_policy, scheduler.default_gpu_policy) == key
+    assert scheduler._first_judged(key) and not scheduler._first_judged(key)
+    assert kept.schedule(shape, names) == alone.schedule(shape, names)
+    assert looked == [False, True]  # nothing cached after all: the batch placed them
 
 
 def test_columns_are_gathered_only_for_nodes_all_of_one_group() -> None:

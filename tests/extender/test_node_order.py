@@ -50,12 +50,29 @@ def test_names_are_put_in_the_order_the_nodes_arrived(case: str) -> None:
     assert order.in_order(given_names) == named(expected)
 
 
-def test_a_list_in_order_is_returned_itself_and_a_reordered_one_holds_the_nodes_strings() -> None:
+def test_a_list_in_order_is_returned_itself_and_a_reordered_one_holds_the_orders_own_copies() -> None:
     order, arrived = order_of(50)
     asked = fresh(arrived)
     assert order.in_order(asked) is asked
     reordered = order.in_order(list(reversed(asked)))
-    assert reordered == arrived and all(got is node for got, node in zip(reordered, arrived, strict=True))
+    assert reordered == arrived
+    # copies made together (not the strings added, nor those asked), the same ones pod after pod
+    assert not any(got is node for got, node in zip(reordered, [*arrived, *asked], strict=False))
+    again = order.in_order(list(reversed(fresh(arrived))))
+    assert all(first is second for first, second in zip(reordered, again, strict=True))
+    assert list(order.rank) == reordered and all(a is b for a, b in zip(order.rank, reordered, strict=True))
+
+
+def test_names_added_or_removed_since_are_copied_again_on_the_next_ordering() -> None:
+    order, arrived = order_of(40)
+    first = order.in_order(list(reversed(arrived)))
+    late = "late"
+    order.add(late)
+    order.remove(arrived[3])
+    expected = [*arrived[:3], *arrived[4:], late]
+    second = order.in_order(list(reversed(fresh(expected))))
+    assert second == expected and second[-1] is not late
+    assert not any(a is b for a, b in zip(first, second, strict=False))
 
 
 def test_a_node_removed_and_added_again_goes_last_and_many_removals_keep_the_order() -> None:
