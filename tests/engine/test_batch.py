@@ -228,3 +228,25 @@ def test_sums_and_products_beyond_32_bits_are_taken_in_64() -> None:
         for gpus in (1, 2):
             request = PlacementRequest(protocol.parse_pod_gpu_request(pod(gpus=gpus, cores=10, **ask)))
             assert check(policy, nodes, request) >= 1
+
+
+@pytest.mark.parametrize("gpus_per_node", [8, 32])
+def test_whole_gpu_choices_are_made_once_per_distinct_node_and_spread(gpus_per_node: int) -> None:
+    """A multi-GPU (or exclusive) container's GPUs are chosen once per distinct (link matrix, fitting GPUs, idle
+    GPUs) and spread to every node so keyed, as fit.place chooses them node by node; nodes of 32 GPUs key their
+    choices beyond 64 bits."""
+    rng = random.Random(11)
+    policy = learned_policy(rng)
+    nodes = []
+    for number in range(40):
+        topology = TOPOLOGIES[number % len(TOPOLOGIES)]
+        node = NodeState(f"n{number}", synth_inventory("n", gpus_per_node, "A100", 81920, topology),
+                         cpu_milli_total=64000)
+        for position in rng.sample(range(gpus_per_node), number % 5):  # alike nodes, and nodes of their own
+            node.apply_usage((GpuUsage(position, 8192 * (1 + number % 3), 20, 1, False),))
+        node.touch()
+        nodes.append(node)
+    for shape in ({"gpus": 2, "memory_mib": 4096, "cores": 10}, {"gpus": 3, "cores": 100}, {"gpus": 1, "cores": 100},
+                  {"gpus": gpus_per_node, "cores": 100}):
+        request = PlacementRequest(protocol.parse_pod_gpu_request(pod(**shape)), cpu_milli=4000)
+        assert check(policy, nodes, request) >= 8

@@ -160,6 +160,16 @@ def _free_share(used_memory: Ints, used_cores: Ints, vgpus: Ints, max_vgpus: Int
     return np.where(usable & (vgpus < max_vgpus) & (share > 0), share, 0)
 
 
+def _row_sums(values: Ints | Bools) -> Ints:
+    """values.sum(axis=-1) of a [node, GPU] array of free shares or flags (small sums: no wider integers needed):
+    einsum's loop over a row of a few GPUs is ~2.5x faster than sum's."""
+    if values.dtype == np.bool_:  # 0 or 1 per GPU, counted in bytes (a node has far fewer than 128 GPUs)
+        counts: Ints = np.einsum("ij->i", values.view(np.int8)).astype(np.int32)
+        return counts
+    sums: Ints = np.einsum("ij->i", values)
+    return sums
+
+
 class _Measure:
     """bfgd's measure (FGD's fragmentation + balance_weight * stranded GPU) of one GPU class, over arrays."""
 
@@ -171,17 +181,29 @@ class _Measure:
         self.ratio = policy.cpu_per_gpu_on(memory_mib)
         self.balance_weight = policy.balance_weight
         self.lookahead_weight = lookahead_weight
+        #: _per_ask's last free array and its sums (of and of_each_change read the same one)
+        self._summed: tuple[Ints, Ints, list[tuple[Bools, Ints, Ints]]] | None = None
+
+    def _per_ask(self, free: Ints) -> tuple[Ints, list[tuple[Bools, Ints, Ints]]]:
+        """Per row, the free shares' total; per ask, which GPUs have it free, how many, and the idle share of the
+        others."""
+        summed = self._summed
+        if summed is not None and summed[0] is free:
+            return summed[1], summed[2]
+        total = _row_sums(free)
+        per_ask = []
+        for ask in self.asks:
+            at_least = free >= ask
+            per_ask.append((at_least, _row_sums(at_least), total - _row_sums(np.where(at_least, free, 0))))
+        self._summed = (free, total, per_ask)
+        return total, per_ask
 
     def of(self, free: Ints, cpu_free: Ints, cpu_known: Bools, holes: HoleTables | None) -> Floats:
         """Per row: the measure of a node with these free milli-GPU per GPU (last axis) and free milli-CPU; holes:
         the look-ahead tables and each node's row (HoleTerm.hole_tables) when the policy has the term."""
-        total = free.sum(axis=-1)
-        fitting = []
-        small = []
-        for ask in self.asks:
-            at_least = free >= ask
-            fitting.append(at_least.sum(axis=-1))
-            small.append(total - np.where(at_least, free, 0).sum(axis=-1))
+        total, per_ask = self._per_ask(free)
+        fitting = [fits for _, fits, _ in per_ask]
+        small = [below for _, _, below in per_ask]
         frag = self._sum(total, fitting, small, cpu_free, cpu_known)
         if holes is None:
             return frag
@@ -197,17 +219,14 @@ class _Measure:
     ) -> Floats:
         """[node, j]: the measure with GPU j's free share replaced by taken[node, j] (<= free), the others as they
         are; counted from the node's own per-ask sums instead of re-summing every variant."""
-        total = free.sum(axis=-1)
+        total, per_ask = self._per_ask(free)
         total_after = total[:, None] - (free - taken)
         fitting = []
         small = []
-        for ask in self.asks:
-            at_least = free >= ask
-            fits = at_least.sum(axis=-1)[:, None]
-            below = (total - np.where(at_least, free, 0).sum(axis=-1))[:, None]
+        for ask, (at_least, fits, below) in zip(self.asks, per_ask, strict=True):
             drops_out = at_least & (taken < ask)  # the GPU no longer has the ask free: its rest is small
-            fitting.append(fits - drops_out)
-            small.append(below + np.where(drops_out, taken, np.where(at_least, 0, taken - free)))
+            fitting.append(fits[:, None] - drops_out)
+            small.append(below[:, None] + np.where(drops_out, taken, np.where(at_least, 0, taken - free)))
         frag = self._sum(total_after, fitting, small, cpu_free[:, None], cpu_known[:, None])
         if holes is None:
             return frag
@@ -222,10 +241,30 @@ class _Measure:
         return frag + self.lookahead_weight * extra
 
     def _sum(self, total: Ints, fitting: list[Ints], small: list[Ints], cpu_free: Ints, cpu_known: Bools) -> Floats:
-        # node_frag's sum, term by term in the model's order (the same floats as fragmentation.node_frag)
-        frag: Floats = self.never * total
+        # node_frag's sum, term by term in the model's order (the same floats as fragmentation.node_frag: each
+        # integer made a float, as p * integer does, then p times it, then added). The tests each shape makes are
+        # shared by the shapes with the same GPU ask and count, or the same CPU ask, and a CPU ask every node meets
+        # is left out: the learned workload of a real cluster has tens of shapes, each a pass over every GPU
+        total_float = total.astype(np.float64)
+        frag: Floats = self.never * total_float
+        meets_gpus: dict[tuple[int, int], Bools] = {}
+        meets_cpu: dict[int, Bools | None] = {}
+        small_float: dict[int, Floats] = {}
         for cpu, ask, count, p in self.usable:
-            frag = frag + p * np.where((cpu_free >= cpu) & (fitting[ask] >= count), small[ask], total)
+            gpus_ok = meets_gpus.get((ask, count))
+            if gpus_ok is None:
+                gpus_ok = meets_gpus[ask, count] = fitting[ask] >= count
+            if cpu in meets_cpu:
+                cpu_ok = meets_cpu[cpu]
+            else:
+                cpu_ok = cpu_free >= cpu
+                cpu_ok = meets_cpu[cpu] = None if cpu_ok.all() else cpu_ok
+            below = small_float.get(ask)
+            if below is None:
+                below = small_float[ask] = small[ask].astype(np.float64)
+            term = np.where(gpus_ok if cpu_ok is None else gpus_ok & cpu_ok, below, total_float)
+            term *= p
+            frag += term
         if self.ratio:  # BalancedFGD.stranded: 0.0 where the CPU is unknown
             stranded = np.where(cpu_known, np.maximum(0.0, total - cpu_free / self.ratio), 0.0)
             frag = frag + self.balance_weight * stranded
@@ -305,6 +344,8 @@ def _columns_of(row: tuple[tuple[int, str, int, int], bytes] | None) -> bytes:
 
 
 _NAME = attrgetter("name")
+_HAS_LINKS = attrgetter("has_links")
+_LINK_ID = attrgetter("link_id")
 _CPU_TOTAL = attrgetter("cpu_milli_total")
 _CPU_USED = attrgetter("cpu_milli_used")
 
@@ -383,39 +424,49 @@ def _place_group(  # noqa: C901 - one vectorised pass, in fit.place's order
         shapes: list[tuple[int, ...] | None] = [(position,) for position in range(width)]
         chosen = list(map(shapes.__getitem__, picked.tolist()))
     else:
-        # choose_whole: the lowest-index fitting GPUs, or on nodes with links the best-connected ones
-        fit_bits = (fits @ bit).tolist()
-        idle_bits = ((usable & (vgpus == 0)) @ bit).tolist()
-        memo: dict[tuple[int, int, int], tuple[tuple[int, ...], int, float]] = {}
-        chosen_bits = [0] * count
-        qualities = [0.0] * count
-        for row, bits in enumerate(fit_bits):
+        # choose_whole: the lowest-index fitting GPUs, or on nodes with links the best-connected ones; chosen once
+        # per distinct (link matrix, fitting GPUs, idle GPUs) and spread to the nodes over arrays (a loop over 5000
+        # nodes took ~5 ms)
+        fit_bits = fits @ bit
+        links = np.where(np.fromiter(map(_HAS_LINKS, nodes), np.bool_, count),
+                         np.fromiter(map(_LINK_ID, nodes), np.int64, count), -1)
+        idle_bits = (usable & (vgpus == 0)) @ bit
+        keyed_idle = np.where(links >= 0, idle_bits, 0) if container.count == 1 else np.zeros_like(idle_bits)
+        parts: tuple[Any, Any, Any] = (links + 1, fit_bits, keyed_idle)
+        if 2 * width >= 62 or int(parts[0].max(initial=0)) >= 1 << (62 - 2 * width):  # a key in 64 bits, else in
+            # Python's integers (nodes of 21 GPUs or more)
+            parts = (parts[0].astype(object), parts[1].astype(object), parts[2].astype(object))
+        keys = (parts[0] << (2 * width)) | (parts[1] << width) | parts[2]
+        _, firsts, which = np.unique(keys, return_index=True, return_inverse=True)
+        choices: list[tuple[int, ...] | None] = []
+        choice_bits: list[int] = []
+        choice_quality: list[float] = []
+        for row in firsts.tolist():
             node = nodes[row]
-            link = node.link_id if node.has_links else -1
-            key = (link, bits, idle_bits[row] if link >= 0 and container.count == 1 else 0)
-            found = memo.get(key)
-            if found is None:
-                candidates = [p for p in range(width) if bits >> p & 1]
-                if len(candidates) < container.count:
-                    found = ((), 0, 0.0)
-                elif link < 0:
-                    found = (tuple(candidates[: container.count]), 0, 0.0)
-                elif container.count == 1:
-                    found = ((_least_damaging(node, bits, idle_bits[row]),), 0, 0.0)
-                else:
-                    positions = tuple(best_connected_positions(node.link_id, node.link_matrix, tuple(candidates),
-                                                               container.count))
-                    found = (positions, 0, set_quality(node.link_matrix, positions)[0] / BEST_LINK_SCORE)
-                found = (found[0], sum(1 << p for p in found[0]), found[2])
-                memo[key] = found
-            if found[0]:
-                chosen[row] = found[0]
-            chosen_bits[row] = found[1]
-            qualities[row] = found[2]
-        in_chosen = (np.array(chosen_bits, dtype=np.int64)[:, None] & bit) != 0
+            bits = int(fit_bits[row])
+            candidates = [p for p in range(width) if bits >> p & 1]
+            quality_of = 0.0
+            if len(candidates) < container.count:
+                positions: tuple[int, ...] = ()
+            elif links[row] < 0:
+                positions = tuple(candidates[: container.count])
+            elif container.count == 1:
+                positions = (_least_damaging(node, bits, int(idle_bits[row])),)
+            else:
+                positions = tuple(best_connected_positions(node.link_id, node.link_matrix, tuple(candidates),
+                                                           container.count))
+                quality_of = set_quality(node.link_matrix, positions)[0] / BEST_LINK_SCORE
+            choices.append(positions or None)
+            choice_bits.append(sum(1 << p for p in positions))
+            choice_quality.append(quality_of)
+        which_list = which.reshape(-1).tolist()
+        chosen = list(map(choices.__getitem__, which_list))
+        chosen_bits = np.array(choice_bits, dtype=np.int64)[which]
+        qualities = np.array(choice_quality)[which]
+        in_chosen = (chosen_bits.reshape(-1)[:, None] & bit) != 0
         gains = quantised_gains(before, measure.of(np.where(in_chosen, taken, free), cpu_after, cpu_known, holes_after))
         if container.count > 1:
-            quality = np.array(qualities)
+            quality = qualities.reshape(-1)
 
     # bfgd.score: the gain, the connectivity of a multi-GPU placement, the fill tie-break
     scores = gains.astype(np.float64)
