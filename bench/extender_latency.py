@@ -15,6 +15,13 @@ Clusters (--cluster):
   * whole-gpu: each node runs 1-6 whole-GPU pods of random memory (a training cluster): every node's state its own,
     its idle GPUs all alike (a fractional pod's choice among them is the topology tie-break on every node).
 
+The learned workload (--learned-pods, default 1500): before the phases the extender's policy observes that many pods
+of the openb default trace's shapes (../shared/traces/openb: its GPU share, GPU count and CPU ask, in a random
+order), as a running extender has learned its cluster's workload. The measure a new shape is placed by has a term
+per shape of that workload (tens of them, against the phases' own few): `--learned-pods 0` measures the extender
+fresh, as before the twelfth stop. 1500 leaves the phases' pods (400 at the default iterations) short of the next
+change of the learned model (at 2048 pods).
+
 Modes (--modes): `snapshot` serves the cluster from a snapshot file (`kube-vgpu extender --snapshot`), which also
 holds every Node and Pod object; `live` runs `kube-vgpu extender --kubeconfig` against a stand-in API server (a
 process of its own: tests/extender/fakeapi.py, serving lists and watches over HTTP), so the state is built by the
@@ -63,6 +70,10 @@ from kube_vgpu.extender.sources.snapshot import SnapshotCluster  # noqa: E402
 from kube_vgpu.extender.state import ClusterState  # noqa: E402
 
 GPU_MEMORY_MIB = 81920
+#: where the openb traces are looked for (as tests/simulator/test_stored_results.py looks): the policy learns the
+#: default trace's pod shapes before the phases (--learned-pods)
+OPENB_TRACES = (os.environ.get("KUBE_VGPU_OPENB_TRACES", ""), str(ROOT.parent / "shared" / "traces" / "openb"),
+                "/work/shared/traces/openb")
 #: (memory MiB, cores) of the packed cluster's four workloads
 PACKED_SHAPES = ((8192, 20), (16384, 25), (20480, 50), (40960, 30))
 
@@ -144,6 +155,35 @@ def cold_shapes() -> dict[str, dict[str, Any]]:
     }
 
 
+def learned_pods(count: int, seed: int = 1) -> list[dict[str, Any]]:
+    """count pending GPU pods of the openb default trace's shapes, in a random order (a share of a GPU asks that
+    share of its cores and memory; the trace's CPU ask); none, with a warning, where the trace is not found."""
+    if count <= 0:
+        return []
+    found = [Path(folder) / "openb_pod_list_default.csv" for folder in OPENB_TRACES if folder]
+    trace_path = next((path for path in found if path.is_file()), None)
+    if trace_path is None:
+        print(f"# warning: openb_pod_list_default.csv not found in {', '.join(map(str, found))} (set "
+              "KUBE_VGPU_OPENB_TRACES): the policy learns no workload before the phases")
+        return []
+    import csv
+
+    with trace_path.open(newline="") as trace:
+        rows = [row for row in csv.DictReader(trace) if int(row["num_gpu"]) > 0]
+    random.Random(seed).shuffle(rows)
+    pods = []
+    for number in range(count):
+        row = rows[number % len(rows)]
+        share_percent = min(100, -(-int(row["gpu_milli"]) // 10))
+        pod = make_pod(f"learned-{number}", gpus=int(row["num_gpu"]), cores=share_percent,
+                       memory_percent=share_percent)
+        for container in pod["spec"]["containers"]:
+            resources = container["resources"]
+            resources["limits"]["cpu"] = resources["requests"]["cpu"] = f"{int(row['cpu_milli'])}m"
+        pods.append(pod)
+    return pods
+
+
 def percentile(samples: list[float], q: float) -> float:
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
@@ -154,7 +194,8 @@ def summarise(samples_s: list[float]) -> str:
 
 
 def bench_in_process(
-    items: list[dict[str, Any]], names: list[str], iterations: int, policy: str | None = None
+    items: list[dict[str, Any]], names: list[str], iterations: int, policy: str | None = None,
+    learned: list[dict[str, Any]] | None = None,
 ) -> tuple[dict[str, dict[str, list[float]]], dict[str, tuple[float, float]]]:
     # a snapshot, as `kube-vgpu extender --snapshot` serves it: its heartbeats never expire, however long building
     # 5000 nodes took on a loaded machine (the default 120 s TTL would measure filters failing on stale nodes); and
@@ -179,6 +220,8 @@ def bench_in_process(
         print(f"in-process distinct node states (equivalence keys): {classes}")
     except ImportError:
         pass  # code from before node-equivalence classes
+    for pod in learned or ():  # each pod's filter on no node: the policy observes its shape
+        scheduler.filter(pod, [])
 
     def one_pod(shape: dict[str, Any]) -> tuple[float, float]:
         pod = make_pod(**shape)
@@ -256,7 +299,8 @@ def serve_fake_api(snapshot: Path, port: int) -> None:
 
 
 def bench_http(
-    snapshot: Path, names: list[str], iterations: int, mode: str, policy: str | None = None, shuffle: bool = False
+    snapshot: Path, names: list[str], iterations: int, mode: str, policy: str | None = None, shuffle: bool = False,
+    learned: list[dict[str, Any]] | None = None,
 ) -> tuple[dict[str, dict[str, list[float]]], dict[str, tuple[float, float]], float, float]:
     """(steady timings per shape, cold (filter s, prioritize s) per shape, RSS MiB after the run, seconds until the
     extender was ready)."""
@@ -286,6 +330,8 @@ def bench_http(
             wait_ready(client, server, "/readyz")
             ready_s = time.perf_counter() - started
             headers = {"Content-Type": "application/json"}
+            for pod in learned or ():  # each pod's filter on no node: the policy observes its shape
+                client.post("/filter", content=orjson.dumps({"Pod": pod, "NodeNames": []}), headers=headers)
 
             def one_pod(shape: dict[str, Any], timings: dict[str, list[float]] | None) -> tuple[float, float]:
                 pod = make_pod(**shape)
@@ -349,13 +395,18 @@ def main() -> int:
     parser.add_argument("--shuffle-nodes", action="store_true",
                         help="HTTP phases: the node names in a new order for every pod, as kube-scheduler's parallel "
                              "filter plugins hand them to the extender (default: one order, as a sequential client)")
+    parser.add_argument("--learned-pods", type=int, default=1500,
+                        help="pods of the openb default trace's shapes the policy observes before the phases (0: "
+                             "none)")
     parser.add_argument("--serve-fake-api", nargs=2, metavar=("SNAPSHOT", "PORT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_fake_api:
         serve_fake_api(Path(args.serve_fake_api[0]), int(args.serve_fake_api[1]))
         return 0
+    learned = learned_pods(args.learned_pods)
     print(f"# extender latency: {args.iterations} pods per shape; each pod filtered, prioritized, bound; "
-          f"load average {os.getloadavg()[0]:.2f}; policy {args.policy or 'default'}")
+          f"load average {os.getloadavg()[0]:.2f}; policy {args.policy or 'default'}; learned workload: "
+          f"{len(learned)} pods of openb's shapes")
     for cluster_name in args.cluster:
         for nodes in args.nodes:
             started = time.perf_counter()
@@ -365,7 +416,7 @@ def main() -> int:
             print(f"\n## {cluster_name} cluster: {nodes} nodes x 8 GPUs, {pods} assigned pods, built in "
                   f"{time.perf_counter() - started:.1f}s")
             if not args.skip_in_process:
-                in_process, cold = bench_in_process(items, names, args.iterations, args.policy)
+                in_process, cold = bench_in_process(items, names, args.iterations, args.policy, learned)
                 for shape_name, timings in in_process.items():
                     base = percentile(timings["baseline-parse"], 50)
                     for verb in ("filter", "prioritize"):
@@ -379,7 +430,7 @@ def main() -> int:
                 del items
                 for mode in args.modes:
                     http_results, http_cold, rss, ready_s = bench_http(
-                        snapshot, list(names), args.iterations, mode, args.policy, args.shuffle_nodes
+                        snapshot, list(names), args.iterations, mode, args.policy, args.shuffle_nodes, learned
                     )
                     where = f"http-{mode}"
                     for shape_name, timings in http_results.items():

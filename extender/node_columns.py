@@ -27,6 +27,7 @@ from kube_vgpu.extender.engine.policies.batch import (
     GroupColumns,
     Ints,
     host_cpu,
+    node_links,
     node_row,
 )
 
@@ -43,10 +44,11 @@ REBUILD_SHARE = 1.0
 
 class NodeColumns:
     """The batch inputs of a list of nodes, all of one group (GPUs alike, nothing left to fit.place), by position in
-    the list: GPU columns, host CPU, heartbeat (NaN: none) and node-equivalence key (0: of no class)."""
+    the list: GPU columns, host CPU, link matrix, heartbeat (NaN: none) and node-equivalence key (0: of no
+    class)."""
 
     __slots__ = ("columns", "cpu_total", "cpu_used", "equivalence_array", "equivalences", "group", "heartbeats",
-                 "index", "journal_epoch", "journal_position", "names", "nodes", "versions")
+                 "index", "journal_epoch", "journal_position", "links", "names", "nodes", "versions")
 
     def __init__(self, names: list[str], nodes: list[NodeState], group: tuple[int, str, int, int], columns: Ints,
                  equivalences: list[int], journal_epoch: int, journal_position: int) -> None:
@@ -55,6 +57,7 @@ class NodeColumns:
         self.group = group
         self.columns = columns
         self.cpu_total, self.cpu_used = host_cpu(nodes)
+        self.links = node_links(nodes)
         self.heartbeats = np.fromiter(map(_heartbeat, nodes), dtype=np.float64, count=len(nodes))
         #: node-equivalence keys, also as a list (the scheduler's results are keyed by the ints)
         self.equivalences = equivalences
@@ -116,8 +119,9 @@ class NodeColumns:
         if positions:
             self.columns[positions] = np.frombuffer(b"".join(rows), dtype=COLUMN_DTYPE).reshape(
                 len(positions), self.group[0], GPU_COLUMNS)
-            self.cpu_total[positions], self.cpu_used[positions] = host_cpu(list(map(self.nodes.__getitem__,
-                                                                                    positions)))
+            read = list(map(self.nodes.__getitem__, positions))
+            self.cpu_total[positions], self.cpu_used[positions] = host_cpu(read)
+            self.links[positions] = node_links(read)
             self.equivalence_array[positions] = list(map(self.equivalences.__getitem__, positions))
         self.journal_epoch = journal_epoch
         self.journal_position = journal_position
@@ -125,7 +129,7 @@ class NodeColumns:
 
     def gathered(self) -> GroupColumns:
         """What policies.batch reads of every node kept."""
-        return GroupColumns(self.group, self.columns, self.cpu_total, self.cpu_used)
+        return GroupColumns(self.group, self.columns, self.cpu_total, self.cpu_used, self.links)
 
     def select(self, names: list[str]) -> Selected | None:
         """The kept values of these nodes, in this order (kube-scheduler asks each pod the nodes its own plugins
@@ -141,7 +145,7 @@ class NodeColumns:
         equivalences = list(map(self.equivalences.__getitem__, positions))
         return Selected(nodes, equivalences, self.heartbeats[positions], self.equivalence_array[positions],
                         GroupColumns(self.group, self.columns[positions], self.cpu_total[positions],
-                                     self.cpu_used[positions]))
+                                     self.cpu_used[positions], self.links[positions]))
 
     def _index(self) -> dict[str, int]:
         index = self.index

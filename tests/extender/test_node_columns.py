@@ -56,6 +56,7 @@ def assert_current(columns: NodeColumns, twin: Twin) -> None:
         assert row is not None and row[0] == columns.group and columns.columns[position].tobytes() == row[1]
         assert columns.cpu_total[position] == node.cpu_milli_total
         assert columns.cpu_used[position] == node.cpu_milli_used
+        assert columns.links[position] == (node.link_id if node.has_links else -1)
         assert columns.heartbeats[position] == node.heartbeat_s
         assert columns.equivalences[position] == columns.equivalence_array[position] == equivalence_key(node)
 

@@ -95,12 +95,13 @@ assert array(_COLUMN_TYPECODE).itemsize == np.dtype(COLUMN_DTYPE).itemsize
 class GroupColumns(NamedTuple):
     """What the batch reads of nodes all of one group, gathered by the caller (extender.node_columns keeps them
     from one pod to the next): the group (GPUs, model, memory MiB, cores), each node's GPU columns [node, GPU,
-    GPU_COLUMNS] and host CPU (allocatable and requested, milli)."""
+    GPU_COLUMNS], host CPU (allocatable and requested, milli) and link matrix (node_links)."""
 
     group: tuple[int, str, int, int]
     columns: Ints
     cpu_total: Ints
     cpu_used: Ints
+    links: Ints
 
 
 def batch_container(request: PlacementRequest) -> ContainerGpuRequest | None:
@@ -161,8 +162,9 @@ def _free_share(used_memory: Ints, used_cores: Ints, vgpus: Ints, max_vgpus: Int
 
 
 def _row_sums(values: Ints | Bools) -> Ints:
-    """values.sum(axis=-1) of a [node, GPU] array of free shares or flags (small sums: no wider integers needed):
-    einsum's loop over a row of a few GPUs is ~2.5x faster than sum's."""
+    """values.sum(axis=-1) of a [node, GPU] array of flags or of per-GPU amounts (a row's sum fits their integers:
+    the columns fall back to 64 bits where a GPU's amounts x 1000 would not fit 32): einsum's loop over a row of a
+    few GPUs is ~2.5x faster than sum's."""
     if values.dtype == np.bool_:  # 0 or 1 per GPU, counted in bytes (a node has far fewer than 128 GPUs)
         counts: Ints = np.einsum("ij->i", values.view(np.int8)).astype(np.int32)
         return counts
@@ -299,7 +301,7 @@ def place_batch(
         if holes is not None:
             holes.prepare_classes([(model, memory_mib)])
         return _place_group(list(nodes), gathered.columns, gathered.cpu_total, gathered.cpu_used, model, memory_mib,
-                            cores, request, container, policy, holes)
+                            cores, request, container, policy, holes, gathered.links)
     # each node's row as kept for its version, read in C; the nodes changed since their last row are computed
     rows: list[Any] = list(map(dict.get, map(_VERSION_CACHE, nodes), repeat(node_row), repeat(_NO_ROW)))
     if _NO_ROW in rows:
@@ -350,6 +352,13 @@ _CPU_TOTAL = attrgetter("cpu_milli_total")
 _CPU_USED = attrgetter("cpu_milli_used")
 
 
+def node_links(nodes: Sequence[NodeState]) -> Ints:
+    """Each node's link matrix id (NodeState.link_id), -1 where its GPUs have no links."""
+    count = len(nodes)
+    linked = np.fromiter(map(_HAS_LINKS, nodes), dtype=np.bool_, count=count)
+    return np.where(linked, np.fromiter(map(_LINK_ID, nodes), dtype=np.int64, count=count), -1)
+
+
 def host_cpu(nodes: Sequence[NodeState]) -> tuple[Ints, Ints]:
     """The nodes' allocatable and requested milli-CPU, as the batch reads them."""
     count = len(nodes)
@@ -360,7 +369,10 @@ def host_cpu(nodes: Sequence[NodeState]) -> tuple[Ints, Ints]:
 def _place_group(  # noqa: C901 - one vectorised pass, in fit.place's order
     nodes: list[NodeState], columns: Ints, cpu_total: Ints, cpu_used: Ints, model: str, memory_mib: int, cores: int,
     request: PlacementRequest, container: ContainerGpuRequest, policy: BalancedFGD, holes: HoleTerm | None,
+    links: Ints | None = None,
 ) -> list[Placement | None]:
+    """fit.place's results for nodes of one group, from their columns; links: node_links of them, where the caller
+    keeps it (read here only for a container choosing whole GPUs)."""
     count, width, _ = columns.shape
     need_memory = container.memory_on(memory_mib)
     need_cores = container.cores
@@ -380,7 +392,7 @@ def _place_group(  # noqa: C901 - one vectorised pass, in fit.place's order
     exclusive = need_cores >= cores
     fits = usable & (vgpus < max_vgpus) & (used_memory + need_memory <= memory_mib)
     fits &= (vgpus == 0) if exclusive else (used_cores + need_cores <= cores)
-    placeable = fits.sum(axis=1) >= container.count
+    placeable = _row_sums(fits) >= container.count
 
     free = _free_share(used_memory, used_cores, vgpus, max_vgpus, usable, memory_mib, cores)
     measure = _Measure(policy, model, memory_mib, 0.0 if holes is None else holes.lookahead_weight)
@@ -409,7 +421,7 @@ def _place_group(  # noqa: C901 - one vectorised pass, in fit.place's order
         picked = tied.argmax(axis=1)  # the first tied: the lowest index
         if not policy.reference_ties:
             # break_tie: a GPU already split first (least free memory, then lowest index), else least damaging
-            ties = placeable & (tied.sum(axis=1) > 1)
+            ties = placeable & (_row_sums(tied) > 1)
             shared = tied & (vgpus > 0)
             has_shared = shared.any(axis=1)
             fullest = np.where(shared, used_memory, -1).argmax(axis=1)  # alike GPUs: least free = most used
@@ -428,8 +440,8 @@ def _place_group(  # noqa: C901 - one vectorised pass, in fit.place's order
         # per distinct (link matrix, fitting GPUs, idle GPUs) and spread to the nodes over arrays (a loop over 5000
         # nodes took ~5 ms)
         fit_bits = fits @ bit
-        links = np.where(np.fromiter(map(_HAS_LINKS, nodes), np.bool_, count),
-                         np.fromiter(map(_LINK_ID, nodes), np.int64, count), -1)
+        if links is None:
+            links = node_links(nodes)
         idle_bits = (usable & (vgpus == 0)) @ bit
         keyed_idle = np.where(links >= 0, idle_bits, 0) if container.count == 1 else np.zeros_like(idle_bits)
         parts: tuple[Any, Any, Any] = (links + 1, fit_bits, keyed_idle)
@@ -475,8 +487,8 @@ def _place_group(  # noqa: C901 - one vectorised pass, in fit.place's order
     if not policy.reference_ties:
         total_memory = memory_mib * width
         if total_memory:
-            memory_sum = used_memory.sum(axis=1) + need_memory * container.count
-            cores_sum = used_cores.sum(axis=1) + taken_cores * container.count
+            memory_sum = _row_sums(used_memory) + need_memory * container.count
+            cores_sum = _row_sums(used_cores) + taken_cores * container.count
             fill = 0.5 * memory_sum / total_memory + 0.5 * cores_sum / max(cores * width, 1)
             scores = scores + 0.5 * fill  # bfgd.FILL_TIE_BREAK (no GPU memory: a fill of 0.0, nothing to add)
 
