@@ -123,3 +123,34 @@ def test_the_state_ranks_its_nodes_as_they_arrive_and_forgets_deleted_ones() -> 
         if item["kind"] == "Node":
             state.upsert_node(item)
     assert list(state.node_order.rank) == ["n3", "n2", "n1"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(operations=st.lists(st.tuples(st.sampled_from(["add", "remove", "order"]), st.integers(0, 79)), max_size=60))
+def test_orderings_between_additions_and_removals_follow_arrival(operations: list[tuple[str, int]]) -> None:
+    """Orderings interleaved with nodes added and removed (each ordering after a change ranks the names under new
+    copies): always the stable sort by arrival, with the order's own copies of known names."""
+    order, arrived = order_of(40)
+    present = list(arrived)  # in arrival order
+    for operation, number in operations:
+        name = f"node-{number:03d}"
+        if operation == "add":
+            order.add(name)
+            if name not in present:
+                present.append(name)
+        elif operation == "remove":
+            order.remove(name)
+            if name in present:
+                present.remove(name)
+        else:
+            unknown = ["unknown"] if number % 3 == 0 else []
+            twice = present[:2] if number % 5 == 1 else []
+            asked = fresh([*present[number % 7:], *twice, *unknown])[::-1]
+            result = order.in_order(asked)
+            if len(asked) < MIN_NODES:
+                assert result is asked
+                continue
+            rank = {known: position for position, known in enumerate(present)}
+            assert result == sorted(asked, key=lambda known: rank.get(known, len(rank)))
+            if not unknown and len(set(asked)) == len(asked):  # reordered by rank: the order's copies
+                assert not any(got is given for got in result for given in asked)
