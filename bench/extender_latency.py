@@ -59,6 +59,7 @@ if str(ROOT) not in sys.path:
 from kube_vgpu import protocol  # noqa: E402
 from kube_vgpu.dev.fixtures import gpu_pod_object, node_object, synth_inventory  # noqa: E402
 from kube_vgpu.dev.fixtures import scheduled_pod as make_pod  # noqa: E402
+from kube_vgpu.dev.simulator.trace import load_tasks  # noqa: E402
 from kube_vgpu.extender.engine.fit import place  # noqa: E402
 from kube_vgpu.extender.engine.model import (  # noqa: E402
     NodeState,
@@ -168,20 +169,16 @@ def learned_pods(count: int, seed: int = 1) -> list[dict[str, Any]]:
         print(f"# warning: openb_pod_list_default.csv not found in {', '.join(map(str, found))} (set "
               "KUBE_VGPU_OPENB_TRACES): the policy learns no workload before the phases")
         return []
-    import csv
-
-    with trace_path.open(newline="") as trace:
-        rows = [row for row in csv.DictReader(trace) if int(row["num_gpu"]) > 0]
-    random.Random(seed).shuffle(rows)
+    tasks = [task for task in load_tasks(trace_path) if task.gpu_count]
+    random.Random(seed).shuffle(tasks)
     pods = []
     for number in range(count):
-        row = rows[number % len(rows)]
-        share_percent = min(100, -(-int(row["gpu_milli"]) // 10))
-        pod = make_pod(f"learned-{number}", gpus=int(row["num_gpu"]), cores=share_percent,
-                       memory_percent=share_percent)
+        task = tasks[number % len(tasks)]
+        share_percent = min(100, -(-task.gpu_milli // 10))
+        pod = make_pod(f"learned-{number}", gpus=task.gpu_count, cores=share_percent, memory_percent=share_percent)
         for container in pod["spec"]["containers"]:
             resources = container["resources"]
-            resources["limits"]["cpu"] = resources["requests"]["cpu"] = f"{int(row['cpu_milli'])}m"
+            resources["limits"]["cpu"] = resources["requests"]["cpu"] = f"{task.cpu_milli}m"
         pods.append(pod)
     return pods
 
@@ -422,6 +419,8 @@ def main() -> int:
     if args.serve_fake_api:
         serve_fake_api(Path(args.serve_fake_api[0]), int(args.serve_fake_api[1]))
         return 0
+    if args.learned_pods < 0:
+        parser.error(f"--learned-pods must be 0 or more, got {args.learned_pods}")
     learned = learned_pods(args.learned_pods)
     print(f"# extender latency: {args.iterations} pods per shape; each pod filtered, prioritized, bound; "
           f"load average {os.getloadavg()[0]:.2f}; policy {args.policy or 'default'}; learned workload: "

@@ -41,7 +41,6 @@ if TYPE_CHECKING:
 REBUILD_SHARE = 1.0
 
 
-
 class NodeColumns:
     """The batch inputs of a list of nodes, all of one group (GPUs alike, nothing left to fit.place), by position in
     the list: GPU columns, host CPU, link matrix, heartbeat (NaN: none) and node-equivalence key (0: of no

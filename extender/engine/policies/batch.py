@@ -471,14 +471,12 @@ def _place_group(  # noqa: C901 - one vectorised pass, in fit.place's order
             choices.append(positions or None)
             choice_bits.append(sum(1 << p for p in positions))
             choice_quality.append(quality_of)
-        which_list = which.reshape(-1).tolist()
-        chosen = list(map(choices.__getitem__, which_list))
+        chosen = list(map(choices.__getitem__, which.tolist()))
         chosen_bits = np.array(choice_bits, dtype=np.int64)[which]
-        qualities = np.array(choice_quality)[which]
-        in_chosen = (chosen_bits.reshape(-1)[:, None] & bit) != 0
+        in_chosen = (chosen_bits[:, None] & bit) != 0
         gains = quantised_gains(before, measure.of(np.where(in_chosen, taken, free), cpu_after, cpu_known, holes_after))
         if container.count > 1:
-            quality = qualities.reshape(-1)
+            quality = np.array(choice_quality)[which]
 
     # bfgd.score: the gain, the connectivity of a multi-GPU placement, the fill tie-break
     scores = gains.astype(np.float64)
