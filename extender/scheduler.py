@@ -31,7 +31,6 @@ from typing import Any, Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
-from cachetools import TTLCache
 
 from kube_vgpu import kubeapi, protocol
 from kube_vgpu.extender.binding import BindError, BindOrdering, PreparedBind
@@ -62,6 +61,7 @@ from kube_vgpu.extender.preemption.evict import Evictor
 from kube_vgpu.extender.preemption.executor import DEFAULT_MAX_IN_FLIGHT, EvictionExecutor
 from kube_vgpu.extender.preemption.nominations import Nominations
 from kube_vgpu.extender.preemption.preemptor import Preemptor
+from kube_vgpu.extender.recent_pods import RecentPods
 from kube_vgpu.extender.state import HOST_RESOURCES, ClusterState, PodRecord, host_asks
 from kube_vgpu.protocol import InvalidGpuRequest, PodGpuRequest
 
@@ -612,8 +612,8 @@ class Scheduler:
         #: the last answer prepared, for the next pod's to start from (_scores_carried_over): kept when a filter
         #: prepares nothing (an empty one), dropped when brought up to date in part
         self._carry: _PreparedScores | None = None
-        # pods seen by filter, for bind (which only gets name / uid): uid -> pod object
-        self._recent_pods: TTLCache[str, Mapping[str, Any]] = TTLCache(maxsize=50_000, ttl=600)
+        #: pods seen by filter, for bind (which only gets name / uid)
+        self._recent_pods = RecentPods()
         # pods between prepare_bind and the end of commit_bind
         self._binding: set[str] = set()
         self._binding_lock = threading.Lock()
@@ -939,13 +939,11 @@ class Scheduler:
         # observe under the lock: a model refresh must not interleave with a bind's place()
         with state.lock, contextlib.ExitStack() as burst:
             first_judged = self._first_judged(key)
-            if uid:
-                if uid not in self._recent_pods:
-                    # a learning policy sees each pod once, in arrival order (kube-scheduler retries re-filter it)
-                    node_policy.observe(placement_request)
-                    if gpu_policy is not node_policy:
-                        gpu_policy.observe(placement_request)
-                self._recent_pods[uid] = pod
+            # a learning policy sees each pod once, in arrival order (kube-scheduler retries re-filter it)
+            if uid and self._recent_pods.remember(uid, pod):
+                node_policy.observe(placement_request)
+                if gpu_policy is not node_policy:
+                    gpu_policy.observe(placement_request)
             now = state.clock()
             nodes = state.nodes
             preemptor = self.preemptor
@@ -1562,8 +1560,7 @@ class Scheduler:
     def recent_pod(self, uid: str) -> Mapping[str, Any] | None:
         """The pod as filter last saw it; given to prepare_bind, no API call is needed (it may run on an event
         loop)."""
-        with self.state.lock:  # filter writes the TTL cache under the state lock, and a read may expire entries
-            return self._recent_pods.get(uid)
+        return self._recent_pods.get(uid)
 
     def prepare_bind(
         self, namespace: str, name: str, uid: str, node_name: str, pod: Mapping[str, Any] | None = None
@@ -1604,8 +1601,8 @@ class Scheduler:
                 # twice and nothing re-placed (the watch may not have shown the first bind yet)
                 return None
             self._refuse_if_bound_elsewhere(existing, namespace, name, node_name)
-            if pod is None:
-                pod = self._recent_pods.get(uid)  # under the state lock: filter writes it, and a read may expire
+        if pod is None:
+            pod = self._recent_pods.get(uid)
         pod = self._pod_to_bind(namespace, name, uid, node_name, pod)
         try:
             request = protocol.parse_pod_gpu_request(pod)
