@@ -68,10 +68,11 @@ def read_kueue_evidence(api_client: Any) -> str | None:
     """kueue_controller_evidence over the cluster's MutatingWebhookConfigurations; None (with a warning) when they
     cannot be read (then auto means enforce, the behaviour of a cluster without Kueue)."""
     import urllib3
-    from kubernetes import client
     from kubernetes.client.rest import ApiException
 
-    admission: Any = client.AdmissionregistrationV1Api(api_client)
+    from kube_vgpu.extender.sources.rawapi import RawApi
+
+    admission = RawApi(api_client)
     try:
         response = admission.list_mutating_webhook_configuration(_preload_content=False, _request_timeout=10)
     except ApiException as exc:

@@ -17,6 +17,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from kube_vgpu import protocol
+from kube_vgpu.extender.sources.rawapi import RawApi
 from kube_vgpu.extender.sources.watch import Gone, list_all, watch_events
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ class KueueWatcher:
         self.kinds = dict(kinds)
         self.watched = [*self.kinds, *((NAMESPACE,) if namespaces else ())]
         self.custom = client.CustomObjectsApi(api_client)
-        self.core = client.CoreV1Api(api_client)
+        self.core = RawApi(api_client)
         self.absent_retry_s = absent_retry_s
         self.stop_event = threading.Event()
         self._listed: set[str] = set()

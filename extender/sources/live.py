@@ -29,6 +29,7 @@ from kube_vgpu.extender.sources.apiclient import (
     read_body,
     urllib3_timeout,
 )
+from kube_vgpu.extender.sources.rawapi import RawApi
 from kube_vgpu.extender.sources.watch import (
     LIST_PAGE_SIZE,
     Gone,
@@ -69,7 +70,7 @@ class LiveSource:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.state = state
-        self.core = client.CoreV1Api(api_client)
+        self.core = RawApi(api_client)
         self.timeouts = timeouts
         self.max_backoff_s = max_backoff_s
         self.stop_event = threading.Event()
@@ -276,7 +277,7 @@ class LiveBinder:
 
     def __init__(self, api_client: client.ApiClient, *, timeouts: ApiTimeouts = DEFAULT_TIMEOUTS) -> None:
         self.api_client = api_client
-        self.core = client.CoreV1Api(api_client)
+        self.core = RawApi(api_client)
         self.timeouts = timeouts
 
     def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
