@@ -1119,7 +1119,7 @@ class Scheduler:
                 # every node refused is named in failed or unresolvable: with none, every name passed
                 passing = not outcome.failed and not outcome.unresolvable
                 outcome.passed = names.copy() if passing else [name for name in names if name in placements]
-            if repeatable:
+            if repeatable and asked:  # (a filter of no node says nothing of the last one's nodes: it stays)
                 self._last_filters.pop(key, None)
             if repeatable and answer is not None and carried_todo is None and outcome.passed:
                 if len(self._last_filters) >= REPEATED_SHAPES:

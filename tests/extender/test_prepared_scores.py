@@ -626,6 +626,25 @@ def test_one_node_rescored_is_all_scaled_again(raw: list[float], changes: list[t
         assert scaling.answer[0] is hosts  # the hosts list kept (a reply for it keeps its layout: ScoreReplies)
 
 
+def test_a_filter_of_no_node_leaves_the_shapes_last_filter_to_repeat(twin: Twin,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """kube-scheduler never asks an extender about no node, but a client may (the bench's baseline asks with the
+    same pod before each filter; learning callers observe pods so): such a filter says nothing of the nodes the last
+    one asked, and the next filter of the shape still repeats that one's outcome, judging no node."""
+    names = [*sorted(twin.state.nodes), "ghost"]
+
+    def four_gpus(name: str) -> dict[str, Any]:
+        return pod(name, gpus=4, memory_mib=10240, cores=10)
+
+    first = twin.scheduler.filter(four_gpus("p"), names)
+    assert first.passed and first.failed
+    placed = placed_nodes(monkeypatch)
+    empty = twin.scheduler.filter(four_gpus("q"), [])
+    assert empty.passed == [] and empty.failed == {} and not empty.error
+    second = twin.scheduler.filter(four_gpus("q"), random.Random(2).sample(names, len(names)))
+    assert placed == [] and second.passed is first.passed and second.failed == first.failed
+
+
 def test_a_repeated_filter_judges_again_only_the_nodes_changed_since(twin: Twin,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """The next pod of a shape asks the nodes the last filter asked, in another order, some of which cannot take
