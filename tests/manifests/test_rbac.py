@@ -201,9 +201,10 @@ _VERBS = {"list": "list", "read": "get", "patch": "patch", "create": "create", "
           "delete": "delete"}
 
 
-# raw calls through ApiClient.param_serialize: the method, then the core API path
+# raw calls through ApiClient.param_serialize: the method, then the core API path (of a collection, or of one
+# object and maybe its subresource; namespaced or not). A GET of a collection is a list, of one object a get.
 _RAW_CALL = re.compile(
-    r'"(POST|PATCH|PUT|DELETE)",\s*"/api/v1/namespaces/\{namespace\}/([a-z]+)/\{name\}(?:/([a-z]+))?"'
+    r'"(GET|POST|PATCH|PUT|DELETE)",\s*"/api/v1/(?:namespaces/\{namespace\}/)?([a-z]+)(/\{name\})?(?:/([a-z]+))?"'
 )
 _RAW_VERBS = {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}
 # raw calls to a collection of a named API group: "POST", "/apis/<group>/<version>/namespaces/{namespace}/<plural>"
@@ -215,8 +216,9 @@ def api_calls(*paths: str) -> set[tuple[str, str, str]]:
     calls: set[tuple[str, str, str]] = set()
     for path in paths:
         text = (ROOT / path).read_text()
-        for method, resource, subresource in _RAW_CALL.findall(text):
-            calls.add(("", f"{resource}/{subresource}" if subresource else resource, _RAW_VERBS[method]))
+        for method, resource, one_object, subresource in _RAW_CALL.findall(text):
+            verb = ("get" if one_object else "list") if method == "GET" else _RAW_VERBS[method]
+            calls.add(("", f"{resource}/{subresource}" if subresource else resource, verb))
         for method, group, resource in _RAW_GROUP_CALL.findall(text):
             calls.add((group, resource, _RAW_VERBS[method]))
         for verb, _, kind, _ in _CALL.findall(text):
