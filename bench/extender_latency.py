@@ -59,7 +59,7 @@ if str(ROOT) not in sys.path:
 from kube_vgpu import protocol  # noqa: E402
 from kube_vgpu.dev.fixtures import gpu_pod_object, node_object, synth_inventory  # noqa: E402
 from kube_vgpu.dev.fixtures import scheduled_pod as make_pod  # noqa: E402
-from kube_vgpu.dev.simulator.trace import load_tasks  # noqa: E402
+from kube_vgpu.dev.simulator.trace import find_openb_traces, load_tasks, openb_trace_folders  # noqa: E402
 from kube_vgpu.extender.engine.fit import place  # noqa: E402
 from kube_vgpu.extender.engine.model import (  # noqa: E402
     NodeState,
@@ -73,10 +73,6 @@ from kube_vgpu.extender.sources.snapshot import SnapshotCluster  # noqa: E402
 from kube_vgpu.extender.state import ClusterState  # noqa: E402
 
 GPU_MEMORY_MIB = 81920
-#: where the openb traces are looked for (as tests/simulator/test_stored_results.py looks): the policy learns the
-#: default trace's pod shapes before the phases (--learned-pods)
-OPENB_TRACES = (os.environ.get("KUBE_VGPU_OPENB_TRACES", ""), str(ROOT.parent / "shared" / "traces" / "openb"),
-                "/work/shared/traces/openb")
 #: (memory MiB, cores) of the packed cluster's four workloads
 PACKED_SHAPES = ((8192, 20), (16384, 25), (20480, 50), (40960, 30))
 
@@ -163,11 +159,11 @@ def learned_pods(count: int, seed: int = 1) -> list[dict[str, Any]]:
     share of its cores and memory; the trace's CPU ask); none, with a warning, where the trace is not found."""
     if count <= 0:
         return []
-    found = [Path(folder) / "openb_pod_list_default.csv" for folder in OPENB_TRACES if folder]
-    trace_path = next((path for path in found if path.is_file()), None)
-    if trace_path is None:
-        print(f"# warning: openb_pod_list_default.csv not found in {', '.join(map(str, found))} (set "
-              "KUBE_VGPU_OPENB_TRACES): the policy learns no workload before the phases")
+    folder = find_openb_traces()
+    trace_path = None if folder is None else folder / "openb_pod_list_default.csv"
+    if trace_path is None or not trace_path.is_file():
+        print(f"# warning: openb_pod_list_default.csv not found in {', '.join(map(str, openb_trace_folders()))} "
+              "(set KUBE_VGPU_OPENB_TRACES): the policy learns no workload before the phases")
         return []
     tasks = [task for task in load_tasks(trace_path) if task.gpu_count]
     random.Random(seed).shuffle(tasks)

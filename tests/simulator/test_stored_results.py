@@ -6,27 +6,18 @@ regenerate the results (docs/simulator.md, "Results") and commit them with it.""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
 from kube_vgpu.dev.simulator.runner import Job, run_experiment, stored_path
+from kube_vgpu.dev.simulator.trace import find_openb_traces
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results" / "openb"
 
 
-def _traces() -> Path | None:
-    candidates = [os.environ.get("KUBE_VGPU_OPENB_TRACES", ""), ROOT.parent / "shared/traces/openb",
-                  "/work/shared/traces/openb"]
-    for candidate in candidates:
-        if candidate and (Path(candidate) / "openb_node_list_gpu_node.csv").is_file():
-            return Path(candidate)
-    return None
-
-
-TRACES = _traces()
+TRACES = find_openb_traces()
 
 
 @pytest.mark.skipif(TRACES is None, reason="openb traces not found (set KUBE_VGPU_OPENB_TRACES)")

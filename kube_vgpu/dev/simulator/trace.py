@@ -8,6 +8,7 @@ optional `gpu_spec` (allowed models joined by `|`); other columns are ignored.
 from __future__ import annotations
 
 import csv
+import os
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -125,6 +126,23 @@ def load_timed_tasks(path: str | Path) -> list[TimedTask]:
             where = f"{path}:{number}"
             timed.append(TimedTask(task, _int(row, "creation_time", where), _int(row, "deletion_time", where)))
     return timed
+
+
+#: the public openb traces, beside a checkout (../shared/traces/openb) or at the workplace's shared folder
+_OPENB_FOLDERS = (Path(__file__).resolve().parents[3].parent / "shared" / "traces" / "openb",
+                  Path("/work/shared/traces/openb"))
+
+
+def openb_trace_folders() -> list[Path]:
+    """Where the openb traces are looked for, in order, each once: $KUBE_VGPU_OPENB_TRACES, then _OPENB_FOLDERS."""
+    named = os.environ.get("KUBE_VGPU_OPENB_TRACES", "")
+    return list(dict.fromkeys([*([Path(named)] if named else []), *_OPENB_FOLDERS]))
+
+
+def find_openb_traces() -> Path | None:
+    """The first of openb_trace_folders() holding the traces' node list; None where none does."""
+    return next((folder for folder in openb_trace_folders() if (folder / "openb_node_list_gpu_node.csv").is_file()),
+                None)
 
 
 def trace_name(pod_csv: str | Path) -> str:
