@@ -12,7 +12,7 @@ import inspect
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Collection, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,6 +58,8 @@ from kube_vgpu.protocol import InvalidGpuRequest
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 * 1024 * 1024  # full Node objects for 5000 nodes fit comfortably
+#: hosts left out of and added to the last prioritize reply, at most, for its layout to be edited (ScoreReplies)
+EDITED_ENTRIES_MAX = 64
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -425,7 +427,11 @@ class ScoreReplies:
         #: the last layout: a copy of its hosts, the reply with blank scores, and each score's offset in it
         self._layout: tuple[list[str], npt.NDArray[np.uint8], npt.NDArray[np.intp]] | None = None
 
-    def encode(self, hosts: list[str], scores: list[int], known_nodes: int) -> bytes:
+    def encode(self, hosts: list[str], scores: list[int], known_nodes: int,
+               change: tuple[Collection[str], Sequence[str]] | None = None) -> bytes:
+        """The reply for hosts and their scores. change: the hosts left out of and added to the last reply's, where
+        hosts are likely its hosts less those left out (in its order) and then those added: the kept layout is then
+        edited (~0.1 ms at 5000 hosts), not laid out again (~2 ms); checked, so a wrong hint costs only the time."""
         if not hosts:
             return b"[]"
         if len(scores) != len(hosts):
@@ -435,7 +441,8 @@ class ScoreReplies:
             raise ValueError(f"an extender score must be 0-{MAX_EXTENDER_SCORE}")
         layout = self._layout
         if layout is None or layout[0] != hosts:  # checked first: refused scores leave the kept layout as it was
-            layout = self._layout = self._lay_out(hosts, known_nodes)
+            edited = self._edited(layout, hosts, *change) if change is not None and layout is not None else None
+            layout = self._layout = edited if edited is not None else self._lay_out(hosts, known_nodes)
         _, blank, offsets = layout
         body = blank.copy()
         body[offsets] = self.TENS[values]
@@ -446,6 +453,53 @@ class ScoreReplies:
     def head(host: str) -> bytes:
         """A node's entry up to its score: `{"Host":"<name>","Score":`."""
         return b'{"Host":' + orjson.dumps(host) + b',"Score":'
+
+    def _edited(self, layout: tuple[list[str], npt.NDArray[np.uint8], npt.NDArray[np.intp]], hosts: list[str],
+                removed: Collection[str], added: Sequence[str]
+                ) -> tuple[list[str], npt.NDArray[np.uint8], npt.NDArray[np.intp]] | None:
+        """layout less the entries of the hosts removed, plus entries for those added at its end, where that is
+        hosts' layout (else None: lay it out afresh)."""
+        kept_hosts, blank, offsets = layout
+        if len(removed) + len(added) > EDITED_ENTRIES_MAX or len(kept_hosts) - len(removed) + len(added) != len(hosts):
+            return None
+        try:
+            at = sorted({kept_hosts.index(host) for host in removed})
+        except ValueError:
+            return None
+        edited_hosts = kept_hosts.copy()
+        for position in reversed(at):
+            del edited_hosts[position]
+        edited_hosts += added
+        if edited_hosts != hosts:
+            return None
+        # each entry's bytes: from the end of the one before (after `[` for the first) to past its `},` (`}]` for the
+        # last); its score's offset moves back by the bytes of the entries removed before it
+        ends = offsets + 4
+        starts = np.empty_like(offsets)
+        starts[0] = 1
+        starts[1:] = ends[:-1]
+        body = blank.copy()
+        body[-1] = ord(",")  # the last entry's `]`, as if another followed: one is written at the end
+        keep = np.ones(len(body), dtype=np.bool_)
+        removed_bytes = np.zeros(len(at) + 1, dtype=np.intp)
+        for number, position in enumerate(at):
+            keep[starts[position]:ends[position]] = False
+            removed_bytes[number + 1] = removed_bytes[number] + ends[position] - starts[position]
+        if at:
+            kept_entries = np.delete(np.arange(len(offsets)), at)
+            # (the entries removed before each kept one: at is sorted and holds none of them)
+            kept_offsets = offsets[kept_entries] - removed_bytes[np.searchsorted(np.array(at), kept_entries)]
+        else:
+            kept_offsets = offsets
+        heads = [self._heads.get(host) or self.head(host) for host in added]
+        body = body[keep] if at else body
+        if heads:
+            lengths = np.fromiter(map(len, heads), dtype=np.intp, count=len(heads))
+            added_offsets = len(body) + np.cumsum(lengths + 4) - 4
+            body = np.concatenate((body, np.frombuffer(b"".join(head + b"  }," for head in heads), dtype=np.uint8)))
+            kept_offsets = np.concatenate((kept_offsets, added_offsets))
+        body[-1] = ord("]")
+        return edited_hosts, body, kept_offsets
 
     def _lay_out(self, hosts: list[str], known_nodes: int
                  ) -> tuple[list[str], npt.NDArray[np.uint8], npt.NDArray[np.intp]]:
@@ -495,7 +549,9 @@ class Verbs:
         prepared = self.scheduler.prepare_scores(*filtered)
         if prepared is not None:
             hosts, scores = prepared
-            self._prepared_reply = (scores, self.score_replies.encode(hosts, scores, len(self.scheduler.state.nodes)))
+            reply = self.score_replies.encode(hosts, scores, len(self.scheduler.state.nodes),
+                                              self.scheduler.prepared_change)
+            self._prepared_reply = (scores, reply)
 
     def routes(self) -> dict[str, Verb]:
         return {"/filter": self.filter, "/prioritize": self.prioritize, "/bind": self.bind}

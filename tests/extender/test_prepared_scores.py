@@ -214,9 +214,9 @@ def test_the_next_pod_of_a_shape_starts_from_the_previous_pods_answer(monkeypatc
     carried: list[int] = []  # per pod carried over: the refreshed nodes read again
     carry = scheduler._scores_carried_over
 
-    def recording(previous: Any, pending: Any) -> Any:
+    def recording(previous: Any, pending: Any, edit: Any = None) -> Any:
         answered_by = scheduler._answered_by
-        result = carry(previous, pending)
+        result = carry(previous, pending, edit)
         if result is not None and previous is not None and answered_by is not None:
             carried.append(len(answered_by[2].refreshed) - previous.refreshed_position)
         return result
@@ -698,3 +698,99 @@ def test_a_repeated_filter_judges_again_only_the_nodes_changed_since(twin: Twin,
     # (judged alone: as its state is again the one placed first, its node-equivalence class's result answers)
     assert set(placed) <= {filled} and fourth.passed == [*first.passed[1:], filled]
     assert fourth.failed == {**second.failed, stale: "GPU inventory stale (last heartbeat 135 s ago)"}
+
+
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_an_answer_is_carried_over_when_a_few_nodes_leave_or_join_the_passing_ones(monkeypatch: pytest.MonkeyPatch,
+                                                                                   shuffled: bool) -> None:
+    """Whole-GPU pods onto 2-GPU nodes: every second bind fills a node, which then leaves the passing nodes, and a
+    deleted pod brings its node back. The next pod's prepared answer is the previous one less the node gone, plus
+    the node back (_PassesEdit): not looked up afresh over every node, and every time equal to the scores computed
+    from the shape's answer at that moment; the server's reply for it is its layout edited, equal to one laid out
+    afresh."""
+    items: list[dict[str, Any]] = []
+    for index in range(40):
+        items.extend(node_items(f"n{index:02d}", 0, [], START_S))  # HARDWARE[0]: 2 GPUs
+    twin = Twin(Clock(), items, True)
+    scheduler = twin.scheduler
+    names = [f"n{index:02d}" for index in range(40)]
+    afresh: list[int] = []
+    filtered_scores = scheduler._filtered_scores
+
+    def counting(pending: Any, passed: Any) -> Any:
+        afresh.append(len(passed))
+        return filtered_scores(pending, passed)
+
+    monkeypatch.setattr(scheduler, "_filtered_scores", counting)
+    replies = ScoreReplies()
+    laid_out: list[int] = []
+    lay_out = replies._lay_out
+
+    def counting_layouts(hosts: list[str], known_nodes: int) -> Any:
+        laid_out.append(len(hosts))
+        return lay_out(hosts, known_nodes)
+
+    monkeypatch.setattr(replies, "_lay_out", counting_layouts)
+    changes: list[tuple[set[str], list[str]]] = []
+    bound: list[str] = []
+    for number in range(30):
+        if number % 5 == 4:  # a pod leaves: its node passes again
+            twin.state.delete_pod(bound.pop(number % len(bound)))
+        pending = pod(f"p{number}", gpus=1, memory_mib=81920, cores=100)
+        asked = random.Random(number).sample(names, len(names)) if shuffled else names
+        outcome = scheduler.filter(pending, asked)
+        afresh.clear()
+        laid_out.clear()
+        made = scheduler.prepare_scores(pending, outcome.passed)
+        assert made is not None
+        with scheduler.state.lock:
+            passed, raw = scheduler._raw_scores(pending, outcome.passed)
+        assert as_map(made) == as_map(_Scaling.of(passed, raw).answer), f"pod {number}"
+        body = replies.encode(*made, known_nodes=40, change=scheduler.prepared_change)
+        assert body == ScoreReplies().encode(*made, known_nodes=40)
+        if scheduler.prepared_change is not None:
+            changes.append(scheduler.prepared_change)
+            assert afresh == [] and laid_out == [], f"pod {number}"
+        assert scheduler.scaled_scores(pending, outcome.passed) == made  # prioritize: the prepared answer
+        best = made[0][made[1].index(max(made[1]))] if made[0] else outcome.passed[0]
+        meta = pending["metadata"]
+        scheduler.bind(meta["namespace"], meta["name"], meta["uid"], best)
+        bound.append(meta["uid"])
+    assert any(gone for gone, _ in changes) and any(new for _, new in changes)
+    assert len(changes) >= 10
+
+
+@settings(max_examples=300, deadline=None)
+@given(hosts=st.lists(st.sampled_from(["n1", "n10", "n100", 'odd"n1', "ünï", "n2", "x", "y", "z"]), min_size=1,
+                      max_size=9, unique=True),
+       scores=st.lists(st.integers(0, 10), min_size=12, max_size=12),
+       removed=st.sets(st.integers(0, 8), max_size=4),
+       added=st.lists(st.sampled_from(["a", "n1", "new", "ünï2", 'q"']), max_size=3, unique=True),
+       hint=st.sampled_from(["right", "more", "fewer", "none"]))
+def test_a_layout_edited_for_hosts_left_out_and_added_is_the_one_laid_out_afresh(
+    hosts: list[str], scores: list[int], removed: set[int], added: list[str], hint: str
+) -> None:
+    """The hosts of the last reply less some (first, middle, last, all), then some added at the end: the reply
+    edited from the kept layout is byte for byte the one laid out afresh, with the right hint (the layout edited) or
+    a wrong one (a host not left out, one more or fewer: laid out afresh); hosts named twice included."""
+    replies = ScoreReplies()
+    replies.encode(hosts, scores[: len(hosts)], known_nodes=12)
+    gone = {hosts[position] for position in removed if position < len(hosts)}
+    asked = [host for host in hosts if host not in gone] + added
+    if not asked:
+        return
+    change: tuple[set[str], list[str]] | None = (gone, added)
+    if hint == "more":
+        change = (gone | {hosts[0]}, added)
+    elif hint == "fewer":
+        change = (set(list(gone)[1:]), added)
+    elif hint == "none":
+        change = None
+    new_scores = scores[-len(asked):]
+    body = replies.encode(asked, new_scores, known_nodes=12, change=change)
+    assert body == ScoreReplies().encode(asked, new_scores, known_nodes=12)
+    assert orjson.loads(body) == [{"Host": host, "Score": score}
+                                  for host, score in zip(asked, new_scores, strict=True)]
+    again = [*asked[1:], asked[0]] if len(asked) > 1 else asked  # another order: the kept layout is laid out anew
+    assert replies.encode(again, new_scores, known_nodes=12) == ScoreReplies().encode(again, new_scores,
+                                                                                      known_nodes=12)
