@@ -1341,7 +1341,7 @@ class Scheduler:
             added.append(placement.score)
         order += edit.new
         if len(order) != len(edit.result):
-            return None  # (a node named twice among the new)
+            return None  # (the filter's list is not this edit of these nodes)
         raw = np.delete(raw, removed) if removed else raw
         if added:
             raw = np.concatenate((raw, np.array(added, dtype=np.float64)))
