@@ -93,11 +93,22 @@ class LazyNameSet:
     """The NameSet of a list of names, built when first needed (a list matched only by identity or equality never
     pays for it), once: None where it cannot be."""
 
-    __slots__ = ("_name_set", "_names")
+    __slots__ = ("_name_set", "_names", "_wanted")
 
     def __init__(self, names: Sequence[str]) -> None:
         self._names: Sequence[str] | None = names
         self._name_set: NameSet | None = None
+        self._wanted = False
+
+    def wanted(self) -> NameSet | None:
+        """get(), but None the first time: the caller then matches its own way. Building costs ~3x one match by a
+        dict (~3 ms against ~1 ms at 5000 names), so it pays only for names matched again and again (the same nodes
+        every pod, the set carried from one filter to the next), not where kube-scheduler asks other nodes every pod
+        (a new list, matched once)."""
+        if not self._wanted:
+            self._wanted = True
+            return None
+        return self.get()
 
     def get(self) -> NameSet | None:
         names = self._names

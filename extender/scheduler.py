@@ -328,9 +328,9 @@ class _RepeatedFilter:
     codes: dict[str, str]
     #: the nodes refused for a stale heartbeat: judged again every time (their reason tells its age)
     stale: list[str]
+    #: the nodes asked as a NameSet, built when wanted again (carried over from the filter repeated, if any)
+    name_set: LazyNameSet
     positions: dict[str, int] | None = None
-    #: the nodes asked as a NameSet, built when first needed (carried over from the filter repeated, if any)
-    name_set: LazyNameSet | None = None
 
     def same_nodes(self, names: list[str]) -> bool:
         """Whether names are the nodes asked, in any order, all distinct (a name asked twice is answered twice: such
@@ -338,9 +338,7 @@ class _RepeatedFilter:
         asked = self.asked
         if len(names) != len(asked):
             return False
-        if self.name_set is None:
-            self.name_set = LazyNameSet(asked)
-        name_set = self.name_set.get()
+        name_set = self.name_set.wanted()
         if name_set is not None:  # (its names are distinct)
             return names is asked or names == asked or name_set.same_names(names)
         positions = self.position_map()  # (carried over from the filter repeated, if any: the same nodes)
@@ -526,12 +524,12 @@ class _PreparedScores:
     #: each node's policy score, in the order of `order`
     raw: npt.NDArray[np.float64]
     scaling: _Scaling
+    #: the nodes as a NameSet, built when wanted again and carried over with the order
+    name_set: LazyNameSet
     #: each node's position in order, built when first needed and carried over with the scores
     positions: dict[str, int] | None = None
     #: positions looked for in order while there is no map (position)
     searches: int = 0
-    #: the nodes as a NameSet, built when first needed and carried over with the order
-    name_set: LazyNameSet | None = None
 
     def position_map(self) -> dict[str, int]:
         """Each node's position in order (the nodes are distinct), built once."""
@@ -561,9 +559,7 @@ class _PreparedScores:
             return False
         if names == self.names or names == order:
             return True
-        if self.name_set is None:
-            self.name_set = LazyNameSet(order)
-        name_set = self.name_set.get()
+        name_set = self.name_set.wanted()
         if name_set is not None:
             return name_set.same_names(names)
         return _permutation_of(names, self.position_map())
@@ -1181,8 +1177,8 @@ class Scheduler:
                 self._last_filters[key] = _RepeatedFilter(
                     answer, answer.refreshed, len(answer.refreshed), answer.journal_epoch, answer.journal_position,
                     asked, outcome.passed, outcome.failed, outcome.unresolvable, codes, stale,
-                    repeated.positions if repeated is not None else None,
-                    repeated.name_set if repeated is not None else None)
+                    repeated.name_set if repeated is not None else LazyNameSet(asked),
+                    repeated.positions if repeated is not None else None)
             if not outcome.passed and preemptor is not None and uid and (gpu_failed or quota_failed):
                 preemptor.on_unplaced(pod, str(uid), request, placement_request, gpu_policy, node_policy,
                                       gpu_failed, quota_failed, outcome.failed)
@@ -1261,8 +1257,9 @@ class Scheduler:
             self._prepared = self._carry = _PreparedScores(
                 pod, passed, order, (node_policy, gpu_policy), (node_policy.epoch(), gpu_policy.epoch()), answer,
                 answer.refreshed, len(answer.refreshed), answer.journal_epoch, answer.journal_position,
-                answer.expires_s, raw, scaling, positions,
-                name_set=previous.name_set if previous is not None and previous.order is order else None,
+                answer.expires_s, raw, scaling,
+                previous.name_set if previous is not None and previous.order is order else LazyNameSet(order),
+                positions,
             )
             self.prepared_change = change
         return scaling.answer

@@ -98,3 +98,13 @@ def test_it_answers_as_comparing_the_names_counted(kept: list[str], asked: list[
     assert name_set is not None
     assert name_set.same_names(asked) == (Counter(asked) == Counter(kept))
     assert name_set.same_names(shuffled(kept, len(asked)))
+
+
+def test_a_lazy_name_set_is_wanted_again_before_it_is_built() -> None:
+    """Matched once (kube-scheduler asking other nodes every pod), a list never pays for its NameSet: the first
+    want answers None (the caller matches its own way), the next ones the set, built once."""
+    lazy = LazyNameSet(list(NODES))
+    assert lazy.wanted() is None
+    built = lazy.wanted()
+    assert built is not None and lazy.wanted() is built and lazy.get() is built
+    assert built.same_names(shuffled(NODES))
