@@ -128,7 +128,7 @@ class NodeColumns:
 
     def gathered(self) -> GroupColumns:
         """What policies.batch reads of every node kept."""
-        return GroupColumns(self.group, self.columns, self.cpu_total, self.cpu_used, self.links)
+        return GroupColumns(self.group, self.columns, self.cpu_total, self.cpu_used, self.links, self.names)
 
     def select(self, names: list[str]) -> Selected | None:
         """The kept values of these nodes, in this order (kube-scheduler asks each pod the nodes its own plugins
@@ -144,7 +144,7 @@ class NodeColumns:
         equivalences = list(map(self.equivalences.__getitem__, positions))
         return Selected(nodes, equivalences, self.heartbeats[positions], self.equivalence_array[positions],
                         GroupColumns(self.group, self.columns[positions], self.cpu_total[positions],
-                                     self.cpu_used[positions], self.links[positions]))
+                                     self.cpu_used[positions], self.links[positions], names))
 
     def _index(self) -> dict[str, int]:
         index = self.index

@@ -17,7 +17,13 @@ from kube_vgpu.extender.engine.fit import place
 from kube_vgpu.extender.engine.model import FitFailure, GpuUsage, NodeState, PlacementRequest
 from kube_vgpu.extender.engine.policies import REGISTRY, make_policy
 from kube_vgpu.extender.engine.policies.base import Policy
-from kube_vgpu.extender.engine.policies.batch import batch_container, node_group, quantised_gains
+from kube_vgpu.extender.engine.policies.batch import (
+    _Measure,
+    batch_container,
+    gains_of_each_change,
+    node_group,
+    quantised_gains,
+)
 from kube_vgpu.extender.engine.policies.bfgd import BalancedFGD
 from kube_vgpu.extender.engine.policies.fgd import quantised_gain
 from kube_vgpu.extender.engine.policies.hostsupply import HostSupplyFGD
@@ -250,3 +256,53 @@ def test_whole_gpu_choices_are_made_once_per_distinct_node_and_spread(gpus_per_n
                   {"gpus": gpus_per_node, "cores": 100}):
         request = PlacementRequest(protocol.parse_pod_gpu_request(pod(**shape)), cpu_milli=4000)
         assert check(policy, nodes, request) >= 8
+
+
+def change_measure_inputs(seed: int, width: int, count: int = 300) -> tuple[_Measure, np.ndarray, np.ndarray,
+                                                                            np.ndarray, np.ndarray]:
+    """A learned bfgd measure of A100 80 GB GPUs, and random free shares per GPU, the shares once one more vGPU is
+    taken (at most the free ones), free host CPU and whether it is known, as _place_group passes them."""
+    rng = random.Random(seed)
+    policy = BalancedFGD()
+    for _ in range(40):  # a workload of tens of shapes, as a cluster's: sums that round
+        policy.observe(random_request(rng))
+    measure = _Measure(policy, "A100", 81920, 0.0)
+    numbers = np.random.default_rng(seed)
+    free = numbers.choice([0, 50, 100, 250, 500, 750, 1000], size=(count, width)).astype(np.int32)
+    free[numbers.random((count, width)) < 0.3] = numbers.integers(0, 1001, size=1)  # some not on the asks' grid
+    taken = (free * numbers.random((count, width))).astype(np.int32)
+    cpu_known = numbers.random(count) < 0.8
+    cpu_free = np.where(cpu_known, numbers.integers(-2000, 64001, size=count), 1 << 40)
+    return measure, free, taken, cpu_free, cpu_known
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("width", [1, 2, 8, 32])
+def test_rounded_change_measures_are_the_exact_ones_within_their_bound(seed: int, width: int) -> None:
+    """of_each_change_rounded sums the shapes' terms per ask instead of in the model's order: each value is within
+    the bound it returns of of_each_change's, and the bound is far below a gain step (a measure unit moves
+    100 * sigmoid by at most 1/40)."""
+    measure, free, taken, cpu_free, cpu_known = change_measure_inputs(seed, width)
+    exact = measure.of_each_change(free, taken, cpu_free, cpu_known, None)
+    rounded, bound = measure.of_each_change_rounded(free, taken, cpu_free, cpu_known, None)
+    assert rounded.shape == exact.shape == free.shape
+    assert 0.0 <= bound < 1e-6
+    assert float(np.abs(rounded - exact).max()) <= bound
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_gains_from_rounded_measures_are_the_exact_ones_at_the_steps(seed: int) -> None:
+    """Where a rounded measure leaves 100 * sigmoid near an integer step, the row is measured again exactly: with
+    the measure as it is equal to one variant's (no change: exactly 50, where a rounded value a hair above it would
+    give 49), every gain is the exact one."""
+    measure, free, taken, cpu_free, cpu_known = change_measure_inputs(seed, 8)
+    exact = measure.of_each_change(free, taken, cpu_free, cpu_known, None)
+    rounded, _ = measure.of_each_change_rounded(free, taken, cpu_free, cpu_known, None)
+    # per node, a variant rounded above its exact value where there is one
+    variant = (rounded > exact).argmax(axis=1)
+    assert bool((rounded > exact).any())  # the case the test is for happens
+    before = exact[np.arange(len(exact)), variant]
+    expected = quantised_gains(before[:, None], exact)
+    assert (expected[np.arange(len(exact)), variant] == 50).all()
+    gains = gains_of_each_change(measure, before, free, taken, cpu_free, cpu_known, None)
+    assert gains.tolist() == expected.tolist()
