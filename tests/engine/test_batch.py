@@ -306,3 +306,15 @@ def test_gains_from_rounded_measures_are_the_exact_ones_at_the_steps(seed: int) 
     assert (expected[np.arange(len(exact)), variant] == 50).all()
     gains = gains_of_each_change(measure, before, free, taken, cpu_free, cpu_known, None)
     assert gains.tolist() == expected.tolist()
+
+
+def test_gains_with_a_share_above_the_free_one_are_the_exact_ones() -> None:
+    """The rounded sum assumes placing the pod frees nothing (taken <= free); where a GPU's taken share is above
+    its free one, the gains are of_each_change's all the same."""
+    measure, free, taken, cpu_free, cpu_known = change_measure_inputs(3, 8)
+    taken[::7, 2] = np.minimum(free[::7, 2] + 150, 1000)
+    assert bool((taken > free).any())
+    before = measure.of(free, cpu_free, cpu_known, None)
+    expected = quantised_gains(before[:, None], measure.of_each_change(free, taken, cpu_free, cpu_known, None))
+    gains = gains_of_each_change(measure, before, free, taken, cpu_free, cpu_known, None)
+    assert gains.tolist() == expected.tolist()

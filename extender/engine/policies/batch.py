@@ -263,7 +263,7 @@ class _Measure:
         self, free: Ints, taken: Ints, cpu_free: Ints, cpu_known: Bools, holes: HoleTables | None
     ) -> tuple[Floats, float]:
         """of_each_change's values with the shapes' terms summed in another order, and a bound on how far any of
-        them may be from of_each_change's (rounding only: the same sum of the same products).
+        them may be from of_each_change's (rounding only: the same sum of the same products); taken <= free.
 
         Why: of_each_change keeps the model's order of the shapes, a pass over every variant per shape (30 shapes
         on a learned workload: ~8 ms at 5000 nodes x 8 GPUs); here the shapes asking one share are weighed per
@@ -387,6 +387,9 @@ def gains_of_each_change(
     """quantised_gains(before[:, None], measure.of_each_change(...)), from of_each_change_rounded: the rows
     where a rounded value's gain could be a step off (100 * sigmoid within the rounding bound of an integer step)
     are measured again exactly, so the gains are of_each_change's."""
+    if bool((taken > free).any()):  # a GPU freer with the pod on it (never from a valid request): the rounded sum
+        # counts a changed GPU's ask as kept only where it had it
+        return quantised_gains(before[:, None], measure.of_each_change(free, taken, cpu_free, cpu_known, holes))
     changes, error = measure.of_each_change_rounded(free, taken, cpu_free, cpu_known, holes)
     if not math.isfinite(error):  # NaN or inf among the values
         return quantised_gains(before[:, None], measure.of_each_change(free, taken, cpu_free, cpu_known, holes))
